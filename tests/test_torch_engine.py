@@ -1,0 +1,253 @@
+"""TorchEngine: batched KV-cache sampling, per-row stopping, exact log-probs, versioned weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.rollout.base import Completion, SamplingParams
+from tiderl.rollout.torch_engine import TorchEngine, _nucleus_logprobs, weights_checksum
+
+CORPUS = [
+    f"<|im_start|>user\nWho directed film_{i:03d}? It stars person_{i % 17}.<|im_end|>\n"
+    f"<|im_start|>assistant\nperson_{(i * 7) % 23} directed film_{i:03d}.<|im_end|>\n"
+    for i in range(60)
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(CORPUS, vocab_size=320)
+
+
+def _peaky_model(vocab_size: int, seed: int):
+    """A random tiny model whose next-token distributions are far from uniform.
+
+    The standard 0.02 init gives near-uniform logits; scaling the final norm multiplies the
+    logits (and nothing else), so top-p, greedy and stopping tests see a real distribution.
+    """
+    model = init_tiny_model(tiny_qwen2_config(vocab_size, max_position_embeddings=256), seed=seed)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return _peaky_model(len(tokenizer), seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    # Different lengths so that the batch is left-padded.
+    lengths = [3, 17, 1, 9, 30]
+    return [tokenizer.encode(text, add_special_tokens=False)[:n] for text, n in zip(CORPUS, lengths)]
+
+
+def _full_forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0):
+    """Per-token log-probs of `completion` after `prompt`: one unpadded forward, no KV cache."""
+    sequence = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs, logprobs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding by repeated full forward passes (no cache, no padding)."""
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    return sequence[len(prompt) :]
+
+
+def _check_shapes(completion: Completion, version: int = 0) -> None:
+    n = len(completion.token_ids)
+    assert len(completion.logprobs) == n and len(completion.policy_version) == n
+    assert completion.policy_version == [version] * n
+
+
+def test_same_seed_same_outputs_and_stream_continues(model, tokenizer, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    first = TorchEngine(model, tokenizer, seed=3).generate(prompts, params)
+    engine = TorchEngine(model, tokenizer, seed=3)
+    assert engine.generate(prompts, params) == first
+    assert engine.generate(prompts, params) != first, "a second call continues the random stream"
+    assert TorchEngine(model, tokenizer, seed=4).generate(prompts, params) != first
+
+
+def test_max_new_tokens_gives_length_finish(model, tokenizer, prompts):
+    completions = TorchEngine(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=7))
+    assert len(completions) == len(prompts)
+    for completion in completions:
+        assert len(completion.token_ids) == 7
+        assert completion.finish_reason == "length"
+        assert completion.text == tokenizer.decode(completion.token_ids)
+        _check_shapes(completion)
+
+
+def test_logprobs_match_an_unpadded_full_forward(model, tokenizer, prompts):
+    for temperature in (1.0, 0.7):
+        engine = TorchEngine(model, tokenizer, seed=1)
+        completions = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=20))
+        for prompt, completion in zip(prompts, completions):
+            _, expected = _full_forward_logprobs(model, prompt, completion.token_ids, temperature)
+            assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4), (
+                f"prompt of length {len(prompt)} at temperature {temperature}"
+            )
+
+
+def test_temperature_zero_is_greedy_with_temperature_one_logprobs(model, tokenizer, prompts):
+    completions = TorchEngine(model, tokenizer).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
+    for prompt, completion in zip(prompts, completions):
+        assert completion.token_ids == _greedy_reference(model, prompt, 10)
+        _, expected = _full_forward_logprobs(model, prompt, completion.token_ids, temperature=1.0)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_chunking_by_max_batch_size_keeps_order_and_results(model, tokenizer, prompts):
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    whole = TorchEngine(model, tokenizer).generate(prompts, params)
+    chunked = TorchEngine(model, tokenizer, max_batch_size=2).generate(prompts, params)
+    assert [c.token_ids for c in chunked] == [c.token_ids for c in whole]
+
+
+def _two_distinct_greedy_rows(model, tokenizer, prompts, steps: int):
+    greedy = TorchEngine(model, tokenizer).generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=steps))
+    first, second = greedy[0].token_ids, greedy[1].token_ids
+    assert first != second, "test setup: the two greedy rows must differ"
+    return first, second
+
+
+def test_stop_token_ends_its_row_and_is_kept_while_others_continue(model, tokenizer, prompts):
+    steps = 24
+    first, second = _two_distinct_greedy_rows(model, tokenizer, prompts, steps)
+    stop_token = next((t for t in first if t not in second), None)
+    assert stop_token is not None, "test setup: row 0 needs a token that row 1 never produces"
+    cut = first.index(stop_token) + 1
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps, stop_token_ids=[stop_token])
+    stopped, running = TorchEngine(model, tokenizer).generate(prompts[:2], params)
+    assert stopped.token_ids == first[:cut] and stopped.token_ids[-1] == stop_token
+    assert stopped.finish_reason == "stop"
+    assert running.token_ids == second and running.finish_reason == "length"
+    _check_shapes(stopped)
+    _check_shapes(running)
+
+
+def test_stop_string_spanning_tokens_ends_on_the_completing_token(model, tokenizer, prompts):
+    steps = 24
+    first, second = _two_distinct_greedy_rows(model, tokenizer, prompts, steps)
+    second_text = tokenizer.decode(second)
+    # A stop string made of the last character of one token and the first of the next, absent
+    # from row 1: it is completed by the later token, never by a token on its own.
+    stop = None
+    for k in range(1, len(first)):
+        left, right = tokenizer.decode(first[k - 1 : k]), tokenizer.decode(first[k : k + 1])
+        candidate = left[-1:] + right[:1]
+        if len(candidate) == 2 and "\ufffd" not in candidate and candidate not in second_text:
+            stop = candidate
+            break
+    assert stop is not None, "test setup: no two-character stop string found in row 0"
+    # Reference: the first prefix of row 0 whose decoded text contains the stop string.
+    cut = next(n for n in range(1, len(first) + 1) if stop in tokenizer.decode(first[:n]))
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps, stop=[stop])
+    stopped, running = TorchEngine(model, tokenizer).generate(prompts[:2], params)
+    assert stopped.token_ids == first[:cut] and stopped.finish_reason == "stop"
+    assert stopped.text.endswith(tokenizer.decode(first[cut - 1 : cut]))
+    assert stop in stopped.text
+    assert running.token_ids == second and running.finish_reason == "length"
+
+
+def test_top_p_samples_only_from_the_renormalised_nucleus(model, tokenizer, prompts):
+    top_p = 0.6
+    engine = TorchEngine(model, tokenizer, seed=5)
+    completions = engine.generate(prompts, SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=20))
+    sampled_outside_top1 = 0
+    for prompt, completion in zip(prompts, completions):
+        full, _ = _full_forward_logprobs(model, prompt, completion.token_ids)
+        for position, token in enumerate(completion.token_ids):
+            probs = full[position].exp()
+            order = probs.argsort(descending=True)
+            mass_before = probs[order].cumsum(0) - probs[order]
+            nucleus = order[mass_before < top_p]
+            assert token in nucleus.tolist(), f"token {token} is outside the top-p nucleus"
+            expected = probs[token] / probs[nucleus].sum()
+            assert abs(completion.logprobs[position] - float(expected.log())) < 1e-4
+            sampled_outside_top1 += token != int(order[0])
+    assert sampled_outside_top1 > 0, "test setup: nucleus had a single token everywhere"
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    logprobs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    # Mass before each token: 0, 0.5, 0.8, 0.95. With top_p = 0.7 the first two are kept.
+    kept = _nucleus_logprobs(logprobs, 0.7).exp()
+    assert torch.allclose(kept, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # With top_p = 0.85 the third joins: 0.5, 0.3, 0.15 renormalised by 0.95.
+    kept = _nucleus_logprobs(logprobs, 0.85).exp()
+    assert torch.allclose(kept, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+def test_update_weights_changes_outputs_version_and_checksum(model, tokenizer, prompts):
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    engine = TorchEngine(model, tokenizer)
+    before = engine.generate(prompts, params)
+    checksum_before = engine.state_checksum()
+    assert checksum_before == pytest.approx(weights_checksum(model.state_dict()), rel=1e-12)
+
+    new_model = _peaky_model(len(tokenizer), seed=1)
+    engine.update_weights(new_model.state_dict(), version=3)
+    assert engine.version == 3
+    assert engine.state_checksum() == pytest.approx(weights_checksum(new_model.state_dict()), rel=1e-12)
+    assert engine.state_checksum() != pytest.approx(checksum_before, rel=1e-6)
+    after = engine.generate(prompts, params)
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert after[0].token_ids == _greedy_reference(new_model, prompts[0], 10)
+    for completion in after:
+        _check_shapes(completion, version=3)
+
+    engine.update_weights(new_model.state_dict(), version=3)  # the same version may be re-sent
+    with pytest.raises(ValueError, match="version 2, lower than the engine's current version 3"):
+        engine.update_weights(model.state_dict(), version=2)
+    assert engine.version == 3
+
+
+def test_engine_owns_its_weights_and_rejects_mismatched_state_dicts(model, tokenizer):
+    engine = TorchEngine(model, tokenizer)
+    checksum = engine.state_checksum()
+    partial = {k: v for k, v in model.state_dict().items() if not k.startswith("model.norm")}
+    with pytest.raises(ValueError, match="missing keys"):
+        engine.update_weights(partial, version=1)
+    wrong = dict(model.state_dict())
+    wrong["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="wrong shapes"):
+        engine.update_weights(wrong, version=1)
+    assert engine.version == 0 and engine.state_checksum() == checksum
+
+    # Training the original model does not leak into the engine before a sync.
+    other = _peaky_model(len(tokenizer), seed=2)
+    with torch.no_grad():
+        other.model.norm.weight.add_(1.0)
+    engine_of_other = TorchEngine(other, tokenizer)
+    with torch.no_grad():
+        other.model.norm.weight.sub_(1.0)
+    assert engine_of_other.state_checksum() != pytest.approx(weights_checksum(other.state_dict()), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt", "message"),
+    [
+        (SamplingParams(temperature=-1.0), [5], "temperature=-1.0"),
+        (SamplingParams(top_p=0.0), [5], "top_p=0.0"),
+        (SamplingParams(max_new_tokens=0), [5], "max_new_tokens=0"),
+        (SamplingParams(), [], "prompt 0 is empty"),
+        (SamplingParams(), [10**6], "token ids outside"),
+        (SamplingParams(max_new_tokens=250), [5] * 10, "max_position_embeddings=256"),
+    ],
+)
+def test_bad_requests_get_clear_errors(model, tokenizer, params, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        TorchEngine(model, tokenizer).generate([prompt], params)

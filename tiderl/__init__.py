@@ -1,0 +1,3 @@
+"""tiderl: asynchronous reinforcement learning for LLM agents."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,164 @@
+"""Token assembly with a tokenizer's own chat template.
+
+The agent loop builds each episode's token sequence piece by piece: the rendered prompt, then
+for every turn the engine's sampled tokens (never re-tokenized) followed by the tokens of the
+environment's answer. Those answer tokens must be exactly what the chat template would put
+after the assistant turn, so that the whole sequence is the template's rendering of the whole
+conversation. `ChatFormat` derives them from the template itself by rendering a reference
+conversation with and without the new messages and keeping the difference; this works for any
+Hugging Face tokenizer whose template renders earlier turns the same way whatever follows them
+(prefix-consistent), and raises `TemplateError` naming the problem for one that does not.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+# The reference conversation: placeholders no template and no real message will contain.
+_REF_SYSTEM = "tiderl reference system message"
+_REF_USER = "tiderl reference user message"
+_REF_ASSISTANT = "tiderl reference assistant turn"
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot be used for incremental token assembly."""
+
+
+class ChatFormat:
+    """Prompt and observation tokens for one tokenizer and one tool list.
+
+    `end_of_turn`: the token string that ends an assistant turn. By default it is found in the
+    template's own rendering of an assistant turn (the special token right after the content,
+    preferring `tokenizer.eos_token`); pass it when a template is ambiguous.
+
+    Construction checks that the template is prefix-consistent: rendering the prompt with a
+    generation prompt, appending an assistant turn's content and the end-of-turn token, gives
+    the same text as rendering the conversation with that assistant turn.
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, end_of_turn: str | None = None):
+        self.tokenizer = tokenizer
+        # An empty tool list is passed as None: some templates print an empty tools section for [].
+        self.tools = tools or None
+        base = [{"role": "system", "content": _REF_SYSTEM}, {"role": "user", "content": _REF_USER}]
+        assistant = {"role": "assistant", "content": _REF_ASSISTANT}
+        prompt_text = self.render(base, add_generation_prompt=True)
+        with_turn = self.render([*base, assistant], add_generation_prompt=False)
+        turn_start = prompt_text + _REF_ASSISTANT
+        if not with_turn.startswith(turn_start):
+            raise TemplateError(
+                "the chat template is not prefix-consistent: the prompt rendered with "
+                "add_generation_prompt=True followed by the assistant's content is not how the template "
+                f"renders that assistant turn.\nprompt + content: {turn_start!r}\ntemplate: {with_turn!r}"
+            )
+        self.end_of_turn = end_of_turn or self._find_end_of_turn(with_turn[len(turn_start) :])
+        if not with_turn[len(turn_start) :].startswith(self.end_of_turn):
+            raise TemplateError(
+                f"the chat template does not close an assistant turn with {self.end_of_turn!r} right after "
+                f"its content (it renders {with_turn[len(turn_start):]!r}); pass the right end_of_turn"
+            )
+        ids = tokenizer.encode(self.end_of_turn, add_special_tokens=False)
+        if len(ids) != 1:
+            raise TemplateError(
+                f"end-of-turn {self.end_of_turn!r} encodes to {len(ids)} tokens {ids}; it must be one "
+                "special token so that a sampled turn can end on it"
+            )
+        self.end_of_turn_id: int = ids[0]
+        # Everything the template renders up to and including the reference turn's end-of-turn
+        # token; new messages are rendered after it and the text beyond it is what they add.
+        self._base = base
+        self._assistant = assistant
+        self._turn_prefix = turn_start + self.end_of_turn
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text for `messages` (with this format's tools)."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered template text.
+
+        add_special_tokens=False because the rendered text already holds every special token
+        the model expects (BOS included, where a template has one); adding them again would put
+        a second BOS in front.
+        """
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The conversation so far followed by the generation prompt, as token ids."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def observation_ids(self, tool_messages: list[str]) -> list[int]:
+        """Tokens that follow a finished assistant turn (ended by the end-of-turn token) when the
+        environment answers with tool responses: the "tool" messages as the template renders
+        them, up to and including the next generation prompt."""
+        return self._continuation_ids([{"role": "tool", "content": m} for m in tool_messages])
+
+    def user_message_ids(self, content: str) -> list[int]:
+        """Like `observation_ids`, for an environment that answers in a plain user turn."""
+        return self._continuation_ids([{"role": "user", "content": content}])
+
+    def _continuation_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
+        full = self.render([*self._base, self._assistant, *new_messages], add_generation_prompt=True)
+        if not full.startswith(self._turn_prefix):
+            raise TemplateError(
+                "the chat template is not prefix-consistent: adding messages after an assistant turn "
+                f"changes how the earlier turns render.\nbefore: {self._turn_prefix!r}\nafter: {full!r}"
+            )
+        return self.encode(full[len(self._turn_prefix) :])
+
+    def _find_end_of_turn(self, after_content: str) -> str:
+        """The special token the template writes right after an assistant turn's content."""
+        eos = self.tokenizer.eos_token
+        if eos and after_content.startswith(eos):
+            return eos
+        # Special tokens the tokenizer knows: the named ones, and added tokens marked special
+        # (where a template's turn marker, e.g. <|im_end|> under eos <|endoftext|>, lives).
+        known = list(self.tokenizer.all_special_tokens)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        known += [t.content for t in added.values() if getattr(t, "special", False)]
+        candidates = [t for t in known if t and after_content.startswith(t)]
+        if not candidates:
+            raise TemplateError(
+                "cannot find the end-of-turn token: the chat template writes "
+                f"{after_content[:40]!r} after an assistant turn's content, which does not start with a "
+                "special token; pass end_of_turn explicitly"
+            )
+        return max(candidates, key=len)
+
+
+# One ChatFormat per (tokenizer, tools, end_of_turn), dropped with the tokenizer.
+_FORMATS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str | None], ChatFormat]]" = weakref.WeakKeyDictionary()
+
+
+def chat_format(tokenizer: Any, tools: list[dict[str, Any]] | None, end_of_turn: str | None = None) -> ChatFormat:
+    """The cached `ChatFormat` of `tokenizer` with `tools` (built, and checked, on first use)."""
+    key = (json.dumps(tools or None, sort_keys=True), end_of_turn)
+    per_tokenizer = _FORMATS.setdefault(tokenizer, {})
+    if key not in per_tokenizer:
+        per_tokenizer[key] = ChatFormat(tokenizer, tools, end_of_turn)
+    return per_tokenizer[key]
+
+
+def render_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """`messages` rendered by the tokenizer's chat template with the generation prompt, as ids.
+
+    The text is encoded with add_special_tokens=False: the template already holds the special
+    tokens, so the tokenizer must not add a BOS of its own.
+    """
+    return chat_format(tokenizer, tools).prompt_ids(messages)
+
+
+def observation_ids(tokenizer: Any, tool_messages: list[str], tools: list[dict[str, Any]] | None) -> list[int]:
+    """Tokens after a finished assistant turn up to the next generation prompt, for tool
+    responses (role "tool"); see `ChatFormat.observation_ids`."""
+    return chat_format(tokenizer, tools).observation_ids(tool_messages)
+
+
+def user_message_ids(tokenizer: Any, content: str, tools: list[dict[str, Any]] | None) -> list[int]:
+    """Tokens after a finished assistant turn up to the next generation prompt, for a user
+    message; see `ChatFormat.user_message_ids`."""
+    return chat_format(tokenizer, tools).user_message_ids(content)

@@ -1,0 +1,348 @@
+"""The multi-turn agent loop: episodes of (model turn -> tool calls -> environment answer).
+
+`run_episodes` plays a batch of tasks in lock-step by turn: every turn, one `engine.generate`
+call over all episodes still running, so the whole batch decodes together. It owns the tokens:
+the prompt and the environment's answers are rendered with the tokenizer's chat template
+(`chat.py`, loss_mask 0), the model's turns are the engine's own sampled ids (loss_mask 1),
+never re-tokenized.
+
+`ScriptedEngine` is an `Engine` that replays given assistant texts; it builds supervised
+warm-start data and drives the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiderl.agent.chat import ChatFormat, chat_format
+from tiderl.agent.tool_parser import parse_hermes_tool_calls
+from tiderl.envs.protocol import Env, StepResult, Task
+from tiderl.rollout.base import Completion, Engine, SamplingParams
+from tiderl.types import NO_VERSION, Trajectory
+
+logger = logging.getLogger(__name__)
+
+# The user turn appended when an environment neither ends the episode nor returns any
+# observation (the turn had no tool call): a chat template needs a message between two
+# assistant turns, and the agent needs a nudge to go on.
+CONTINUE_MESSAGE = "Continue."
+
+
+@dataclass
+class _Episode:
+    """The running state of one task's episode."""
+
+    task: Task
+    group_id: str
+    env: Env | None = None
+    fmt: ChatFormat | None = None
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    policy_version: list[int] = field(default_factory=list)
+    num_turns: int = 0
+    # Sum of the rewards of non-final steps (shaping); added to the final reward.
+    shaping: float = 0.0
+    trajectory: Trajectory | None = None
+
+    def append_forced(self, ids: list[int]) -> None:
+        """Append tokens no policy sampled (prompt, observations, forced end-of-turn)."""
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.behavior_logprobs.extend([0.0] * len(ids))
+        self.policy_version.extend([NO_VERSION] * len(ids))
+
+    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append the engine's sampled tokens with their log-probs and weight versions."""
+        self.tokens.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.behavior_logprobs.extend(logprobs)
+        self.policy_version.extend(versions)
+
+    def close(self, reward: float, reward_parts: dict[str, float], env_info: dict[str, Any], stop_reason: str) -> None:
+        """Freeze the episode into its Trajectory."""
+        self.trajectory = Trajectory(
+            tokens=self.tokens,
+            loss_mask=self.loss_mask,
+            behavior_logprobs=self.behavior_logprobs,
+            policy_version=self.policy_version,
+            reward=reward,
+            reward_parts=reward_parts,
+            task_id=self.task.task_id,
+            group_id=self.group_id,
+            env_info={**env_info, "turns": self.num_turns},
+            num_turns=self.num_turns,
+            stop_reason=stop_reason,
+        )
+
+    def close_with(self, result: StepResult, stop_reason: str) -> None:
+        """Close on the environment's final StepResult (from `step` or `finish`)."""
+        parts = dict(result.info.get("reward_parts", {"outcome": result.reward}))
+        if self.shaping:
+            parts["shaping"] = parts.get("shaping", 0.0) + self.shaping
+        self.close(result.reward + self.shaping, parts, dict(result.info), stop_reason)
+
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Close as an error: reward 0, the exception in env_info, so the caller can count or
+        retry the task."""
+        logger.warning("task %s: %s raised %r; episode ends with stop_reason 'error'", self.task.task_id, where, exc, exc_info=exc)
+        self.close(0.0, {}, {"error": repr(exc), "error_in": where}, "error")
+
+    def stop_early(self, reason: str) -> None:
+        """End without an answer (turn or token limit): the environment scores what there is."""
+        assert self.env is not None
+        try:
+            result = self.env.finish(reason)
+        except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
+            self.fail(exc, "env.finish")
+            return
+        self.close_with(result, reason)
+
+
+def run_episodes(
+    engine: Engine,
+    tokenizer: Any,
+    make_env: Callable[[], Env],
+    tasks: list[Task],
+    params: SamplingParams,
+    max_turns: int,
+    max_total_tokens: int,
+    group_id_fn: Callable[[Task], str] | None = None,
+    continue_message: str = CONTINUE_MESSAGE,
+) -> list[Trajectory]:
+    """Play one episode per task, all in lock-step by turn, and return their Trajectories.
+
+    Per episode: `env = make_env()`, the first user message from `env.reset(task)`, the system
+    message from `env.system_prompt()`, the tools from `env.tool_schemas()`; the prompt is the
+    tokenizer's chat template rendering of them. Each turn the engine samples a completion
+    (loss_mask 1, its log-probs and per-token versions kept as they are). The turn text (the kept
+    sampled ids decoded; `Completion.text` is not used, so a cut turn reads as what was kept) is
+    parsed into an Action (`parse_hermes_tool_calls`) and given to `env.step`; its observations
+    are appended as tool messages rendered by the template (loss_mask 0). An environment that
+    returns no observation for a non-final turn gets `continue_message` as a user turn instead.
+
+    Promises:
+    - output order is the order of `tasks`;
+    - every turn ends with the end-of-turn token: when a completion stops without it (hit its
+      token limit, or a stop string), the token is appended as a *forced* token (loss_mask 0,
+      log-prob 0.0, version NO_VERSION), so the sequence stays a well-formed conversation and
+      the trainer never learns to emit a token the policy did not sample;
+    - `len(tokens) <= max_total_tokens` always: each turn may sample at most
+      min(params.max_new_tokens, budget left - 1) tokens (one is kept for a forced
+      end-of-turn), and an observation that would not leave room for another turn is not
+      appended: the episode stops there with stop_reason "max_tokens";
+    - at most `max_turns` model turns, then stop_reason "max_turns"; on either limit
+      `env.finish(reason)` scores the episode;
+    - an answer (`done`) ends with stop_reason "answer"; reward = the final reward plus any
+      shaping rewards of earlier (non-final) steps; reward_parts = the final info's
+      "reward_parts", or {"outcome": final reward} without it, plus "shaping" when there was
+      any; env_info = the final info plus "turns" (the same on a limit, from `env.finish`);
+    - an exception in `make_env` or any environment method ends only that episode:
+      stop_reason "error", reward 0, env_info["error"] = repr(exception) (and "error_in"),
+      logged as a warning; its tokens so far are kept. Engine and template errors propagate;
+    - a prompt that leaves no room for a turn (fewer than 2 tokens of budget) ends the episode
+      at once through `env.finish("max_tokens")`: stop_reason "max_tokens", no tokens at all,
+      env_info["prompt_tokens"] = the prompt's length;
+    - group_id = group_id_fn(task) or task.task_id.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns}: an episode needs at least one model turn; use max_turns >= 1")
+    if max_total_tokens < 2:
+        raise ValueError(f"max_total_tokens={max_total_tokens} leaves no room for a turn; use a larger budget")
+    episodes = [_Episode(task=task, group_id=group_id_fn(task) if group_id_fn else task.task_id) for task in tasks]
+    for episode in episodes:
+        _start(episode, tokenizer, make_env, max_total_tokens)
+
+    while True:
+        active = [e for e in episodes if e.trajectory is None]
+        if not active:
+            break
+        # Keep one token of budget for a forced end-of-turn.
+        limits = [min(params.max_new_tokens, max_total_tokens - len(e.tokens) - 1) for e in active]
+        # One call for the batch with the largest limit; episodes with a smaller budget keep
+        # only their first `limit` tokens, which is exactly a sample stopped at that length.
+        call_params = dataclasses.replace(
+            params,
+            max_new_tokens=max(limits),
+            stop_token_ids=_with_end_of_turn(params.stop_token_ids, [e.fmt.end_of_turn_id for e in active]),
+        )
+        completions = engine.generate([list(e.tokens) for e in active], call_params)
+        if len(completions) != len(active):
+            raise RuntimeError(f"engine returned {len(completions)} completions for {len(active)} prompts")
+        for episode, completion, limit in zip(active, completions, limits):
+            _play_turn(episode, completion, limit, tokenizer, max_turns, max_total_tokens, continue_message)
+    return [e.trajectory for e in episodes]
+
+
+def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_total_tokens: int) -> None:
+    """Create the environment, reset it and render the prompt (or close the episode)."""
+    try:
+        episode.env = make_env()
+        first_message = episode.env.reset(episode.task)
+        system = episode.env.system_prompt()
+        tools = episode.env.tool_schemas()
+    except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
+        episode.fail(exc, "env setup (make_env/reset/system_prompt/tool_schemas)")
+        return
+    episode.fmt = chat_format(tokenizer, tools)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": first_message}]
+    prompt = episode.fmt.prompt_ids(messages)
+    if len(prompt) + 2 > max_total_tokens:
+        # Not even one sampled token (plus a forced end-of-turn) fits: no tokens are kept, as
+        # a cut prompt is not a conversation; the environment still gets to close the episode.
+        episode.stop_early("max_tokens")
+        assert episode.trajectory is not None
+        episode.trajectory.env_info["prompt_tokens"] = len(prompt)
+        return
+    episode.append_forced(prompt)
+
+
+def _play_turn(
+    episode: _Episode,
+    completion: Completion,
+    limit: int,
+    tokenizer: Any,
+    max_turns: int,
+    max_total_tokens: int,
+    continue_message: str,
+) -> None:
+    """Append one sampled turn, let the environment act on it, and append its answer."""
+    assert episode.env is not None and episode.fmt is not None
+    end_id = episode.fmt.end_of_turn_id
+    n = len(completion.token_ids)
+    if len(completion.logprobs) != n or len(completion.policy_version) != n:
+        raise ValueError(
+            f"engine completion has {n} tokens, {len(completion.logprobs)} logprobs and "
+            f"{len(completion.policy_version)} versions: an engine must return one of each per token"
+        )
+    # Keep at most `limit` tokens and nothing after an end-of-turn token (an engine that ignores
+    # stop_token_ids would otherwise make the turn run into the next one).
+    keep = min(n, limit)
+    if end_id in completion.token_ids[:keep]:
+        keep = completion.token_ids.index(end_id) + 1
+    ids = list(completion.token_ids[:keep])
+    episode.append_sampled(ids, list(completion.logprobs[:keep]), list(completion.policy_version[:keep]))
+    if not ids or ids[-1] != end_id:
+        episode.append_forced([end_id])
+    episode.num_turns += 1
+
+    # Decoding (not re-tokenizing) the sampled ids is how the environment gets to read them.
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    action = parse_hermes_tool_calls(text, strip=(episode.fmt.end_of_turn,))
+    try:
+        result = episode.env.step(action)
+    except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
+        episode.fail(exc, "env.step")
+        return
+    if result.done:
+        episode.close_with(result, "answer")
+        return
+    episode.shaping += result.reward
+    if episode.num_turns >= max_turns:
+        episode.stop_early("max_turns")
+        return
+    if result.observations:
+        answer = episode.fmt.observation_ids(result.observations)
+    else:
+        answer = episode.fmt.user_message_ids(continue_message)
+    # The next turn needs room for one sampled token and a possible forced end-of-turn.
+    if len(episode.tokens) + len(answer) + 2 > max_total_tokens:
+        episode.stop_early("max_tokens")
+        return
+    episode.append_forced(answer)
+
+
+def _with_end_of_turn(stop_token_ids: list[int], end_ids: list[int]) -> list[int]:
+    """The caller's stop token ids plus every episode's end-of-turn id (no duplicates)."""
+    merged = list(stop_token_ids)
+    for token_id in end_ids:
+        if token_id not in merged:
+            merged.append(token_id)
+    return merged
+
+
+class ScriptedEngine:
+    """An Engine that emits given assistant turns instead of sampling.
+
+    `turns_by_prompt` maps a key to the assistant texts of one episode, in turn order. The key
+    is any text that occurs in the episode's first prompt and identifies it (the task's
+    question is the natural choice); when several keys occur, the longest wins, so a key that
+    is a substring of another ("q1", "q10") still resolves. Later turns are matched to their
+    episode by prefix: a prompt continues the episode whose last prompt + completion it
+    extends. Several episodes with the same key (a group of rollouts of one task) each replay
+    the script.
+
+    Each completion is the tokenization of the turn text followed by the tokenizer's
+    `eos_token` (which must be the template's end-of-turn token), cut to
+    `params.max_new_tokens` (finish_reason "length") if longer; log-probs 0.0; every token
+    carries `self.version`. This is the one place where text becomes "sampled" tokens, only
+    because a script has no tokens of its own. An episode that asks for more turns than its
+    script holds gets an empty turn (just the end-of-turn token), so it runs into the turn
+    limit rather than crashing the batch; filter such episodes by stop_reason or success.
+    Matching a prompt costs one comparison per episode seen so far: for a large data set, use
+    one engine per batch of tasks.
+    """
+
+    def __init__(self, tokenizer: Any, turns_by_prompt: dict[str, list[str]], version: int = 0):
+        if tokenizer.eos_token is None:
+            raise ValueError("ScriptedEngine needs a tokenizer with an eos_token (the end-of-turn token)")
+        self.tokenizer = tokenizer
+        self.turns_by_prompt = turns_by_prompt
+        self.version = version
+        self._eos_id: int = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        # One entry per episode seen: (script key, turns emitted, prompt + last completion).
+        self._episodes: list[tuple[str, int, list[int]]] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Emit the next scripted turn of each prompt's episode."""
+        claimed: set[int] = set()
+        completions = []
+        for prompt in prompts:
+            slot = self._find_episode(prompt, claimed)
+            if slot is None:
+                key = self._key_for(prompt)
+                self._episodes.append((key, 0, []))
+                slot = len(self._episodes) - 1
+            claimed.add(slot)
+            key, turn, _ = self._episodes[slot]
+            script = self.turns_by_prompt[key]
+            text = script[turn] if turn < len(script) else ""
+            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self._eos_id]
+            finish_reason = "stop"
+            if len(ids) > params.max_new_tokens:
+                ids, finish_reason = ids[: params.max_new_tokens], "length"
+            self._episodes[slot] = (key, turn + 1, list(prompt) + ids)
+            completions.append(
+                Completion(
+                    token_ids=ids,
+                    logprobs=[0.0] * len(ids),
+                    text=self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+                    finish_reason=finish_reason,
+                    policy_version=[self.version] * len(ids),
+                )
+            )
+        return completions
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """A script has no weights; only the version that tags its tokens changes."""
+        self.version = version
+
+    def _find_episode(self, prompt: list[int], claimed: set[int]) -> int | None:
+        """The unclaimed episode whose last prompt + completion `prompt` extends (the longest)."""
+        best, best_len = None, 0
+        for slot, (_, _, seen) in enumerate(self._episodes):
+            if slot not in claimed and seen and len(seen) > best_len and prompt[: len(seen)] == seen:
+                best, best_len = slot, len(seen)
+        return best
+
+    def _key_for(self, prompt: list[int]) -> str:
+        """The longest script key that occurs in a new episode's first prompt."""
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        keys = [k for k in self.turns_by_prompt if k in text]
+        if not keys:
+            raise KeyError(f"no script key occurs in the prompt {text[-200:]!r}; ScriptedEngine keys: {list(self.turns_by_prompt)[:5]}")
+        return max(keys, key=len)

@@ -1,0 +1,417 @@
+"""One typed config tree for every tiderl command.
+
+Every field is declared with its default and its documentation (`help`) in one place. Configs
+come from YAML files plus dotted command-line overrides (`algo.critic_lr=5e-6`). Unknown keys
+are rejected with a did-you-mean; values are checked against the declared type, and every error
+names the field and the fix. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong. The message names the field and the fix."""
+
+
+def opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    """Declare a config field with its default and documentation (and allowed values)."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str) -> Any:
+    """Declare a nested config section."""
+    return field(default_factory=cls, metadata={"help": help, "choices": None})
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the embedded default model (a tiny Qwen2-architecture causal LM)."""
+
+    vocab_size: int = opt(768, "Byte-level BPE vocabulary size of the tiny tokenizer.")
+    hidden_size: int = opt(128, "Hidden width of the tiny model.")
+    num_layers: int = opt(2, "Transformer layers of the tiny model.")
+    num_heads: int = opt(4, "Attention heads (query).")
+    num_kv_heads: int = opt(2, "Key/value heads (grouped-query attention).")
+    max_positions: int = opt(512, "Longest sequence the tiny model handles.")
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm-start of the tiny model on tool-use traces that tiderl generates.
+
+    The traces are imperfect on purpose (`relation_noise`), so RL starts from a policy that
+    sometimes, not always, succeeds.
+    """
+
+    num_traces: int = opt(3000, "Oracle tool-use traces generated from the training tasks.")
+    relation_noise: float = opt(0.5, "Probability that an oracle hop uses a wrong relation.")
+    steps: int = opt(500, "Supervised optimizer steps.")
+    batch_size: int = opt(32, "Traces per supervised step.")
+    lr: float = opt(3e-3, "Supervised learning rate (AdamW, cosine decay).")
+
+
+@dataclass
+class ModelConfig:
+    """Which policy model to train."""
+
+    path: str = opt(
+        "tiny",
+        "A Hugging Face causal-LM directory (config + safetensors + tokenizer with a chat "
+        "template), or 'tiny' for the embedded default built and cached by tiderl.",
+    )
+    cache_dir: str = opt(
+        "",
+        "Where the embedded default is cached ('' = $TIDERL_CACHE or ~/.cache/tiderl).",
+    )
+    dtype: str = opt("float32", "Weights dtype.", ("float32", "bfloat16", "float16"))
+    device: str = opt("cpu", "Torch device for trainer and engine ('cpu', 'cuda', 'cuda:1').")
+    tiny: TinyModelConfig = section(TinyModelConfig, "Shape of the embedded default model.")
+    warmstart: WarmStartConfig = section(WarmStartConfig, "Supervised warm-start of the tiny model.")
+
+
+@dataclass
+class DataConfig:
+    """Where tasks come from and how they are split."""
+
+    source: str = opt(
+        "embedded",
+        "'embedded': a knowledge graph and questions that tiderl generates; 'metaqa': train on "
+        "tiderl's template questions over MetaQA's kb.txt, evaluate on MetaQA's test questions.",
+        ("embedded", "metaqa"),
+    )
+    data_dir: str = opt(
+        "",
+        "Root of the shared benchmark data ('' = $TIDERL_DATA_DIR or ../shared/data).",
+    )
+    hops: list[int] = opt([1, 2], "Question hop counts to train and evaluate on.")
+    num_films: int = opt(150, "Embedded world: number of films.")
+    num_people: int = opt(120, "Embedded world: number of people.")
+    eval_fraction: float = opt(0.2, "Embedded: fraction of topic entities held out for eval.")
+    num_train_tasks: int = opt(4000, "MetaQA: template questions generated for training.")
+    eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
+    seed: int = opt(0, "Seed of the world, the questions and the split.")
+
+
+@dataclass
+class EnvConfig:
+    """The environment and the episode limits."""
+
+    name: str = opt("kg", "Environment.", ("kg",))
+    max_turns: int = opt(4, "Model turns per episode (AgentBench uses 15).")
+    max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
+    max_listed: int = opt(0, "KG: list entity names in observations of sets up to this size.")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling."""
+
+    temperature: float = opt(1.0, "Sampling temperature (SAO: 1.0 so log-probs are exact).")
+    top_p: float = opt(1.0, "Nucleus sampling (SAO: 1.0).")
+    max_new_tokens: int = opt(64, "Tokens per model turn.")
+    batch_size: int = opt(32, "Trajectories per optimizer step (one rollout per prompt for SAO).")
+    engine_batch_size: int = opt(64, "Largest batch the engine decodes at once.")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm (SAO: papers.md §SAO). Pure functions live in tiderl/algos."""
+
+    name: str = opt("sao", "Algorithm.", ("sao",))
+    eps_low: float = opt(0.3, "DIS band: tokens with ratio <= 1 - eps_low get no loss.")
+    eps_high: float = opt(5.0, "DIS band: tokens with ratio >= 1 + eps_high get no loss.")
+    gamma: float = opt(1.0, "Discount.")
+    lambda_alpha: float = opt(1.5, "Decoupled policy lambda = 1 - 1/(alpha * action tokens).")
+    critic_lambda: float = opt(1.0, "GAE lambda of the critic's targets (1 = Monte Carlo).")
+    actor_lr: float = opt(1e-6, "Actor learning rate (AdamW).")
+    critic_lr: float = opt(5e-6, "Critic learning rate (AdamW).")
+    critic_updates: int = opt(2, "Critic optimizer steps per actor step (K).")
+    critic_warmup_steps: int = opt(10, "First steps train the critic only (actor frozen).")
+    freeze_critic_attention: bool = opt(True, "Freeze the critic's attention parameters.")
+    critic_freeze_pattern: str = opt(
+        r"self_attn\.", "Regex over parameter names frozen in the critic (must match some)."
+    )
+    advantage_values: str = opt(
+        "before",
+        "Critic values used for the actor's advantages: from before or after this step's "
+        "critic update (not public in the paper).",
+        ("before", "after"),
+    )
+    value_clip: float = opt(0.0, "Clip the value loss around the old values (0 = off).")
+    normalize_advantages: bool = opt(False, "Whiten advantages over the batch's action tokens.")
+    value_init: str = opt("", "Directory of a pretrained critic to start from ('' = the policy).")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation shared by actor and critic."""
+
+    steps: int = opt(100, "Optimizer steps (each on `rollout.batch_size` trajectories).")
+    micro_batch_tokens: int = opt(4096, "Token budget (padded) of one forward/backward.")
+    grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.999, "AdamW beta2.")
+    checkpoint_every: int = opt(0, "Save a checkpoint every N steps (0 = only at the end).")
+    resume: str = opt("", "Checkpoint directory to resume from.")
+    threads: int = opt(0, "torch CPU threads (0 = torch's default).")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation."""
+
+    every: int = opt(0, "Evaluate during training every N steps (0 = before and after only).")
+    greedy: bool = opt(True, "Report greedy decoding.")
+    sampled: bool = opt(True, "Report sampling at the rollout temperature.")
+
+
+@dataclass
+class LogConfig:
+    """Where metrics go."""
+
+    tensorboard: bool = opt(True, "Also write TensorBoard event files.")
+    progress: bool = opt(True, "Show a progress bar.")
+
+
+@dataclass
+class RunConfig:
+    """The whole run."""
+
+    seed: int = opt(0, "Seed for model init, sampling and data order.")
+    run_dir: str = opt("runs/default", "Directory for metrics, checkpoints and summaries.")
+    model: ModelConfig = section(ModelConfig, "The policy model.")
+    data: DataConfig = section(DataConfig, "Tasks and splits.")
+    env: EnvConfig = section(EnvConfig, "Environment and episode limits.")
+    rollout: RolloutConfig = section(RolloutConfig, "Sampling.")
+    algo: AlgoConfig = section(AlgoConfig, "The RL algorithm.")
+    train: TrainConfig = section(TrainConfig, "Optimisation.")
+    eval: EvalConfig = section(EvalConfig, "Held-out evaluation.")
+    log: LogConfig = section(LogConfig, "Logging.")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overriding, validating
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert `value` to the declared type `tp`, or raise a ConfigError naming `where`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}. Fix: write e.g. [1, 2].")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}.")
+        if isinstance(value, int):
+            return value
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}.") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"{where}: expected an integer, got {value!r}.")
+        return int(as_float)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}.") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}.")
+        return "" if value is None else str(value)
+    raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
+
+
+def _unknown_key_error(key: str, where: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    prefix = f"{where}." if where else ""
+    return ConfigError(
+        f"unknown config key '{prefix}{key}'.{hint} Known keys here: {', '.join(sorted(known))}."
+    )
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass `cls` from a nested dict, checking keys and types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown_key_error(key, where, list(fields))
+        path = f"{where}.{key}" if where else key
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, path)
+        else:
+            try:
+                kwargs[key] = _coerce(value, tp, path)
+            except ConfigError as exc:
+                example = getattr(cls(), key)
+                raise ConfigError(f"{exc} Fix: set {path} like its default, {example!r}.") from None
+            choices = fields[key].metadata.get("choices")
+            if choices and kwargs[key] not in choices:
+                raise ConfigError(
+                    f"{path}: {kwargs[key]!r} is not one of {', '.join(map(repr, choices))}."
+                )
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is a value, not a section.")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split `a.b.c=value`; the value is parsed as YAML (so 1e-6, true, [1, 2] work)."""
+    if "=" not in text:
+        raise ConfigError(
+            f"override {text!r} has no '='. Fix: write dotted.key=value, e.g. algo.critic_lr=5e-6."
+        )
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build and validate a RunConfig from a nested dict."""
+    cfg = _build(RunConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (optional), apply dotted overrides, validate, return the tree."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found. Fix: pass an existing YAML file.")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level.")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    return config_from_dict(data)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field and range checks that types alone cannot express."""
+
+    def need(ok: bool, field_name: str, problem: str, fix: str) -> None:
+        if not ok:
+            raise ConfigError(f"{field_name}: {problem}. Fix: {fix}.")
+
+    need(cfg.algo.eps_low > 0 and cfg.algo.eps_low < 1, "algo.eps_low",
+         f"{cfg.algo.eps_low} is outside (0, 1)", "use a value such as 0.3")
+    need(cfg.algo.eps_high > 0, "algo.eps_high", f"{cfg.algo.eps_high} must be > 0",
+         "use a value such as 5.0")
+    need(0 <= cfg.algo.gamma <= 1, "algo.gamma", f"{cfg.algo.gamma} is outside [0, 1]", "use 1.0")
+    need(0 <= cfg.algo.critic_lambda <= 1, "algo.critic_lambda",
+         f"{cfg.algo.critic_lambda} is outside [0, 1]", "use 1.0 (Monte Carlo)")
+    need(cfg.algo.lambda_alpha > 0, "algo.lambda_alpha", "must be > 0", "use 1.5")
+    need(cfg.algo.critic_updates >= 1, "algo.critic_updates", "must be >= 1", "use 2")
+    need(cfg.algo.critic_warmup_steps >= 0, "algo.critic_warmup_steps", "must be >= 0", "use 10")
+    need(cfg.algo.actor_lr > 0 and cfg.algo.critic_lr > 0, "algo.actor_lr/critic_lr",
+         "learning rates must be > 0", "use e.g. 1e-6 / 5e-6")
+    need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0", "use 1.0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", f"{cfg.rollout.top_p} is outside (0, 1]",
+         "use 1.0")
+    need(cfg.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1", "use 32")
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", "use 64")
+    need(cfg.env.max_turns >= 1, "env.max_turns", "must be >= 1", "use 4")
+    need(cfg.env.max_total_tokens > cfg.rollout.max_new_tokens, "env.max_total_tokens",
+         "must exceed rollout.max_new_tokens", "raise env.max_total_tokens")
+    need(cfg.train.steps >= 0, "train.steps", "must be >= 0", "use e.g. 100")
+    need(cfg.train.micro_batch_tokens >= cfg.env.max_total_tokens, "train.micro_batch_tokens",
+         "must hold at least one whole episode (env.max_total_tokens)",
+         "raise train.micro_batch_tokens")
+    need(bool(cfg.data.hops) and all(h in (1, 2, 3) for h in cfg.data.hops), "data.hops",
+         f"{cfg.data.hops} must be a non-empty list of 1, 2, 3", "use [1, 2]")
+    need(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", "use 0.2")
+    need(cfg.model.tiny.hidden_size % cfg.model.tiny.num_heads == 0, "model.tiny.hidden_size",
+         "must be divisible by model.tiny.num_heads", "use e.g. 128 with 4 heads")
+    need(cfg.model.tiny.num_heads % cfg.model.tiny.num_kv_heads == 0, "model.tiny.num_kv_heads",
+         "must divide model.tiny.num_heads", "use e.g. 2 with 4 heads")
+    need(cfg.model.tiny.max_positions >= cfg.env.max_total_tokens, "model.tiny.max_positions",
+         "must be at least env.max_total_tokens", "raise model.tiny.max_positions")
+    need(0 <= cfg.model.warmstart.relation_noise <= 1, "model.warmstart.relation_noise",
+         "must be in [0, 1]", "use 0.5")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config tree as plain nested dicts (for YAML/JSON dumps)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    """The resolved config as YAML, in declaration order."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(dotted key, help, default) for every leaf field: the config reference."""
+    rows: list[tuple[str, str, Any]] = []
+    hints = typing.get_type_hints(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(describe(hints[f.name], key + "."))
+        else:
+            rows.append((key, f.metadata.get("help", ""), getattr(default, f.name)))
+    return rows

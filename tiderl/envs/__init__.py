@@ -1,0 +1,1 @@
+"""Environments: one protocol, each environment owns its tools and reward."""

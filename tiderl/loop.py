@@ -1,0 +1,174 @@
+"""The RL loop, top to bottom: rollout, train, hand the weights back to the engine.
+
+This loop is synchronous: every step samples a fresh batch with the newest weights, trains on it,
+then syncs. The asynchronous scheduler changes only *where it waits* (the rollout call becomes
+"take the next ready trajectories", the sync becomes non-blocking); the components stay the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tiderl.agent.loop import run_episodes
+from tiderl.algos.sao import sao_step
+from tiderl.config import RunConfig, dump_yaml
+from tiderl.data import KGSetup, load_kg_setup
+from tiderl.envs.kg.env import KGEnv
+from tiderl.envs.protocol import Env, Task
+from tiderl.evaluate import sampling_params, summarize
+from tiderl.metrics.logger import MetricsLogger
+from tiderl.models.loading import load_model, load_tokenizer
+from tiderl.rollout.torch_engine import TorchEngine
+from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
+from tiderl.train.critic import ValueModel, freeze_matching
+from tiderl.train.learner import Learner
+from tiderl.types import Trajectory
+
+
+class TaskStream:
+    """Endless shuffled passes over the training tasks (a new order every pass)."""
+
+    def __init__(self, tasks: list[Task], seed: int):
+        if not tasks:
+            raise ValueError("no training tasks: check data.source and data.hops")
+        self.tasks = tasks
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+
+    def take(self, n: int) -> list[Task]:
+        out = []
+        for _ in range(n):
+            if not self.order:
+                self.order = list(range(len(self.tasks)))
+                self.rng.shuffle(self.order)
+            out.append(self.tasks[self.order.pop()])
+        return out
+
+
+@dataclass
+class Run:
+    """Everything a run holds. Built by `build_run`; the loop only reads and steps it."""
+
+    cfg: RunConfig
+    setup: KGSetup
+    tokenizer: Any
+    engine: TorchEngine
+    actor: Learner
+    critic: Learner
+    make_env: Callable[[], Env]
+    tasks: TaskStream
+    step: int = 0
+    model_path: str = ""
+
+
+def resolve_model_path(cfg: RunConfig, setup: KGSetup) -> str:
+    """The policy's model dir: `model.path`, or the embedded default (built once, cached)."""
+    if cfg.model.path != "tiny":
+        return cfg.model.path
+    from tiderl.models.embedded import ensure_embedded_model
+
+    return str(ensure_embedded_model(cfg, setup))
+
+
+def build_run(cfg: RunConfig, setup: KGSetup | None = None) -> Run:
+    """Load data, model, engine, critic and optimizers for `cfg` (resuming if asked)."""
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.seed)
+    setup = setup or load_kg_setup(cfg.data)
+    model_path = resolve_model_path(cfg, setup)
+    tokenizer = load_tokenizer(model_path)
+    policy = load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    engine = TorchEngine(copy.deepcopy(policy).eval(), tokenizer, device=cfg.model.device,
+                         seed=cfg.seed, max_batch_size=cfg.rollout.engine_batch_size)
+    critic_model = (ValueModel.load(cfg.algo.value_init) if cfg.algo.value_init
+                    else ValueModel.from_policy(policy)).to(cfg.model.device)
+    if cfg.algo.freeze_critic_attention:
+        freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
+    t = cfg.train
+    betas = (t.adam_beta1, t.adam_beta2)
+    actor = Learner(policy, cfg.algo.actor_lr, t.weight_decay, betas, t.grad_clip)
+    critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, betas, t.grad_clip)
+    store, max_listed = setup.store, cfg.env.max_listed
+    run = Run(cfg, setup, tokenizer, engine, actor, critic,
+              make_env=lambda: KGEnv(store, max_listed=max_listed),
+              tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path)
+    if t.resume:
+        run.step = load_checkpoint(t.resume, actor, critic)
+        engine.update_weights(policy.state_dict(), version=run.step)
+    return run
+
+
+def rollout(run: Run, tasks: list[Task]) -> list[Trajectory]:
+    """Sample one episode per task with the engine's current weights."""
+    cfg = run.cfg
+    params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
+    return run_episodes(run.engine, run.tokenizer, run.make_env, tasks, params,
+                        max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens)
+
+
+def train(run: Run, steps: int | None = None,
+          on_step: Callable[[Run, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run SAO steps from `run.step` up to `train.steps` (or `steps` more). Returns the metrics."""
+    cfg = run.cfg
+    last = cfg.train.steps if steps is None else run.step + steps
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    logger = MetricsLogger(run_dir, last - run.step, cfg.log.tensorboard, cfg.log.progress)
+    history = []
+    try:
+        while run.step < last:
+            t0 = time.perf_counter()
+            trajectories = rollout(run, run.tasks.take(cfg.rollout.batch_size))
+            t1 = time.perf_counter()
+            metrics = sao_step(trajectories, run.actor, run.critic, cfg.algo,
+                               pad_id=run.tokenizer.pad_token_id,
+                               micro_batch_tokens=cfg.train.micro_batch_tokens,
+                               train_actor=run.step >= cfg.algo.critic_warmup_steps,
+                               device=cfg.model.device)
+            t2 = time.perf_counter()
+            run.step += 1
+            run.engine.update_weights(run.actor.model.state_dict(), version=run.step)
+            t3 = time.perf_counter()
+            metrics.update(rollout_metrics(trajectories))
+            generated = sum(t.num_action_tokens for t in trajectories)
+            metrics.update({
+                "policy_version": run.step,
+                "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                "step_s": t3 - t0,
+                "throughput/generated_tokens_per_s": generated / max(t1 - t0, 1e-9),
+                "throughput/trained_tokens_per_s":
+                    sum(len(t.tokens) for t in trajectories) / max(t2 - t1, 1e-9),
+            })
+            logger.log(run.step, metrics)
+            history.append(metrics)
+            if on_step is not None:
+                on_step(run, metrics)
+            every = cfg.train.checkpoint_every
+            if every > 0 and run.step % every == 0:
+                save_checkpoint(run_dir / "checkpoints" / f"step_{run.step}", run.step,
+                                run.actor, run.critic, run.tokenizer)
+    finally:
+        logger.close()
+    return history
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Batch means of what the episodes achieved (see docs/metrics.md)."""
+    s = summarize(trajectories)
+    out = {
+        "reward": s["reward"], "success": s["success"], "f1": s["f1"],
+        "episode/turns": s["turns"], "episode/tokens": s["tokens"],
+        "episode/action_tokens": s["action_tokens"], "episode/tool_errors": s["tool_errors"],
+    }
+    for reason, count in s["stop_reasons"].items():
+        out[f"episode/stop_{reason}"] = count / s["n"]
+    return out

@@ -1,0 +1,1 @@
+"""Metrics: sinks (JSONL, TensorBoard, progress bar) and summaries."""

@@ -1,0 +1,63 @@
+"""Per-step metrics to JSONL and TensorBoard, plus a progress bar with the key numbers.
+
+Every key written here is defined in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Shown on the progress bar, in this order, when present.
+PROGRESS_KEYS = ("reward", "success", "value/explained_variance", "dis/masked_frac", "step_s")
+
+
+class MetricsLogger:
+    """Writes one JSON line per step to `run_dir/metrics.jsonl` and TensorBoard scalars."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True,
+                 progress: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PROGRESS_KEYS
+                     if isinstance(record.get(k), (int, float))}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def _plain(v: Any) -> Any:
+    """JSON-safe scalars (tensors and numpy numbers become floats)."""
+    if hasattr(v, "item"):
+        return v.item()
+    return v

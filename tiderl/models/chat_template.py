@@ -1,0 +1,61 @@
+"""The chat template of tiderl's embedded tiny model.
+
+ChatML turns (`<|im_start|>role ... <|im_end|>`), tool calls in the Hermes/Qwen format
+(`<tool_call>{json}</tool_call>`), tool responses grouped in one user turn as
+`<tool_response>...</tool_response>` blocks. Tools are listed in the system turn by name and
+argument names only: the tiny model has a short context, so full JSON schemas would not fit.
+Real models bring their own template; tiderl uses whatever the tokenizer carries.
+"""
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END]
+
+# Every newline the template emits is written as {{ nl }}; all tags strip the template's own
+# whitespace ({%- -%}), so the rendering is the same under any Jinja whitespace settings
+# (Hugging Face renders with trim_blocks and lstrip_blocks).
+CHAT_TEMPLATE = (
+    "{%- set nl = '\\n' -%}"
+    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{%- if sys or tools -%}"
+    "{{ '<|im_start|>system' + nl + sys }}"
+    "{%- if tools -%}"
+    "{{ nl + 'Tools:' }}"
+    "{%- for tool in tools -%}"
+    "{{ nl + '- ' + tool['function']['name'] + '(' }}"
+    "{{- tool['function']['parameters']['properties'] | list | join(', ') -}}"
+    "{{ ')' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{ '<|im_start|>user' + nl }}"
+    "{%- else -%}"
+    "{{ nl }}"
+    "{%- endif -%}"
+    "{{ '<tool_response>' + nl + m['content'] + nl + '</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
+    "{{ '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + m['role'] + nl + (m['content'] if m['content'] else '') }}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}"
+    "{%- for call in m['tool_calls'] -%}"
+    "{%- if m['content'] or not loop.first -%}{{ nl }}{%- endif -%}"
+    "{{ '<tool_call>' + nl }}"
+    "{{- {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson -}}"
+    "{{ nl + '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant' + nl }}"
+    "{%- endif -%}"
+)

@@ -1,0 +1,249 @@
+"""The embedded default policy: a tiny Qwen2 model warm-started on tiderl's own tool-use traces.
+
+Built once per (shape, warm-start, data) and cached as a normal Hugging Face model dir under the
+user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`). Building it:
+
+1. oracle traces: for training tasks, the assistant turns that solve them with tools
+   (`get_neighbors` per hop, then `Final Answer: #k`), with *systematic* relation confusions:
+   every relation has a fixed confusable partner (another relation of the same kind of entity)
+   and its own confusion rate drawn around `warmstart.relation_noise`. The demonstrations are
+   therefore wrong in a consistent way for some relations, so the warm-started policy succeeds
+   sometimes, not always, under sampling *and* under greedy decoding: exactly what RL can fix.
+2. a byte-level BPE tokenizer trained on the texts of those traces (tools, questions, turns,
+   observations), with the ChatML chat template;
+3. the traces as token sequences, assembled by the agent loop itself (a scripted engine emits the
+   oracle turns), so supervised data and RL rollouts share one token layout;
+4. supervised fine-tuning (cross-entropy on the assistant tokens only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from tiderl.agent.loop import ScriptedEngine, run_episodes
+from tiderl.agent.tool_parser import parse_hermes_tool_calls
+from tiderl.config import RunConfig
+from tiderl.data import KGSetup
+from tiderl.envs.kg.env import KGEnv
+from tiderl.envs.kg.store import TripleStore
+from tiderl.envs.kg.tasks import tool_call_text
+from tiderl.envs.protocol import Task
+from tiderl.models.loading import save_model_dir
+from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.rollout.base import SamplingParams
+from tiderl.train.batching import collate, micro_batch_indices, slice_batch
+from tiderl.train.forward import token_logprobs
+from tiderl.types import Trajectory
+
+# Bump when the build recipe changes, so stale caches are not reused.
+BUILD_VERSION = 1
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    if cfg.model.cache_dir:
+        return Path(cfg.model.cache_dir)
+    if os.environ.get("TIDERL_CACHE"):
+        return Path(os.environ["TIDERL_CACHE"])
+    return Path.home() / ".cache" / "tiderl"
+
+
+def build_key(cfg: RunConfig) -> str:
+    """A hash of everything the build depends on."""
+    recipe = {
+        "version": BUILD_VERSION,
+        "tiny": asdict(cfg.model.tiny),
+        "warmstart": asdict(cfg.model.warmstart),
+        "data": {k: v for k, v in asdict(cfg.data).items() if k not in ("data_dir", "eval_size")},
+        "env": {"max_turns": cfg.env.max_turns, "max_total_tokens": cfg.env.max_total_tokens},
+        "seed": cfg.seed,
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def embedded_model_dir(cfg: RunConfig) -> Path:
+    return cache_root(cfg) / "models" / f"kg-tiny-{cfg.data.source}-{build_key(cfg)}"
+
+
+def ensure_embedded_model(cfg: RunConfig, setup: KGSetup, log=print) -> Path:
+    """Return the cached embedded model dir, building it first if it is missing."""
+    path = embedded_model_dir(cfg)
+    if (path / "tiderl_build.json").is_file():
+        return path
+    log(f"[tiderl] building the embedded default model into {path} (cached afterwards)")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    report = build_embedded_model(cfg, setup, tmp, log=log)
+    (tmp / "tiderl_build.json").write_text(json.dumps(report, indent=2))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished the same build first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def confusion_table(store: TripleStore, relations: list[str], noise: float,
+                    seed: int) -> dict[str, tuple[str, float]]:
+    """For each relation: (its confusable partner, the rate at which demonstrations confuse it).
+
+    The partner is another relation that most subjects of `relation` also have (so the confused
+    call runs, it just answers a different question). Rates are drawn uniformly in
+    [noise - 0.3, noise + 0.3], clipped to [0, 0.9], so some relations are mostly right in the
+    demonstrations and some mostly wrong.
+    """
+    rng = random.Random(seed)
+    table: dict[str, tuple[str, float]] = {}
+    for rel in sorted(relations):
+        subjects = sorted(store.entities_with(rel))[:50]
+        counts: dict[str, int] = {}
+        for s in subjects:
+            for other in store.relations(s):
+                if other != rel:
+                    counts[other] = counts.get(other, 0) + 1
+        if not counts:
+            continue
+        best = max(counts.values())
+        candidates = sorted(r for r, c in counts.items() if c >= 0.5 * best)
+        rate = min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9)
+        table[rel] = (rng.choice(candidates), rate)
+    return table
+
+
+def oracle_script(task: Task, table: dict[str, tuple[str, float]], rng: random.Random) -> list[str]:
+    """The assistant turns of one (possibly confused) demonstration for `task`."""
+    turns = []
+    variable = task.meta["topic"]
+    for hop, rel in enumerate(task.meta["path"]):
+        partner, rate = table.get(rel, (rel, 0.0))
+        chosen = partner if rng.random() < rate else rel
+        turns.append(tool_call_text("get_neighbors", {"variable": variable, "relation": chosen}))
+        variable = f"#{hop}"
+    turns.append(f"Final Answer: {variable}")
+    return turns
+
+
+def corpus_texts(env: KGEnv, tasks: list[Task], scripts: list[list[str]]) -> list[str]:
+    """Every text the tokenizer will see: tool schema, system prompt, questions, turns, observations."""
+    texts = [env.system_prompt(), json.dumps(env.tool_schemas()),
+             "system", "user", "assistant", "Tools:", "<tool_response>", "</tool_response>"]
+    for task, script in zip(tasks, scripts):
+        texts.append(env.reset(task))
+        for turn in script:
+            texts.append(turn)
+            result = env.step(parse_hermes_tool_calls(turn))
+            texts.extend(result.observations)
+            if result.done:
+                break
+    return texts
+
+
+def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=print) -> dict:
+    """Build tokenizer and model, warm-start them, save to `out_dir`. Returns a build report."""
+    t_start = time.perf_counter()
+    ws, tiny = cfg.model.warmstart, cfg.model.tiny
+    rng = random.Random(cfg.seed)
+    relations = sorted({r for t in setup.train_tasks for r in t.meta["path"]})
+    table = confusion_table(setup.store, relations, ws.relation_noise, cfg.seed)
+    tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
+    scripts = [oracle_script(t, table, rng) for t in tasks]
+    env = KGEnv(setup.store, max_listed=cfg.env.max_listed)
+
+    tokenizer = train_tokenizer(corpus_texts(env, tasks, scripts), vocab_size=tiny.vocab_size)
+    config = tiny_qwen2_config(len(tokenizer), hidden_size=tiny.hidden_size,
+                               num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                               num_kv_heads=tiny.num_kv_heads,
+                               max_position_embeddings=tiny.max_positions)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(cfg.seed)
+    model = init_tiny_model(config, cfg.seed)
+
+    traces = scripted_traces(tokenizer, setup, tasks, scripts, cfg)
+    demo_success = sum(float(t.env_info.get("success", 0)) for t in traces) / len(traces)
+    log(f"[tiderl] {len(traces)} demonstrations, {demo_success:.2f} of them succeed; "
+        f"tokenizer {len(tokenizer)} tokens; model "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    losses = supervised_finetune(model, traces, tokenizer.pad_token_id, ws.steps, ws.batch_size,
+                                 ws.lr, cfg.seed, log=log)
+    model.eval()
+    save_model_dir(model, tokenizer, out_dir)
+    return {
+        "build_version": BUILD_VERSION,
+        "demonstrations": len(traces),
+        "demonstration_success": demo_success,
+        "confusions": {r: [p, round(rate, 3)] for r, (p, rate) in table.items()},
+        "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "build_s": time.perf_counter() - t_start,
+        "key": build_key(cfg),
+    }
+
+
+def scripted_traces(tokenizer, setup: KGSetup, tasks: list[Task], scripts: list[list[str]],
+                    cfg: RunConfig) -> list[Trajectory]:
+    """Play the scripts through the agent loop, so demonstrations have the RL token layout.
+
+    The scripted engine recognises an episode by its question, so each call holds distinct
+    questions (a question drawn twice goes to the next chunk).
+    """
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                            stop_token_ids=[tokenizer.eos_token_id])
+    chunks: list[list[int]] = [[]]
+    seen: set[str] = set()
+    for i, task in enumerate(tasks):
+        if task.prompt in seen or len(chunks[-1]) >= 128:
+            chunks.append([])
+            seen = set()
+        chunks[-1].append(i)
+        seen.add(task.prompt)
+    traces: list[Trajectory] = []
+    for chunk in chunks:
+        engine = ScriptedEngine(tokenizer, {tasks[i].prompt: scripts[i] for i in chunk})
+        traces += run_episodes(engine, tokenizer, lambda: KGEnv(setup.store, cfg.env.max_listed),
+                               [tasks[i] for i in chunk], params, max_turns=cfg.env.max_turns,
+                               max_total_tokens=cfg.env.max_total_tokens)
+    return traces
+
+
+def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
+                        steps: int, batch_size: int, lr: float, seed: int,
+                        log=print) -> list[float]:
+    """Cross-entropy on the assistant tokens of `traces` (AdamW, warm-up then cosine decay)."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup)
+        * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
+    model.train()
+    losses = []
+    for step in range(steps):
+        batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id)
+        lengths = batch.attention_mask.sum(1).tolist()
+        total = batch.action_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = 0.0
+        for rows in micro_batch_indices(lengths, 8192):
+            mb = slice_batch(batch, rows)
+            lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+            loss = -(lp * mb.action_mask).sum() / total
+            loss.backward()
+            loss_value += float(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss_value)
+        if step % max(1, steps // 10) == 0 or step == steps - 1:
+            log(f"[tiderl] warm-start step {step + 1}/{steps}: loss {loss_value:.4f}")
+    return losses
+

@@ -1,0 +1,144 @@
+"""Load and save Hugging Face causal LMs and their tokenizers as they are.
+
+A model directory is a normal Hugging Face one (config.json, *.safetensors, tokenizer files and
+the chat template), so any tool that reads Hugging Face models reads tiderl's checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# "org/name" or "name": what a Hugging Face hub id looks like (no leading "/", ".", "~").
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _check_source(path_or_name: str | Path) -> str:
+    """Return the source as a string; fail early on a local path that is not a model dir.
+
+    An existing path must be a directory holding config.json. A string that does not exist
+    locally is accepted only if it looks like a hub id ("org/name"); anything else is a
+    mistyped local path and gets a FileNotFoundError.
+    """
+    source = str(path_or_name)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{source} is a file, not a model directory: pass the folder that holds config.json"
+            )
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{source} has no config.json: it is not a Hugging Face model directory; "
+                "save one with tiderl.models.loading.save_model_dir or model.save_pretrained"
+            )
+        return str(path)
+    if not _HUB_ID.match(source):
+        raise FileNotFoundError(
+            f"model directory {source} does not exist: check the path (a hub id looks like 'org/name')"
+        )
+    return source
+
+
+def load_model(
+    path_or_name: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """Load any Hugging Face causal LM (config + safetensors) in eval mode on `device`.
+
+    `dtype` is "float32", "bfloat16" or "float16" (or a torch.dtype). A hub id is resolved
+    through the local Hugging Face cache or the network, like `from_pretrained`.
+    """
+    source = _check_source(path_or_name)
+    torch_dtype = _resolve_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"could not load a causal LM from {source!r}: it is neither a local model directory "
+            f"nor a hub model available here ({err})"
+        ) from err
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a model directory (or hub id); it must carry a chat template.
+
+    tiderl renders every conversation with the tokenizer's own chat template, so a tokenizer
+    without one is refused rather than guessed at.
+    """
+    source = _check_source(path)
+    if _declares_generic_tokenizer(source):
+        # AutoTokenizer maps model_type "qwen2" to Qwen2Tokenizer whatever tokenizer_config.json
+        # declares, and that class swaps in Qwen's own pre-tokenizer and an NFC normaliser. A
+        # directory that declares the generic class (every tiny-model dir does) is loaded from
+        # its tokenizer.json exactly as written, so token ids never change between save and load.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the tokenizer at {source} has no chat template: use an instruct/chat model, or set "
+            "tokenizer.chat_template (e.g. tiderl.models.chat_template.CHAT_TEMPLATE) and save it "
+            "with tiderl.models.loading.save_model_dir"
+        )
+    return tokenizer
+
+
+def _declares_generic_tokenizer(source: str) -> bool:
+    """True when a local dir's tokenizer_config.json names the generic tokenizers-backed class."""
+    config_path = Path(source) / "tokenizer_config.json"
+    if not (Path(source) / "tokenizer.json").is_file() or not config_path.is_file():
+        return False
+    declared = json.loads(config_path.read_text()).get("tokenizer_class")
+    return declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
+    """Write `model` (safetensors), its config, the tokenizer and its chat template to `path`.
+
+    The result is a normal Hugging Face model directory: `AutoModelForCausalLM.from_pretrained`
+    and `load_model` reload it with identical logits. Returns the directory.
+    """
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "the tokenizer has no chat template, so the saved model could not be loaded by "
+            "load_tokenizer: set tokenizer.chat_template before saving"
+        )
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters, each shared (tied) tensor counted once."""
+    # Module.parameters() already yields a tied tensor only once.
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,59 @@
+"""What every engine speaks: token ids in, sampled token ids and their log-probs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion.
+
+    temperature: 0 means greedy (argmax; log-probs are then those of the temperature-1
+        distribution, so they stay comparable with the trainer's).
+    top_p: nucleus sampling; 1.0 keeps the full distribution so that `behavior_logprobs` are the
+        true behaviour distribution (what SAO needs).
+    max_new_tokens: hard cap on sampled tokens per completion.
+    stop: stop strings; generation ends on the token that completes one (that token is kept).
+    stop_token_ids: token ids that end generation (kept in the output), e.g. end-of-turn.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    token_ids: the sampled tokens, stop token included.
+    logprobs: log-prob of each sampled token under the distribution it was sampled from
+        (after temperature and top-p), one per token.
+    text: `token_ids` decoded (special tokens kept).
+    finish_reason: "stop" (stop token or stop string) or "length" (hit max_new_tokens).
+    policy_version: the engine's weight version when each token was sampled (one entry per token).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    policy_version: list[int]
+
+
+class Engine(Protocol):
+    """A generation backend. `version` is the weight version it currently samples with."""
+
+    version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample one completion per prompt (a batch of token-id lists)."""
+        ...
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Load new policy weights; subsequent tokens carry `version`."""
+        ...

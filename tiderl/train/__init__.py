@@ -1,0 +1,1 @@
+"""Training: batching, forward passes, optimizer steps, the critic, checkpoints."""

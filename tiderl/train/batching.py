@@ -1,0 +1,93 @@
+"""Turning trajectories into padded tensors, and packing them into micro-batches by tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiderl.types import Trajectory
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors for a list of trajectories (all `[B, T]` unless noted).
+
+    input_ids / attention_mask: model inputs (attention 0 on padding).
+    action_mask: 1.0 on sampled tokens (`loss_mask`), 0 on prompt, observations and padding.
+    behavior_logprobs: the engine's log-prob of each sampled token (0 elsewhere).
+    rewards: `[B]` scalar rewards.
+    num_action_tokens: `[B]` sampled tokens per trajectory.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    behavior_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    num_action_tokens: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(*(t.to(device) for t in self.__dict__.values()))
+
+
+def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
+    """Pad trajectories on the right to the longest one."""
+    if not trajectories:
+        raise ValueError("collate() got no trajectories")
+    width = max(len(t.tokens) for t in trajectories)
+    b = len(trajectories)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    action = torch.zeros((b, width), dtype=torch.float32)
+    behavior = torch.zeros((b, width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        n = len(t.tokens)
+        input_ids[i, :n] = torch.tensor(t.tokens, dtype=torch.long)
+        attention[i, :n] = 1
+        action[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        behavior[i, :n] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
+    # A trajectory's first token can never be scored (nothing precedes it).
+    action[:, 0] = 0.0
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    return Batch(input_ids, attention, action, behavior, rewards, action.sum(dim=1))
+
+
+def micro_batch_indices(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sequence indices so that each group's padded size (count x longest) fits the budget.
+
+    Sorting by length keeps padding small; every index appears exactly once. A sequence longer
+    than the budget gets a micro-batch of its own (it must still be trained on).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if current and new_longest * (len(current) + 1) > token_budget:
+            groups.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        groups.append(current)
+    return groups
+
+
+def slice_batch(batch: Batch, rows: list[int]) -> Batch:
+    """The sub-batch of `rows`, trimmed to its own longest sequence."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    width = int(batch.attention_mask[idx].sum(dim=1).max().item())
+    return Batch(
+        input_ids=batch.input_ids[idx, :width],
+        attention_mask=batch.attention_mask[idx, :width],
+        action_mask=batch.action_mask[idx, :width],
+        behavior_logprobs=batch.behavior_logprobs[idx, :width],
+        rewards=batch.rewards[idx],
+        num_action_tokens=batch.num_action_tokens[idx],
+    )

@@ -1,0 +1,51 @@
+"""One model and its optimizer: micro-batched gradient accumulation, clipping, a step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+LossFn = Callable[[Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Learner:
+    """Owns a model's AdamW optimizer and applies one optimizer step over micro-batches.
+
+    The loss function receives a micro-batch and returns a loss that is already normalised
+    by the whole batch (e.g. divided by all action tokens of the step), so gradients of the
+    micro-batches simply add up to the gradient of the full batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), grad_clip: float = 1.0):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("Learner got a model with no trainable parameters")
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
+                                           betas=betas)
+        self.grad_clip = grad_clip
+
+    def step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients over `micro_batches`, clip, step.
+
+        Returns the summed loss, the pre-clip gradient norm, and each metric averaged over the
+        micro-batches.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        loss_total = 0.0
+        for mb in micro_batches:
+            loss, metrics = loss_fn(mb)
+            loss.backward()
+            loss_total += float(loss.detach())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        out = {k: v / len(micro_batches) for k, v in totals.items()}
+        out["loss"] = loss_total
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        return out

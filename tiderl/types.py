@@ -1,0 +1,76 @@
+"""The wire format: the records that cross from rollout to training.
+
+A `Trajectory` is the only thing the trainer ever sees of a rollout. Every per-token list has
+the same length as `tokens`. Tokens are never re-tokenized after sampling: the agent loop
+appends observation tokens to the sampled tokens as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Forced tokens (prompt, tool observations) were not sampled by any policy.
+NO_VERSION = -1
+
+
+@dataclass
+class Trajectory:
+    """One finished episode, token by token.
+
+    tokens: the whole sequence: prompt, every model turn, every tool/env observation.
+    loss_mask: 1 where the policy sampled the token, 0 where it was forced.
+    behavior_logprobs: log-prob of each sampled token under the engine that sampled it (0.0 where
+        `loss_mask` is 0).
+    policy_version: the weight version that sampled each token (`NO_VERSION` where forced).
+    reward / reward_parts: the scalar reward and its named parts (outcome, format, ...).
+    task_id / group_id: where it came from (`group_id` groups rollouts of one prompt).
+    env_info: metrics the environment reports (success, f1, tool errors, ...).
+    num_turns: model turns taken; stop_reason: why the episode ended
+        ("answer", "max_turns", "max_tokens", "length", "error").
+    """
+
+    tokens: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    policy_version: list[int]
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    task_id: str = ""
+    group_id: str = ""
+    env_info: dict[str, Any] = field(default_factory=dict)
+    num_turns: int = 0
+    stop_reason: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "behavior_logprobs", "policy_version"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Trajectory.{name} has length {len(getattr(self, name))}, tokens has {n}: "
+                    "every per-token field must have one entry per token"
+                )
+
+    @property
+    def num_action_tokens(self) -> int:
+        """Tokens the policy sampled (the ones that carry loss)."""
+        return sum(self.loss_mask)
+
+    @property
+    def prompt_length(self) -> int:
+        """Forced tokens before the first sampled token."""
+        for i, m in enumerate(self.loss_mask):
+            if m:
+                return i
+        return len(self.loss_mask)
+
+    def versions(self) -> set[int]:
+        """The policy versions that sampled any token of this trajectory."""
+        return {v for v, m in zip(self.policy_version, self.loss_mask) if m}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+        return cls(**d)
