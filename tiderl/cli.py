@@ -101,8 +101,7 @@ def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
 def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None) -> int:
     import torch
 
-    from tiderl.data import load_kg_setup
-    from tiderl.envs.kg.env import KGEnv
+    from tiderl.data import env_factory, load_kg_setup
     from tiderl.evaluate import format_table
     from tiderl.loop import resolve_model_path
     from tiderl.models.loading import load_model, load_tokenizer
@@ -115,7 +114,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None) -> int:
     engine = TorchEngine(load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
                          device=cfg.model.device, seed=cfg.seed,
                          max_batch_size=cfg.rollout.engine_batch_size)
-    results = _eval_both(cfg, engine, tokenizer, lambda: KGEnv(setup.store, cfg.env.max_listed),
+    results = _eval_both(cfg, engine, tokenizer, env_factory(cfg.env, setup),
                          setup.eval_tasks)
     print(format_table([(f"{setup.name} {mode}", r) for mode, r in results.items()]))
     print(json.dumps({"model": str(path), "data": setup.name, "results": results}, indent=2))

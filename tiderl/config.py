@@ -113,6 +113,7 @@ class EnvConfig:
     max_turns: int = opt(4, "Model turns per episode (AgentBench uses 15).")
     max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
     max_listed: int = opt(0, "KG: list entity names in observations of sets up to this size.")
+    system_prompt: str = opt("", "System message ('' = the environment's own).")
 
 
 @dataclass

@@ -6,8 +6,10 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from tiderl.config import DataConfig
+from tiderl.config import DataConfig, EnvConfig
+from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.store import TripleStore, load_metaqa_kb
 from tiderl.envs.kg.tasks import (
     build_movie_world,
@@ -69,3 +71,10 @@ def load_kg_setup(cfg: DataConfig) -> KGSetup:
             store, cfg.seed, cfg.num_train_tasks, hops=tuple(cfg.hops), exclude_topics=topics)
         return KGSetup(store, train, held_out, "metaqa")
     raise ValueError(f"data.source {cfg.source!r} is not 'embedded' or 'metaqa'")
+
+
+def env_factory(env: EnvConfig, setup: KGSetup) -> Callable[[], KGEnv]:
+    """A function that creates one fresh environment per episode, as `env` configures it."""
+    store, max_listed = setup.store, env.max_listed
+    system_prompt = env.system_prompt or None
+    return lambda: KGEnv(store, max_listed=max_listed, system_prompt=system_prompt)

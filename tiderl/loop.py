@@ -19,8 +19,7 @@ import torch
 from tiderl.agent.loop import run_episodes
 from tiderl.algos.sao import sao_step
 from tiderl.config import RunConfig, dump_yaml
-from tiderl.data import KGSetup, load_kg_setup
-from tiderl.envs.kg.env import KGEnv
+from tiderl.data import KGSetup, env_factory, load_kg_setup
 from tiderl.envs.protocol import Env, Task
 from tiderl.evaluate import sampling_params, summarize
 from tiderl.metrics.logger import MetricsLogger
@@ -96,9 +95,7 @@ def build_run(cfg: RunConfig, setup: KGSetup | None = None) -> Run:
     betas = (t.adam_beta1, t.adam_beta2)
     actor = Learner(policy, cfg.algo.actor_lr, t.weight_decay, betas, t.grad_clip)
     critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, betas, t.grad_clip)
-    store, max_listed = setup.store, cfg.env.max_listed
-    run = Run(cfg, setup, tokenizer, engine, actor, critic,
-              make_env=lambda: KGEnv(store, max_listed=max_listed),
+    run = Run(cfg, setup, tokenizer, engine, actor, critic, make_env=env_factory(cfg.env, setup),
               tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path)
     if t.resume:
         run.step = load_checkpoint(t.resume, actor, critic)

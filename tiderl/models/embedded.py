@@ -33,11 +33,10 @@ import torch
 from tiderl.agent.loop import ScriptedEngine, run_episodes
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
-from tiderl.data import KGSetup
-from tiderl.envs.kg.env import KGEnv
+from tiderl.data import KGSetup, env_factory
 from tiderl.envs.kg.store import TripleStore
 from tiderl.envs.kg.tasks import tool_call_text
-from tiderl.envs.protocol import Task
+from tiderl.envs.protocol import Env, Task
 from tiderl.models.loading import save_model_dir
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
@@ -64,7 +63,7 @@ def build_key(cfg: RunConfig) -> str:
         "tiny": asdict(cfg.model.tiny),
         "warmstart": asdict(cfg.model.warmstart),
         "data": {k: v for k, v in asdict(cfg.data).items() if k not in ("data_dir", "eval_size")},
-        "env": {"max_turns": cfg.env.max_turns, "max_total_tokens": cfg.env.max_total_tokens},
+        "env": {k: v for k, v in asdict(cfg.env).items()},
         "seed": cfg.seed,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -132,7 +131,7 @@ def oracle_script(task: Task, table: dict[str, tuple[str, float]], rng: random.R
     return turns
 
 
-def corpus_texts(env: KGEnv, tasks: list[Task], scripts: list[list[str]]) -> list[str]:
+def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]]) -> list[str]:
     """Every text the tokenizer will see: tool schema, system prompt, questions, turns, observations."""
     texts = [env.system_prompt(), json.dumps(env.tool_schemas()),
              "system", "user", "assistant", "Tools:", "<tool_response>", "</tool_response>"]
@@ -156,7 +155,7 @@ def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=prin
     table = confusion_table(setup.store, relations, ws.relation_noise, cfg.seed)
     tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
     scripts = [oracle_script(t, table, rng) for t in tasks]
-    env = KGEnv(setup.store, max_listed=cfg.env.max_listed)
+    env = env_factory(cfg.env, setup)()
 
     tokenizer = train_tokenizer(corpus_texts(env, tasks, scripts), vocab_size=tiny.vocab_size)
     config = tiny_qwen2_config(len(tokenizer), hidden_size=tiny.hidden_size,
@@ -209,7 +208,7 @@ def scripted_traces(tokenizer, setup: KGSetup, tasks: list[Task], scripts: list[
     traces: list[Trajectory] = []
     for chunk in chunks:
         engine = ScriptedEngine(tokenizer, {tasks[i].prompt: scripts[i] for i in chunk})
-        traces += run_episodes(engine, tokenizer, lambda: KGEnv(setup.store, cfg.env.max_listed),
+        traces += run_episodes(engine, tokenizer, env_factory(cfg.env, setup),
                                [tasks[i] for i in chunk], params, max_turns=cfg.env.max_turns,
                                max_total_tokens=cfg.env.max_total_tokens)
     return traces
@@ -232,13 +231,13 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
         lengths = batch.attention_mask.sum(1).tolist()
         total = batch.action_mask.sum()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = 0.0
+        loss_value = 0.0  # summed over micro-batches, as a float (no graph kept)
         for rows in micro_batch_indices(lengths, 8192):
             mb = slice_batch(batch, rows)
             lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
             loss = -(lp * mb.action_mask).sum() / total
             loss.backward()
-            loss_value += float(loss)
+            loss_value += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
