@@ -44,6 +44,10 @@ from tiderl.train.batching import collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import token_logprobs
 from tiderl.types import Trajectory
 
+def _log(message: str) -> None:
+    print(message, flush=True)  # the build takes minutes: show progress even when piped
+
+
 # Bump when the build recipe changes, so stale caches are not reused.
 BUILD_VERSION = 1
 
@@ -73,7 +77,7 @@ def embedded_model_dir(cfg: RunConfig) -> Path:
     return cache_root(cfg) / "models" / f"kg-tiny-{cfg.data.source}-{build_key(cfg)}"
 
 
-def ensure_embedded_model(cfg: RunConfig, setup: KGSetup, log=print) -> Path:
+def ensure_embedded_model(cfg: RunConfig, setup: KGSetup, log=_log) -> Path:
     """Return the cached embedded model dir, building it first if it is missing."""
     path = embedded_model_dir(cfg)
     if (path / "tiderl_build.json").is_file():
@@ -146,7 +150,7 @@ def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]]) -> list[
     return texts
 
 
-def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=print) -> dict:
+def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=_log) -> dict:
     """Build tokenizer and model, warm-start them, save to `out_dir`. Returns a build report."""
     t_start = time.perf_counter()
     ws, tiny = cfg.model.warmstart, cfg.model.tiny
@@ -216,7 +220,7 @@ def scripted_traces(tokenizer, setup: KGSetup, tasks: list[Task], scripts: list[
 
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
-                        log=print) -> list[float]:
+                        log=_log) -> list[float]:
     """Cross-entropy on the assistant tokens of `traces` (AdamW, warm-up then cosine decay)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
