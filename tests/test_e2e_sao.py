@@ -144,3 +144,25 @@ def test_demo_and_eval_commands(cache, tmp_path, capsys):
     # after-training figure.
     assert greedy["n"] == 8 and greedy["success"] == summary["success_after"]
     assert set(greedy["by_hops"]) <= {"1", "2"}
+
+
+def test_embedded_build_is_deterministic_and_reloads(tmp_path):
+    from safetensors.torch import load_file
+
+    from tiderl.data import load_kg_setup
+    from tiderl.models.embedded import build_embedded_model
+    from tiderl.models.loading import load_model, load_tokenizer
+
+    cfg = small_config(tmp_path, tmp_path / "run", "model.warmstart.steps=5",
+                       "model.warmstart.num_traces=60")
+    setup = load_kg_setup(cfg.data)
+    a = build_embedded_model(cfg, setup, tmp_path / "a", log=lambda _: None)
+    b = build_embedded_model(cfg, setup, tmp_path / "b", log=lambda _: None)
+    assert a["sft_loss_last"] == b["sft_loss_last"]
+    wa, wb = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "a", tmp_path / "b"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    # A normal Hugging Face model dir with a chat template.
+    tok = load_tokenizer(tmp_path / "a")
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    assert load_model(tmp_path / "a").config.model_type == "qwen2"
