@@ -127,3 +127,26 @@ def test_learner_micro_batches_match_one_batch(model):
     g_one = grads([[0, 1, 2, 3]])
     g_two = grads([[0, 1], [2, 3]])
     assert torch.allclose(g_one, g_two, atol=1e-6)
+
+
+def test_weight_sync_is_verified(model):
+    from types import SimpleNamespace
+
+    from tiderl.loop import sync_weights
+    from tiderl.rollout.torch_engine import TorchEngine
+
+    actor = Learner(init_tiny_model(model.config, seed=1), lr=1e-3)
+    engine = TorchEngine(model, tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=2))
+    run = SimpleNamespace(actor=actor, engine=engine, step=1)
+    sync_weights(run)
+    assert engine.version == 1
+    for k, v in actor.model.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[k], v)
+
+    # An engine that drops the weights it is sent is caught, naming the version.
+    engine.update_weights = lambda state, version: None
+    with torch.no_grad():
+        next(actor.model.parameters()).add_(1.0)
+    run.step = 2
+    with pytest.raises(RuntimeError, match="weight sync to version 2 failed"):
+        sync_weights(run)

@@ -7,7 +7,6 @@ then syncs. The asynchronous scheduler changes only *where it waits* (the rollou
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from tiderl.envs.protocol import Env, Task
 from tiderl.evaluate import sampling_params, summarize
 from tiderl.metrics.logger import MetricsLogger
 from tiderl.models.loading import load_model, load_tokenizer
-from tiderl.rollout.torch_engine import TorchEngine
+from tiderl.rollout.torch_engine import TorchEngine, weights_checksum
 from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.learner import Learner
@@ -85,7 +84,7 @@ def build_run(cfg: RunConfig, setup: KGSetup | None = None) -> Run:
     model_path = resolve_model_path(cfg, setup)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
-    engine = TorchEngine(copy.deepcopy(policy).eval(), tokenizer, device=cfg.model.device,
+    engine = TorchEngine(policy, tokenizer, device=cfg.model.device,
                          seed=cfg.seed, max_batch_size=cfg.rollout.engine_batch_size)
     critic_model = (ValueModel.load(cfg.algo.value_init) if cfg.algo.value_init
                     else ValueModel.from_policy(policy)).to(cfg.model.device)
@@ -99,7 +98,7 @@ def build_run(cfg: RunConfig, setup: KGSetup | None = None) -> Run:
               tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path)
     if t.resume:
         run.step = load_checkpoint(t.resume, actor, critic)
-        engine.update_weights(policy.state_dict(), version=run.step)
+        sync_weights(run)
     return run
 
 
@@ -111,8 +110,7 @@ def rollout(run: Run, tasks: list[Task]) -> list[Trajectory]:
                         max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens)
 
 
-def train(run: Run, steps: int | None = None,
-          on_step: Callable[[Run, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
     """Run SAO steps from `run.step` up to `train.steps` (or `steps` more). Returns the metrics."""
     cfg = run.cfg
     last = cfg.train.steps if steps is None else run.step + steps
@@ -133,7 +131,7 @@ def train(run: Run, steps: int | None = None,
                                device=cfg.model.device)
             t2 = time.perf_counter()
             run.step += 1
-            run.engine.update_weights(run.actor.model.state_dict(), version=run.step)
+            sync_weights(run)
             t3 = time.perf_counter()
             metrics.update(rollout_metrics(trajectories))
             generated = sum(t.num_action_tokens for t in trajectories)
@@ -147,8 +145,6 @@ def train(run: Run, steps: int | None = None,
             })
             logger.log(run.step, metrics)
             history.append(metrics)
-            if on_step is not None:
-                on_step(run, metrics)
             every = cfg.train.checkpoint_every
             if every > 0 and run.step % every == 0:
                 save_checkpoint(run_dir / "checkpoints" / f"step_{run.step}", run.step,
@@ -156,6 +152,18 @@ def train(run: Run, steps: int | None = None,
     finally:
         logger.close()
     return history
+
+
+def sync_weights(run: Run) -> None:
+    """Hand the actor's weights to the engine as version `run.step`, and check they arrived."""
+    state = run.actor.model.state_dict()
+    run.engine.update_weights(state, version=run.step)
+    sent, held = weights_checksum(state), run.engine.state_checksum()
+    if sent != held:
+        raise RuntimeError(
+            f"weight sync to version {run.step} failed: the engine holds weights with checksum "
+            f"{held!r}, the trainer sent {sent!r}"
+        )
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
