@@ -39,6 +39,7 @@ class MicroBatch:
     """A slice of the step's batch plus the per-token targets computed for it."""
 
     batch: Batch
+    rewards: torch.Tensor  # the outcome reward on each trajectory's last action token, [b, t]
     values: torch.Tensor  # critic values before the update, [b, t]
     returns: torch.Tensor  # critic targets
     advantages: torch.Tensor | None = None
@@ -75,7 +76,7 @@ def sao_step(
         rewards = outcome_token_rewards(b.rewards, b.action_mask)
         _, returns = skip_observation_gae(rewards, values, b.action_mask, algo.gamma,
                                           algo.critic_lambda)
-        mbs.append(MicroBatch(b, values, returns))
+        mbs.append(MicroBatch(b, rewards, values, returns))
 
     all_values = torch.cat([m.values[m.batch.action_mask > 0] for m in mbs])
     all_returns = torch.cat([m.returns[m.batch.action_mask > 0] for m in mbs])
@@ -102,9 +103,8 @@ def sao_step(
 
     for m in mbs:
         values = m.values if algo.advantage_values == "before" else _values(critic.model, m.batch)
-        rewards = outcome_token_rewards(m.batch.rewards, m.batch.action_mask)
         lam = decoupled_policy_lambda(m.batch.num_action_tokens, algo.lambda_alpha)
-        m.advantages, _ = skip_observation_gae(rewards, values, m.batch.action_mask,
+        m.advantages, _ = skip_observation_gae(m.rewards, values, m.batch.action_mask,
                                                algo.gamma, lam)
     if algo.normalize_advantages:
         # Whiten over the whole step's action tokens, not per micro-batch.
