@@ -114,6 +114,15 @@ class EnvConfig:
     max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
     max_listed: int = opt(0, "KG: list entity names in observations of sets up to this size.")
     system_prompt: str = opt("", "System message ('' = the environment's own).")
+    tool_latency: str = opt(
+        "none", "Simulated tool latency added to every env step (training episodes only).",
+        ("none", "fixed", "uniform", "lognormal"),
+    )
+    tool_latency_s: float = opt(0.0, "Mean simulated latency per env step, in seconds.")
+    tool_latency_spread: float = opt(
+        1.0, "uniform: half-width as a fraction of the mean; lognormal: sigma of log-latency."
+    )
+    tool_latency_max_s: float = opt(0.0, "Cap on one simulated latency (0 = no cap).")
 
 
 @dataclass
@@ -181,6 +190,37 @@ class EvalConfig:
 
 
 @dataclass
+class SystemConfig:
+    """How rollout and training are scheduled (see docs/architecture.md, "System")."""
+
+    backend: str = opt(
+        "inline",
+        "inline: the lock-step loop (rollout a batch, train, sync); local: asynchronous in one "
+        "process; ray: asynchronous with rollout workers as Ray actors.",
+        ("inline", "local", "ray"),
+    )
+    max_staleness: int = opt(
+        0, "Policy versions a trained token may lag the trainer (0 = on-policy, synchronous)."
+    )
+    partial_rollout: str = opt(
+        "continue",
+        "What in-flight episodes do when new weights arrive: continue on them (per-token "
+        "versions) or restart from scratch.",
+        ("continue", "restart"),
+    )
+    slots: int = opt(0, "Concurrent rollout slots at start (0 = (max_staleness+1) x batch).")
+    min_slots: int = opt(0, "Elastic lower bound on slots (0 = `slots`: no shrinking).")
+    max_slots: int = opt(0, "Elastic upper bound on slots (0 = `slots`: no growing).")
+    elastic_interval_s: float = opt(2.0, "Seconds between elastic capacity decisions.")
+    max_task_retries: int = opt(2, "Times a failed episode's task is retried before it counts as failed.")
+    wait_timeout_s: float = opt(
+        600.0, "Longest any wait (for a batch, weights, a worker) may take before the run fails."
+    )
+    ray_address: str = opt("", "Ray cluster to join ('' = start a local one).")
+    ray_workers: int = opt(1, "Ray backend: rollout worker actors (each runs its own engine).")
+
+
+@dataclass
 class LogConfig:
     """Where metrics go."""
 
@@ -200,6 +240,7 @@ class RunConfig:
     rollout: RolloutConfig = section(RolloutConfig, "Sampling.")
     algo: AlgoConfig = section(AlgoConfig, "The RL algorithm.")
     train: TrainConfig = section(TrainConfig, "Optimisation.")
+    system: SystemConfig = section(SystemConfig, "Rollout/training scheduling and backends.")
     eval: EvalConfig = section(EvalConfig, "Held-out evaluation.")
     log: LogConfig = section(LogConfig, "Logging.")
 
@@ -392,6 +433,24 @@ def validate(cfg: RunConfig) -> None:
          "must be at least env.max_total_tokens", "raise model.tiny.max_positions")
     need(0 <= cfg.model.warmstart.relation_noise <= 1, "model.warmstart.relation_noise",
          "must be in [0, 1]", "use 0.5")
+    sysc = cfg.system
+    need(sysc.max_staleness >= 0, "system.max_staleness", "must be >= 0",
+         "use 0 (synchronous) or e.g. 2")
+    need(sysc.slots >= 0, "system.slots", "must be >= 0", "use 0 for (max_staleness+1) x batch")
+    need(sysc.min_slots >= 0 and sysc.max_slots >= 0, "system.min_slots/max_slots",
+         "must be >= 0", "use 0 to keep the slot count fixed")
+    need(not (sysc.min_slots and sysc.max_slots) or sysc.min_slots <= sysc.max_slots,
+         "system.min_slots", f"{sysc.min_slots} exceeds system.max_slots={sysc.max_slots}",
+         "make min_slots <= max_slots")
+    need(sysc.elastic_interval_s > 0, "system.elastic_interval_s", "must be > 0", "use 2.0")
+    need(sysc.max_task_retries >= 0, "system.max_task_retries", "must be >= 0", "use 2")
+    need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
+    need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
+    need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
+    need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")
+    need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",
+         f"is 0 but env.tool_latency is {cfg.env.tool_latency!r}",
+         "set env.tool_latency_s > 0 or env.tool_latency=none")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
