@@ -138,11 +138,27 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    """The RL algorithm (SAO: papers.md §SAO). Pure functions live in tiderl/algos."""
+    """The RL algorithm. Pure functions live in tiderl/algos; docs/algorithms.md has every formula.
 
-    name: str = opt("sao", "Algorithm.", ("sao",))
-    eps_low: float = opt(0.3, "DIS band: tokens with ratio <= 1 - eps_low get no loss.")
-    eps_high: float = opt(5.0, "DIS band: tokens with ratio >= 1 + eps_high get no loss.")
+    `name` picks a preset (`tiderl.algos.presets.preset_defaults`): "sao" runs the SAO step
+    (papers.md §SAO), every other name runs the generic step (`tiderl.algos.step.algo_step`),
+    which reads only the option fields below, never the name.
+    """
+
+    name: str = opt(
+        "sao",
+        "Algorithm preset: sao (single rollout, critic, DIS), ppo, grpo, dr_grpo, dapo, gspo, "
+        "rloo, reinforce_pp, decoupled_ppo, cispo. The preset sets the defaults of the algorithm "
+        "options below; keys you set yourself win.",
+        ("sao", "ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp",
+         "decoupled_ppo", "cispo"),
+    )
+    eps_low: float = opt(
+        0.3, "Lower ratio bound 1 - eps_low: DIS drops tokens at or below it; ppo/gspo clip "
+        "there; cispo clips the weight there (1 = no lower bound).")
+    eps_high: float = opt(
+        5.0, "Upper ratio bound 1 + eps_high (DIS drop, PPO/GSPO clip, CISPO weight cap); "
+        "eps_high > eps_low is DAPO's clip-higher.")
     gamma: float = opt(1.0, "Discount.")
     lambda_alpha: float = opt(1.5, "Decoupled policy lambda = 1 - 1/(alpha * action tokens).")
     critic_lambda: float = opt(1.0, "GAE lambda of the critic's targets (1 = Monte Carlo).")
@@ -163,6 +179,69 @@ class AlgoConfig:
     value_clip: float = opt(0.0, "Clip the value loss around the old values (0 = off).")
     normalize_advantages: bool = opt(False, "Whiten advantages over the batch's action tokens.")
     value_init: str = opt("", "Directory of a pretrained critic to start from ('' = the policy).")
+    # ---- generic step (every name but sao): advantage estimator
+    advantage: str = opt(
+        "gae",
+        "Advantage estimator: gae (critic, skip-observation GAE), grpo ((r - group mean) / "
+        "(group std + adv_eps)), dr_grpo (r - group mean), rloo (leave-one-out group mean), "
+        "reinforce_pp (discounted returns whitened over the batch).",
+        ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"),
+    )
+    decoupled_lambda: bool = opt(
+        True, "gae: SAO's per-trajectory policy lambda 1 - 1/(lambda_alpha * action tokens); "
+        "false = the fixed policy_lambda.")
+    policy_lambda: float = opt(0.95, "gae: the actor's GAE lambda when decoupled_lambda is false.")
+    group_size: int = opt(
+        1, "Rollouts sampled per prompt (they share Trajectory.group_id). grpo/dr_grpo/rloo and "
+        "dynamic_sampling need >= 2.")
+    adv_eps: float = opt(1e-6, "grpo: epsilon added to the group std.")
+    # ---- policy loss
+    policy_loss: str = opt(
+        "dis",
+        "Policy loss: dis (SAO's double-sided band), ppo (clip, clip-higher, dual clip), "
+        "decoupled_ppo (clip around recomputed proximal log-probs, times pi_prox/pi_behav), "
+        "cispo (clipped stop-gradient IS weight x log-prob), gspo (sequence-level ratio and clip).",
+        ("dis", "ppo", "decoupled_ppo", "cispo", "gspo"),
+    )
+    old_logprobs: str = opt(
+        "behavior",
+        "The log-probs ratios are taken against: behavior (the engine's, as sampled) or "
+        "recompute (the trainer's weights before this step's update; one extra forward pass). "
+        "decoupled_ppo always recomputes them as its proximal policy.",
+        ("behavior", "recompute"),
+    )
+    dual_clip_c: float = opt(
+        0.0, "ppo/decoupled_ppo dual clip: for A < 0 the objective is at least c * A (c > 1; "
+        "0 = off).")
+    behavior_weight_cap: float = opt(
+        0.0, "decoupled_ppo: cap on the behaviour weight pi_prox/pi_behav (>= 1; 0 = no cap).")
+    loss_agg: str = opt(
+        "token-mean",
+        "How token losses become one number: token-mean (all action tokens of the step), "
+        "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (token sum / "
+        "loss_agg_length, mean over sequences).",
+        ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
+    loss_agg_length: int = opt(
+        0, "seq-mean-token-sum-norm: the constant token count each sequence's loss sum is "
+        "divided by (e.g. the generation budget).")
+    actor_updates: int = opt(1, "Actor optimizer steps on each batch (PPO epochs).")
+    # ---- regularisers
+    kl_coef: float = opt(0.0, "Weight of the KL to a frozen reference model (0 = off, no ref).")
+    kl_estimator: str = opt("k3", "KL estimator: k1 = log r, k2 = (log r)^2 / 2, "
+                            "k3 = 1/r - 1 + log r, with r = pi/pi_ref.", ("k1", "k2", "k3"))
+    kl_in_reward: bool = opt(
+        False, "true: subtract kl_coef * KL from the rewards (per token; summed per trajectory "
+        "for group estimators); false: add kl_coef * KL to the loss.")
+    entropy_coef: float = opt(0.0, "Entropy bonus: the loss gets -entropy_coef * mean entropy.")
+    # ---- sampling-side shaping (DAPO)
+    dynamic_sampling: bool = opt(
+        False, "Drop groups whose rewards are all equal (they carry no advantage).")
+    overlong_buffer: int = opt(
+        0, "Soft overlong penalty: responses longer than overlong_max_tokens - overlong_buffer "
+        "action tokens lose up to overlong_penalty linearly (0 = off).")
+    overlong_max_tokens: int = opt(0, "Overlong penalty: the action-token limit L_max.")
+    overlong_penalty: float = opt(1.0, "Overlong penalty: the reward lost at L_max and beyond.")
 
 
 @dataclass
@@ -398,8 +477,8 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(f"{field_name}: {problem}. Fix: {fix}.")
 
-    need(cfg.algo.eps_low > 0 and cfg.algo.eps_low < 1, "algo.eps_low",
-         f"{cfg.algo.eps_low} is outside (0, 1)", "use a value such as 0.3")
+    need(0 < cfg.algo.eps_low <= 1, "algo.eps_low",
+         f"{cfg.algo.eps_low} is outside (0, 1]", "use a value such as 0.3 (1 = no lower bound)")
     need(cfg.algo.eps_high > 0, "algo.eps_high", f"{cfg.algo.eps_high} must be > 0",
          "use a value such as 5.0")
     need(0 <= cfg.algo.gamma <= 1, "algo.gamma", f"{cfg.algo.gamma} is outside [0, 1]", "use 1.0")
@@ -410,6 +489,55 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.algo.critic_warmup_steps >= 0, "algo.critic_warmup_steps", "must be >= 0", "use 10")
     need(cfg.algo.actor_lr > 0 and cfg.algo.critic_lr > 0, "algo.actor_lr/critic_lr",
          "learning rates must be > 0", "use e.g. 1e-6 / 5e-6")
+    # algo.* checks of the algorithm family (GRPO variants, PPO, decoupled PPO, CISPO, GSPO).
+    a = cfg.algo
+    # The SAO step ignores these options, so any other value would be silently lost.
+    sao_fixed = {"advantage": "gae", "decoupled_lambda": True, "policy_loss": "dis",
+                 "old_logprobs": "behavior", "loss_agg": "token-mean", "actor_updates": 1,
+                 "kl_coef": 0.0, "entropy_coef": 0.0, "dynamic_sampling": False,
+                 "overlong_buffer": 0, "dual_clip_c": 0.0, "behavior_weight_cap": 0.0}
+    if a.name == "sao":
+        for key, value in sao_fixed.items():
+            need(getattr(a, key) == value, f"algo.{key}",
+                 f"{getattr(a, key)!r} is not used by algo.name=sao (its step needs {value!r})",
+                 f"set algo.{key}={value} or pick a generic preset such as algo.name=ppo")
+    group_estimator = a.advantage in ("grpo", "dr_grpo", "rloo")
+    need(a.group_size >= 1, "algo.group_size", "must be >= 1", "use 1 (one rollout per prompt)")
+    need(not group_estimator or a.group_size >= 2, "algo.group_size",
+         f"is {a.group_size}, but algo.advantage={a.advantage} compares rollouts of one prompt "
+         "(a group of one has advantage 0)", "use e.g. 8, or algo.advantage=gae/reinforce_pp")
+    need(not a.dynamic_sampling or a.group_size >= 2, "algo.dynamic_sampling",
+         "drops groups of equal rewards, and every group of one is such a group",
+         "set algo.group_size >= 2 or algo.dynamic_sampling=false")
+    need(cfg.rollout.batch_size % a.group_size == 0, "algo.group_size",
+         f"{a.group_size} does not divide rollout.batch_size={cfg.rollout.batch_size}",
+         "make rollout.batch_size a multiple of algo.group_size")
+    need(0 <= a.policy_lambda <= 1, "algo.policy_lambda", f"{a.policy_lambda} is outside [0, 1]",
+         "use 0.95")
+    need(a.adv_eps >= 0, "algo.adv_eps", "must be >= 0", "use 1e-6")
+    need(a.dual_clip_c == 0 or a.dual_clip_c > 1, "algo.dual_clip_c",
+         f"{a.dual_clip_c} must be > 1 (or 0 = off)", "use 3.0 or 0")
+    need(a.dual_clip_c == 0 or a.policy_loss in ("ppo", "decoupled_ppo"), "algo.dual_clip_c",
+         f"only ppo/decoupled_ppo use it, not algo.policy_loss={a.policy_loss}",
+         "set algo.dual_clip_c=0")
+    need(a.behavior_weight_cap == 0 or a.behavior_weight_cap >= 1, "algo.behavior_weight_cap",
+         f"{a.behavior_weight_cap} would shrink on-policy tokens (weight 1)",
+         "use a cap >= 1 such as 5.0, or 0 for none")
+    need((a.loss_agg == "seq-mean-token-sum-norm") == (a.loss_agg_length > 0),
+         "algo.loss_agg_length",
+         f"is {a.loss_agg_length} with algo.loss_agg={a.loss_agg}; it must be > 0 exactly when "
+         "loss_agg is seq-mean-token-sum-norm",
+         "set it to the generation budget (e.g. rollout.max_new_tokens * env.max_turns) with "
+         "seq-mean-token-sum-norm, else 0")
+    need(a.actor_updates >= 1, "algo.actor_updates", "must be >= 1", "use 1")
+    need(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0", "use 0 (off) or e.g. 0.04")
+    need(a.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0", "use 0 (off) or e.g. 1e-3")
+    need(a.overlong_buffer >= 0, "algo.overlong_buffer", "must be >= 0", "use 0 (off)")
+    need(a.overlong_buffer == 0 or a.overlong_max_tokens > a.overlong_buffer,
+         "algo.overlong_max_tokens",
+         f"{a.overlong_max_tokens} must exceed algo.overlong_buffer={a.overlong_buffer}",
+         "set it to the action-token limit, e.g. rollout.max_new_tokens * env.max_turns")
+    need(a.overlong_penalty >= 0, "algo.overlong_penalty", "must be >= 0", "use 1.0")
     need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0", "use 1.0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", f"{cfg.rollout.top_p} is outside (0, 1]",
          "use 1.0")

@@ -1,0 +1,132 @@
+"""Algorithm presets and the algo.* config checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from tiderl.algos.presets import (
+    PRESETS,
+    TRAINER_KEYS,
+    algorithm_keys,
+    preset_defaults,
+    with_preset,
+)
+from tiderl.config import AlgoConfig, ConfigError, RunConfig, config_from_dict, load_config, to_dict
+
+NAMES = sorted(PRESETS)
+
+
+def test_every_name_has_a_preset_and_every_preset_validates() -> None:
+    choices = dataclasses.fields(AlgoConfig)[0].metadata["choices"]
+    assert sorted(choices) == NAMES
+    for name in NAMES:
+        cfg = config_from_dict({"algo": with_preset({"name": name})})
+        assert cfg.algo.name == name
+
+
+def test_sao_preset_is_the_defaults() -> None:
+    # The AlgoConfig defaults are SAO's, so applying the sao preset changes nothing (existing
+    # configs keep their meaning).
+    assert AlgoConfig(**preset_defaults("sao")) == AlgoConfig()
+
+
+def test_presets_set_every_algorithm_key_and_no_trainer_key() -> None:
+    keys = set(algorithm_keys()) | {"name"}
+    for name in NAMES:
+        d = preset_defaults(name)
+        assert set(d) == keys, name
+        assert not set(PRESETS[name]) & set(TRAINER_KEYS), name
+
+
+@pytest.mark.parametrize("a, b", list(itertools.combinations(NAMES, 2)))
+def test_switching_preset_changes_only_algorithm_options(a: str, b: str) -> None:
+    # The same user config (trainer options set explicitly) under two presets: everything
+    # outside algo.*, and the trainer keys inside it, stay identical.
+    user = {"train": {"steps": 7, "micro_batch_tokens": 8192}, "rollout": {"batch_size": 64},
+            "model": {"device": "cpu"}}
+    algo_user = {"actor_lr": 3e-5, "critic_lr": 2e-4}
+    cfg_a = config_from_dict({**user, "algo": with_preset({"name": a, **algo_user})})
+    cfg_b = config_from_dict({**user, "algo": with_preset({"name": b, **algo_user})})
+    da, db = to_dict(cfg_a), to_dict(cfg_b)
+    assert {k: v for k, v in da.items() if k != "algo"} == {
+        k: v for k, v in db.items() if k != "algo"}
+    changed = {k for k in da["algo"] if da["algo"][k] != db["algo"][k]}
+    assert "name" in changed and changed <= set(algorithm_keys()) | {"name"}
+    assert all(da["algo"][k] == db["algo"][k] for k in TRAINER_KEYS)
+
+
+def test_user_keys_win_over_the_preset() -> None:
+    d = with_preset({"name": "grpo", "kl_coef": 0.0, "group_size": 4})
+    assert d["kl_coef"] == 0.0 and d["group_size"] == 4
+    assert d["advantage"] == "grpo" and d["loss_agg"] == "seq-mean-token-mean"
+    assert with_preset({}) == preset_defaults("sao")
+    with pytest.raises(ValueError, match="unknown algorithm preset 'grpoo'"):
+        preset_defaults("grpoo")
+
+
+def test_preset_values_by_paper() -> None:
+    # A few values each paper fixes (docs/algorithms.md): DAPO's clip-higher (0.2, 0.28);
+    # GSPO's (3e-4, 4e-4); GRPO's KL beta 0.04 with k3; CISPO without a lower bound.
+    assert (preset_defaults("dapo")["eps_low"], preset_defaults("dapo")["eps_high"]) == (0.2, 0.28)
+    assert (preset_defaults("gspo")["eps_low"], preset_defaults("gspo")["eps_high"]) == (3e-4, 4e-4)
+    assert (preset_defaults("grpo")["kl_coef"], preset_defaults("grpo")["kl_estimator"]) == (
+        0.04, "k3")
+    assert preset_defaults("cispo")["eps_low"] == 1.0
+    # Critic-free presets never wait for a critic warm-up.
+    for name in NAMES:
+        d = preset_defaults(name)
+        if d["advantage"] != "gae":
+            assert d["critic_warmup_steps"] == 0, name
+
+
+@pytest.mark.parametrize("overrides, field, fix", [
+    (["algo.kl_coef=0.1"], "algo.kl_coef", "algo.name=ppo"),
+    (["algo.policy_loss=ppo"], "algo.policy_loss", "algo.policy_loss=dis"),
+    (["algo.name=grpo", "algo.advantage=grpo"], "algo.group_size", "use e.g. 8"),
+    (["algo.name=dapo", "algo.dynamic_sampling=true"], "algo.dynamic_sampling",
+     "algo.group_size >= 2"),
+    (["algo.name=grpo", "algo.advantage=grpo", "algo.group_size=5"], "algo.group_size",
+     "multiple of algo.group_size"),
+    (["algo.name=ppo", "algo.policy_loss=ppo", "algo.dual_clip_c=0.5"], "algo.dual_clip_c",
+     "use 3.0"),
+    (["algo.name=ppo", "algo.policy_loss=cispo", "algo.dual_clip_c=3"], "algo.dual_clip_c",
+     "algo.dual_clip_c=0"),
+    (["algo.name=ppo", "algo.loss_agg=seq-mean-token-sum-norm"], "algo.loss_agg_length",
+     "generation budget"),
+    (["algo.name=ppo", "algo.overlong_buffer=16"], "algo.overlong_max_tokens",
+     "action-token limit"),
+    (["algo.name=ppo", "algo.behavior_weight_cap=0.5"], "algo.behavior_weight_cap", "5.0"),
+    (["algo.eps_low=1.5"], "algo.eps_low", "0.3"),
+])
+def test_algo_errors_name_the_field_and_the_fix(overrides, field, fix) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    msg = str(e.value)
+    assert msg.startswith(field) and "Fix:" in msg and fix in msg
+
+
+def test_choices_are_checked() -> None:
+    with pytest.raises(ConfigError, match="algo.loss_agg: 'mean' is not one of"):
+        load_config(None, ["algo.loss_agg=mean"])
+    with pytest.raises(ConfigError, match="algo.name: 'trpo' is not one of"):
+        load_config(None, ["algo.name=trpo"])
+    # eps_low = 1 (no lower bound) is allowed now, for CISPO.
+    assert isinstance(load_config(None, ["algo.eps_low=1.0"]), RunConfig)
+
+
+def test_presets_import_without_torch_and_exports_resolve() -> None:
+    # config.py must not import torch, so the config loader can apply presets only if
+    # tiderl.algos.presets (and the package init) stay torch-free.
+    import subprocess
+    import sys
+
+    code = ("import sys, tiderl.algos.presets as p; p.with_preset({'name': 'grpo'}); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    import tiderl.algos
+
+    for name in tiderl.algos.__all__:
+        assert getattr(tiderl.algos, name) is not None, name

@@ -1,0 +1,47 @@
+"""Sampling-side helpers of DAPO (Yu et al. 2025, arXiv 2503.14476), as pure functions.
+
+- Dynamic sampling: a group whose rollouts all got the same reward (all right or all wrong) has
+  zero advantage under any group baseline, so it only dilutes the batch. DAPO drops such groups
+  and samples more prompts until the batch is full; `informative_groups` says which to keep.
+- Overlong reward shaping: a soft, linear penalty for responses that enter a buffer zone of
+  `buffer` tokens before the length limit `max_length`:
+
+      R_len(l) = 0                                  if l <= max_length - buffer
+               = ((max_length - buffer) - l) / buffer   if max_length - buffer < l <= max_length
+               = -1                                 if l > max_length
+
+  times a penalty factor, added to the task reward. `l` is the number of generated (action)
+  tokens of the trajectory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiderl.algos.group_advantages import group_stats
+
+__all__ = ["informative_groups", "overlong_penalty"]
+
+
+def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """keep[B]: True where the trajectory's group has rewards that are not all equal.
+
+    A group of one is never informative (there is nothing to compare with). Equality is exact
+    (float64 std == 0), as rewards are usually 0/1 outcomes.
+    """
+    _, std, _ = group_stats(rewards, group_index)
+    return std > 0
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0
+                     ) -> torch.Tensor:
+    """factor * R_len(lengths) with R_len from the module docstring; float32 [B], <= 0."""
+    if buffer <= 0 or max_length <= buffer:
+        raise ValueError(f"need 0 < buffer < max_length; got buffer={buffer}, "
+                         f"max_length={max_length}")
+    length = lengths.double()
+    start = max_length - buffer
+    soft = (start - length) / buffer
+    r = torch.where(length <= start, torch.zeros_like(length),
+                    torch.where(length <= max_length, soft, torch.full_like(length, -1.0)))
+    return (factor * r).float()
