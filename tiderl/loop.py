@@ -114,6 +114,8 @@ def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
     """Run SAO steps from `run.step` up to `train.steps` (or `steps` more). Returns the metrics."""
     cfg = run.cfg
     last = cfg.train.steps if steps is None else run.step + steps
+    if cfg.system.backend != "inline":
+        return _train_async(run, last - run.step)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -151,6 +153,23 @@ def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
                                 run.actor, run.critic, run.tokenizer)
     finally:
         logger.close()
+    return history
+
+
+def _train_async(run: Run, steps: int) -> list[dict[str, Any]]:
+    """The same training on the asynchronous scheduler (`system.backend` local or ray); the
+    run's totals (ledger, staleness histogram, slot changes) go to `run_dir/system.json`."""
+    import json
+
+    from tiderl.system.local import train_async
+
+    if run.cfg.system.backend == "ray":
+        from tiderl.system.ray_backend import train_ray
+
+        history, summary = train_ray(run, steps)
+    else:
+        history, summary = train_async(run, steps)
+    (Path(run.cfg.run_dir) / "system.json").write_text(json.dumps(summary, indent=2))
     return history
 
 

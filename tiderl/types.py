@@ -28,6 +28,8 @@ class Trajectory:
     env_info: metrics the environment reports (success, f1, tool errors, ...).
     num_turns: model turns taken; stop_reason: why the episode ended
         ("answer", "max_turns", "max_tokens", "length", "error").
+    annotations: per-token lists computed after the episode, before training (e.g. "values":
+        critic values, "ref_logprobs": reference log-probs), each one entry per token.
     """
 
     tokens: list[int]
@@ -41,6 +43,7 @@ class Trajectory:
     env_info: dict[str, Any] = field(default_factory=dict)
     num_turns: int = 0
     stop_reason: str = ""
+    annotations: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

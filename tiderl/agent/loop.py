@@ -12,15 +12,16 @@ warm-start data and drives the tests.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiderl.agent.chat import ChatFormat, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
-from tiderl.envs.protocol import Env, StepResult, Task
+from tiderl.envs.protocol import Action, Env, StepResult, Task
 from tiderl.rollout.base import Completion, Engine, SamplingParams
 from tiderl.types import NO_VERSION, Trajectory
 
@@ -211,6 +212,18 @@ def _play_turn(
     continue_message: str,
 ) -> None:
     """Append one sampled turn, let the environment act on it, and append its answer."""
+    action = _append_turn(episode, completion, limit, tokenizer)
+    try:
+        result = episode.env.step(action)
+    except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
+        episode.fail(exc, "env.step")
+        return
+    _apply_result(episode, result, max_turns, max_total_tokens, continue_message)
+
+
+def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenizer: Any) -> Action:
+    """Append the kept sampled tokens of one turn (plus a forced end-of-turn when it was cut)
+    and return the parsed Action the environment will see."""
     assert episode.env is not None and episode.fmt is not None
     end_id = episode.fmt.end_of_turn_id
     n = len(completion.token_ids)
@@ -232,12 +245,14 @@ def _play_turn(
 
     # Decoding (not re-tokenizing) the sampled ids is how the environment gets to read them.
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    action = parse_hermes_tool_calls(text, strip=(episode.fmt.end_of_turn,))
-    try:
-        result = episode.env.step(action)
-    except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
-        episode.fail(exc, "env.step")
-        return
+    return parse_hermes_tool_calls(text, strip=(episode.fmt.end_of_turn,))
+
+
+def _apply_result(
+    episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int, continue_message: str
+) -> None:
+    """Close the episode on `result`, or append the environment's answer for the next turn."""
+    assert episode.fmt is not None
     if result.done:
         episode.close_with(result, "answer")
         return
@@ -254,6 +269,56 @@ def _play_turn(
         episode.stop_early("max_tokens")
         return
     episode.append_forced(answer)
+
+
+async def play_episode(
+    generate: Callable[[list[int], SamplingParams], Awaitable[Completion]],
+    tokenizer: Any,
+    make_env: Callable[[], Env],
+    task: Task,
+    params: SamplingParams,
+    max_turns: int,
+    max_total_tokens: int,
+    group_id: str | None = None,
+    continue_message: str = CONTINUE_MESSAGE,
+) -> Trajectory:
+    """Play one episode on its own, turn after turn, and return its Trajectory.
+
+    The asynchronous counterpart of `run_episodes`, with the same promises for one task (token
+    layout, limits, forced end-of-turn, rewards, errors): `run_episodes` holds a batch in
+    lock-step, this coroutine lets every episode move at its own pace, which is what continuous
+    task batching needs. `generate(prompt_ids, params)` is awaited for each model turn (a
+    batching engine client gathers concurrent requests into one decode). The environment's
+    `step` runs in a worker thread, so a slow tool blocks only its own episode; an environment
+    that defines a coroutine `astep(action)` is awaited directly instead.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns}: an episode needs at least one model turn; use max_turns >= 1")
+    if max_total_tokens < 2:
+        raise ValueError(f"max_total_tokens={max_total_tokens} leaves no room for a turn; use a larger budget")
+    episode = _Episode(task=task, group_id=group_id or task.task_id)
+    _start(episode, tokenizer, make_env, max_total_tokens)
+    while episode.trajectory is None:
+        assert episode.fmt is not None and episode.env is not None
+        limit = min(params.max_new_tokens, max_total_tokens - len(episode.tokens) - 1)
+        call_params = dataclasses.replace(
+            params,
+            max_new_tokens=limit,
+            stop_token_ids=_with_end_of_turn(params.stop_token_ids, [episode.fmt.end_of_turn_id]),
+        )
+        completion = await generate(list(episode.tokens), call_params)
+        action = _append_turn(episode, completion, limit, tokenizer)
+        try:
+            astep = getattr(episode.env, "astep", None)
+            if astep is not None:
+                result = await astep(action)
+            else:
+                result = await asyncio.to_thread(episode.env.step, action)
+        except Exception as exc:  # noqa: BLE001 - one environment's failure ends only its episode
+            episode.fail(exc, "env.step")
+            break
+        _apply_result(episode, result, max_turns, max_total_tokens, continue_message)
+    return episode.trajectory
 
 
 def _with_end_of_turn(stop_token_ids: list[int], end_ids: list[int]) -> list[int]:

@@ -1,0 +1,136 @@
+"""The readiness-aware buffer: finished trajectories wait here until they are ready to train.
+
+A trajectory is *ready* once every preparation its algorithm needs has run on it (critic
+values, reference log-probs, ...); its reward is already in it when it arrives. Preparations
+run on their own thread, batched over whatever has arrived, so they overlap with actor
+training and with rollout instead of forming a serial phase. SAO takes single trajectories;
+group algorithms (`group_size > 1`) take only complete groups, all of whose members are ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from tiderl.types import Trajectory
+
+# A preparation annotates a list of trajectories in place (e.g. puts per-token critic values in
+# `trajectory.annotations["values"]`).
+Preparation = Callable[[list[Trajectory]], None]
+
+
+class ReadyBuffer:
+    """FIFO of ready trajectories (or groups), fed through the preparations.
+
+    `put(t)` queues a finished trajectory for preparation; `take(n, timeout_s)` waits until `n`
+    ready trajectories (whole groups when `group_size > 1`, so `n` must be a multiple of it)
+    are there and returns them in the order they became ready. `prep_busy` records the
+    (start, end) time of every preparation batch, for measuring overlap with training.
+    """
+
+    def __init__(self, preparations: list[Preparation], group_size: int = 1, max_prep_batch: int = 64):
+        if group_size < 1:
+            raise ValueError(f"group_size={group_size} must be >= 1")
+        self.preparations = preparations
+        self.group_size = group_size
+        self.max_prep_batch = max_prep_batch
+        self._waiting: list[Trajectory] = []  # finished, not yet prepared
+        self._ready: list[Trajectory] = []  # prepared; whole groups when group_size > 1
+        self._partial: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self._changed = asyncio.Event()
+        self._wake_prep = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tiderl-prep")
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self.prep_busy: list[tuple[float, float]] = []
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    @property
+    def waiting_count(self) -> int:
+        """Finished trajectories not yet ready (being prepared, or in an incomplete group)."""
+        return len(self._waiting) + sum(len(g) for g in self._partial.values())
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._prep_loop(), name="tiderl-prep")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    def put(self, trajectory: Trajectory) -> None:
+        self._waiting.append(trajectory)
+        self._wake_prep.set()
+
+    def discard(self, trajectories: list[Trajectory]) -> None:
+        """Remove ready trajectories (the scheduler's own bookkeeping put them back)."""
+        ids = {id(t) for t in trajectories}
+        self._ready = [t for t in self._ready if id(t) not in ids]
+
+    async def take(self, n: int, timeout_s: float, describe: Callable[[], str] = lambda: "") -> list[Trajectory]:
+        """The first `n` ready trajectories; raises TimeoutError (saying what it waited for)
+        when they are not there within `timeout_s`."""
+        if n % self.group_size:
+            raise ValueError(f"take({n}) must be a multiple of group_size={self.group_size}")
+        deadline = time.monotonic() + timeout_s
+        while len(self._ready) < n:
+            if self._error is not None:
+                raise RuntimeError(f"a preparation failed: {self._error!r}") from self._error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"waited {timeout_s:.0f}s for {n} ready trajectories; {len(self._ready)} ready, "
+                    f"{self.waiting_count} being prepared or in incomplete groups. {describe()}"
+                )
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
+            except TimeoutError:
+                pass
+        batch, self._ready = self._ready[:n], self._ready[n:]
+        return batch
+
+    async def _prep_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake_prep.wait()
+            self._wake_prep.clear()
+            while self._waiting:
+                batch, self._waiting = self._waiting[: self.max_prep_batch], self._waiting[self.max_prep_batch:]
+                if self.preparations:
+                    t0 = time.perf_counter()
+                    try:
+                        await loop.run_in_executor(self._executor, self._prepare, batch)
+                    except Exception as exc:  # noqa: BLE001 - surfaced to the trainer's take()
+                        self._error = exc
+                        self._changed.set()
+                        return
+                    self.prep_busy.append((t0, time.perf_counter()))
+                for trajectory in batch:
+                    self._admit(trajectory)
+                self._changed.set()
+
+    def _prepare(self, batch: list[Trajectory]) -> None:
+        for preparation in self.preparations:
+            preparation(batch)
+
+    def _admit(self, trajectory: Trajectory) -> None:
+        if self.group_size == 1:
+            self._ready.append(trajectory)
+            return
+        group = self._partial.setdefault(trajectory.group_id, [])
+        group.append(trajectory)
+        if len(group) == self.group_size:
+            self._ready.extend(self._partial.pop(trajectory.group_id))

@@ -1,0 +1,191 @@
+"""The local backend: the asynchronous scheduler in one process.
+
+Episodes are asyncio coroutines (`play_episode`); the engine decodes on its own thread through a
+`BatchingEngine`; the trainer steps on another thread; preparations (critic values) run on a
+third. Torch releases the GIL inside its kernels, so decoding, training and preparation overlap
+on a multi-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tiderl.agent.loop import play_episode
+from tiderl.algos.sao import sao_step
+from tiderl.config import RunConfig, dump_yaml
+from tiderl.envs.protocol import Task
+from tiderl.evaluate import sampling_params
+from tiderl.metrics.logger import MetricsLogger
+from tiderl.rollout.base import SamplingParams
+from tiderl.rollout.torch_engine import TorchEngine, weights_checksum
+from tiderl.system.buffer import Preparation, ReadyBuffer
+from tiderl.system.engine_client import BatchingEngine
+from tiderl.system.latency import with_latency
+from tiderl.system.scheduler import Scheduler, SchedulerSettings
+from tiderl.train.batching import collate, micro_batch_indices, slice_batch
+from tiderl.train.forward import token_values
+from tiderl.types import Trajectory
+
+if TYPE_CHECKING:
+    from tiderl.loop import Run
+
+
+class LocalRollout:
+    """Episodes as coroutines over one in-process engine (the RolloutBackend protocol)."""
+
+    def __init__(self, engine: TorchEngine, tokenizer: Any, make_env: Any, params: SamplingParams,
+                 max_turns: int, max_total_tokens: int, max_batch_size: int):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.make_env = make_env
+        self.params = params
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+        self.client = BatchingEngine(engine, max_batch_size)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def start(self) -> None:
+        self.client.start()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
+        return await play_episode(self.client.generate, self.tokenizer, self.make_env, task, self.params,
+                                  self.max_turns, self.max_total_tokens, group_id=group_id)
+
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
+        await self.client.update_weights(state_dict, version)
+        return await self.client.call(self.engine.state_checksum)
+
+
+class CriticSnapshot:
+    """A copy of the critic for the preparation thread, refreshed after every trainer step, so
+    values are computed while the trainer updates the live critic (ref/critic pipelining)."""
+
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+        self.model = copy.deepcopy(critic).eval().requires_grad_(False)
+        self.pad_id = pad_id
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = device
+        self.lock = threading.Lock()
+
+    def refresh(self, critic: torch.nn.Module) -> None:
+        with self.lock:
+            self.model.load_state_dict(critic.state_dict())
+
+    @torch.no_grad()
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        """Put `annotations["values"]` (one critic value per token) on each trajectory."""
+        batch = collate(trajectories, self.pad_id)
+        lengths = [len(t.tokens) for t in trajectories]
+        for rows in micro_batch_indices(lengths, self.micro_batch_tokens):
+            mb = slice_batch(batch, rows).to(self.device)
+            with self.lock:
+                values = token_values(self.model, mb.input_ids, mb.attention_mask).float().cpu()
+            for i, row in enumerate(rows):
+                trajectories[row].annotations["values"] = values[i, : lengths[row]].tolist()
+
+
+class SAOTrainer:
+    """The TrainerSide of a tiderl Run: one `sao_step` per batch."""
+
+    def __init__(self, run: "Run", snapshot: CriticSnapshot | None = None):
+        self.run = run
+        self.snapshot = snapshot
+
+    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
+        cfg = self.run.cfg
+        metrics = sao_step(batch, self.run.actor, self.run.critic, cfg.algo,
+                           pad_id=self.run.tokenizer.pad_token_id,
+                           micro_batch_tokens=cfg.train.micro_batch_tokens,
+                           train_actor=version >= cfg.algo.critic_warmup_steps,
+                           device=cfg.model.device)
+        if self.snapshot is not None:
+            self.snapshot.refresh(self.run.critic.model)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.run.actor.model.state_dict()
+
+    def checksum(self, state_dict: dict[str, Any]) -> float:
+        return weights_checksum(state_dict)
+
+
+def scheduler_settings(cfg: RunConfig) -> SchedulerSettings:
+    s = cfg.system
+    return SchedulerSettings(
+        batch_size=cfg.rollout.batch_size, max_staleness=s.max_staleness, partial_rollout=s.partial_rollout,
+        slots=s.slots, min_slots=s.min_slots, max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
+        max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
+    )
+
+
+def training_env_factory(cfg: RunConfig, make_env: Any) -> Any:
+    """The run's environment factory with the configured simulated tool latency."""
+    e = cfg.env
+    return with_latency(make_env, e.tool_latency, e.tool_latency_s, e.tool_latency_spread,
+                        e.tool_latency_max_s, seed=cfg.seed)
+
+
+def train_async(run: "Run", steps: int, rollout: Any = None,
+                preparations: list[Preparation] | None = None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Train `steps` optimizer steps with the asynchronous scheduler; returns (history, summary).
+
+    `rollout` defaults to a LocalRollout over `run.engine`; the Ray backend passes its own.
+    """
+    from tiderl.loop import rollout_metrics
+
+    cfg = run.cfg
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    if rollout is None:
+        params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
+        rollout = LocalRollout(run.engine, run.tokenizer, training_env_factory(cfg, run.make_env), params,
+                               cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size)
+    if preparations is None:
+        snapshot = CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
+                                  cfg.train.micro_batch_tokens, cfg.model.device)
+        preparations = [snapshot]
+    else:
+        snapshot = None
+    trainer = SAOTrainer(run, snapshot)
+    logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
+
+    def on_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> None:
+        metrics.update(rollout_metrics(batch))
+        run.step = version
+        logger.log(version, metrics)
+
+    async def main() -> tuple[list[dict[str, float]], dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        settings = scheduler_settings(cfg)
+        # Environments without `astep` run their steps on the default executor: give it a
+        # thread per slot so slow tools do not queue behind each other.
+        loop.set_default_executor(ThreadPoolExecutor(max(settings.initial_slots(), cfg.system.max_slots) + 4))
+        buffer = ReadyBuffer(preparations)
+        scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer,
+                              on_step=on_step, start_version=run.step)
+        await rollout.start()
+        try:
+            history = await scheduler.run(steps)
+        finally:
+            await rollout.close()
+        return history, scheduler.summary()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        logger.close()
+

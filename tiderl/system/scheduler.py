@@ -1,0 +1,420 @@
+"""The asynchronous scheduler: rollout slots and the trainer, each waiting only where the
+staleness bound says so.
+
+Three coroutines share one event loop:
+
+- **fill**: keeps up to `slots` episodes running. The moment one finishes, its slot takes the
+  next task (a retried task first) if the `StalenessGate` admits it: no batch barrier on the
+  rollout side.
+- **train**: takes `batch_size` ready trajectories from the `ReadyBuffer` (dropping and
+  counting the ones the gate judges too stale), runs the trainer's step on a worker thread,
+  bumps the version, hands the weights to the rollout side, verifies them by checksum, and
+  settles the batch. In `restart` mode it then cancels the episodes that started on older
+  weights and queues their tasks again.
+- **elastic**: every `elastic_interval_s`, measures the load and resizes `slots` within
+  [min_slots, max_slots] (`elastic.decide_slots`), logging each change and its reason.
+
+Everything the scheduler needs from the outside is injected: a task source, a rollout backend
+(`run_episode`, `update_weights`, `version`), and a trainer (`step`, `state_dict`). The local
+and Ray backends plug in the same way, and the tests drive it with fakes.
+
+Every task attempt ends in exactly one ledger bucket: trained, dropped as stale, failed (its
+retries used up), retried (it faulted and went back to the queue), restarted (cancelled by new
+weights in restart mode), or still unsettled when the run stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tiderl.envs.protocol import Task
+from tiderl.system.buffer import ReadyBuffer
+from tiderl.system.elastic import LoadSignals, decide_slots
+from tiderl.system.staleness import StalenessGate
+from tiderl.system.timing import TimeWeighted, overlap_s
+from tiderl.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutBackend(Protocol):
+    """Where episodes run. `version` is the weight version new tokens are sampled with."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
+        """Play one episode. Raising means the worker failed (the task is retried)."""
+        ...
+
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> Any:
+        """Load weights `version`; returns the checksum of what the workers now hold."""
+        ...
+
+
+class TrainerSide(Protocol):
+    """The learning side, as the scheduler sees it."""
+
+    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
+        """One optimizer step on `batch` (the trainer's weights are `version`); blocking."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy weights to hand to the rollout side."""
+        ...
+
+    def checksum(self, state_dict: dict[str, Any]) -> Any:
+        """What `RolloutBackend.update_weights` must return for these weights."""
+        ...
+
+
+@dataclass
+class SchedulerSettings:
+    batch_size: int
+    max_staleness: int = 0
+    partial_rollout: str = "continue"  # or "restart"
+    slots: int = 0  # 0 = (max_staleness + 1) * batch_size
+    min_slots: int = 0  # 0 = slots
+    max_slots: int = 0  # 0 = slots
+    elastic_interval_s: float = 2.0
+    max_task_retries: int = 2
+    wait_timeout_s: float = 600.0
+    group_size: int = 1
+
+    def initial_slots(self) -> int:
+        return self.slots or (self.max_staleness + 1) * self.batch_size
+
+
+@dataclass
+class Ledger:
+    """Where every task attempt went (see the module docstring)."""
+
+    started: int = 0
+    trained: int = 0
+    dropped_stale: int = 0
+    failed: int = 0
+    retried: int = 0
+    restarted: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    def settled(self) -> int:
+        return self.trained + self.dropped_stale + self.failed + self.retried + self.restarted
+
+
+@dataclass
+class _Attempt:
+    task: Task
+    group_id: str
+    attempt: int = 0
+    start_version: int = 0
+
+
+class Scheduler:
+    """Runs rollout and training concurrently for a number of optimizer steps."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        next_task: Callable[[], Task],
+        rollout: RolloutBackend,
+        trainer: TrainerSide,
+        buffer: ReadyBuffer,
+        on_step: Callable[[int, dict[str, float], list[Trajectory]], None] = lambda *_: None,
+        start_version: int = 0,
+    ):
+        s = settings
+        if s.batch_size % s.group_size:
+            raise ValueError(f"batch_size={s.batch_size} must be a multiple of group_size={s.group_size}")
+        if s.partial_rollout not in ("continue", "restart"):
+            raise ValueError(f"partial_rollout={s.partial_rollout!r}: use 'continue' or 'restart'")
+        self.settings = s
+        self.next_task = next_task
+        self.rollout = rollout
+        self.trainer = trainer
+        self.buffer = buffer
+        self.on_step = on_step
+        self.version = start_version
+        self.gate = StalenessGate(s.max_staleness, s.batch_size)
+        self.ledger = Ledger()
+        self.slots = s.initial_slots()
+        self.min_slots = s.min_slots or self.slots
+        self.max_slots = s.max_slots or self.slots
+        self.slot_events: list[dict[str, Any]] = []
+        self._queue: deque[_Attempt] = deque()  # retried/restarted attempts and pending group members
+        self._group_serial = itertools.count()
+        self._inflight: dict[asyncio.Task[None], _Attempt] = {}
+        self._changed = asyncio.Event()
+        self._trainer_exec = ThreadPoolExecutor(1, thread_name_prefix="tiderl-train")
+        # Time accounting (monotonic seconds).
+        self._active = TimeWeighted(0.0)
+        self._slots_tw = TimeWeighted(float(self.slots))
+        self._blocked = TimeWeighted(0.0)
+        self._idle = TimeWeighted(0.0)
+        self.train_busy: list[tuple[float, float]] = []
+        self.generated_tokens = 0
+        self.trained_tokens = 0
+        self._t0 = self._last_end = 0.0
+        self._stopping = False
+
+    # ------------------------------------------------------------------ public
+
+    async def run(self, steps: int) -> list[dict[str, float]]:
+        """Train `steps` optimizer steps; returns each step's metrics. Cancels what is still in
+        flight at the end (counted as unsettled, never silently lost)."""
+        self._t0 = self._last_end = time.monotonic()
+        history: list[dict[str, float]] = []
+        self.buffer.start()
+        fill = asyncio.create_task(self._fill_loop(), name="tiderl-fill")
+        elastic = asyncio.create_task(self._elastic_loop(), name="tiderl-elastic")
+        try:
+            for _ in range(steps):
+                history.append(await self._train_one())
+                if fill.done():  # a bug in the fill loop must not turn into a timeout
+                    fill.result()
+        finally:
+            self._stopping = True
+            for task in (fill, elastic):
+                task.cancel()
+            await asyncio.gather(fill, elastic, return_exceptions=True)
+            inflight = list(self._inflight)
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+            await self.buffer.close()
+            self._trainer_exec.shutdown(wait=True)
+        return history
+
+    def unsettled(self) -> int:
+        """Attempts started but not in any ledger bucket (in flight or waiting in the buffer)."""
+        return self.ledger.started - self.ledger.settled()
+
+    def summary(self) -> dict[str, Any]:
+        """Run totals: the ledger, the staleness histogram, the slot changes."""
+        wall = time.monotonic() - self._t0
+        return {
+            "ledger": {**{k: v for k, v in self.ledger.__dict__.items() if k != "failures"},
+                       "unsettled": self.unsettled()},
+            "failures": self.ledger.failures,
+            "staleness_histogram": dict(sorted(self.gate.histogram.items())),
+            "slot_events": self.slot_events,
+            "wall_s": wall,
+            "trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
+            "rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
+            "goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
+            "goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
+            "generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
+        }
+
+    # ------------------------------------------------------------------ rollout side
+
+    def _next_attempt(self) -> _Attempt:
+        if not self._queue:
+            task = self.next_task()
+            group = f"{task.task_id}#{next(self._group_serial)}"
+            for _ in range(self.settings.group_size):
+                self._queue.append(_Attempt(task, group))
+        return self._queue.popleft()
+
+    def _update_gauges(self) -> None:
+        self._active.set(len(self._inflight))
+        free = len(self._inflight) < self.slots
+        self._blocked.set(float(free and not self.gate.may_start(self.version, self.rollout.version)))
+
+    async def _fill_loop(self) -> None:
+        while True:
+            while len(self._inflight) < self.slots and self.gate.may_start(self.version, self.rollout.version):
+                attempt = self._next_attempt()
+                attempt.start_version = self.rollout.version
+                self.gate.started()
+                self.ledger.started += 1
+                task = asyncio.create_task(self._play(attempt), name=f"episode {attempt.group_id}")
+                self._inflight[task] = attempt
+                task.add_done_callback(self._episode_done)
+            self._update_gauges()
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _play(self, attempt: _Attempt) -> None:
+        try:
+            trajectory = await self.rollout.run_episode(attempt.task, attempt.group_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a worker failure costs one attempt, not the run
+            self._fault(attempt, f"rollout worker: {exc!r}")
+            return
+        self.generated_tokens += trajectory.num_action_tokens
+        if trajectory.stop_reason == "error":
+            self._fault(attempt, f"environment: {trajectory.env_info.get('error', '?')}")
+            return
+        self.buffer.put(trajectory)
+
+    def _fault(self, attempt: _Attempt, reason: str) -> None:
+        """Queue the task again, or count it as failed once its retries are used up."""
+        self.gate.settled()
+        if attempt.attempt < self.settings.max_task_retries:
+            self.ledger.retried += 1
+            self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt + 1))
+            logger.warning("task %s attempt %d failed (%s); retrying", attempt.task.task_id, attempt.attempt, reason)
+        else:
+            self.ledger.failed += 1
+            self.ledger.failures.append({"task_id": attempt.task.task_id, "attempts": attempt.attempt + 1,
+                                         "reason": reason})
+            logger.error("task %s failed after %d attempts: %s", attempt.task.task_id, attempt.attempt + 1, reason)
+
+    def _episode_done(self, task: asyncio.Task[None]) -> None:
+        attempt = self._inflight.pop(task, None)
+        if task.cancelled() and attempt is not None and not self._stopping:
+            self.gate.settled()
+            self.ledger.restarted += 1
+            self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt))
+        self._changed.set()
+
+    # ------------------------------------------------------------------ training side
+
+    def _describe(self) -> str:
+        blocker = self.gate.blocker(self.version, self.rollout.version)
+        return (f"In flight {len(self._inflight)} of {self.slots} slots; trainer version {self.version}, "
+                f"engine version {self.rollout.version}"
+                + (f"; the staleness gate holds new tasks: {blocker}" if blocker else ""))
+
+    async def _take_fresh_batch(self) -> list[Trajectory]:
+        """`batch_size` trajectories the gate judges fresh; stale ones (whole groups) are dropped."""
+        size, g = self.settings.batch_size, self.settings.group_size
+        fresh: list[Trajectory] = []
+        while len(fresh) < size:
+            got = await self.buffer.take(size - len(fresh), self.settings.wait_timeout_s, self._describe)
+            for start in range(0, len(got), g):
+                group = got[start:start + g]
+                verdicts = [self.gate.is_fresh(t, self.version) for t in group]
+                if all(verdicts):
+                    fresh.extend(group)
+                else:
+                    # A group's advantages depend on every member: a stale member spoils it.
+                    self.gate.dropped += verdicts.count(True)
+                    self.gate.settled(len(group))
+                    self.ledger.dropped_stale += len(group)
+                    self._changed.set()
+        return fresh
+
+    async def _train_one(self) -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        timeout = self.settings.wait_timeout_s
+        t_wait = time.monotonic()
+        self._idle.set(1.0)
+        batch = await self._take_fresh_batch()
+        self._idle.set(0.0)
+        t_train = time.monotonic()
+        metrics = dict(await loop.run_in_executor(self._trainer_exec, self.trainer.step, batch, self.version))
+        t_sync = time.monotonic()
+        self.train_busy.append((t_train, t_sync))
+        self.version += 1
+        state = self.trainer.state_dict()
+        try:
+            held = await asyncio.wait_for(self.rollout.update_weights(state, self.version), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"weight sync to version {self.version} took longer than "
+                               f"system.wait_timeout_s={timeout}s") from None
+        sent = self.trainer.checksum(state)
+        if held != sent:
+            raise RuntimeError(f"weight sync to version {self.version} failed: the rollout side holds "
+                               f"checksum {held!r}, the trainer sent {sent!r}")
+        self.gate.settled(len(batch))
+        self.ledger.trained += len(batch)
+        self.trained_tokens += sum(len(t.tokens) for t in batch)
+        if self.settings.partial_rollout == "restart":
+            self._restart_older_than(self.version)
+        self._changed.set()
+        t_end = time.monotonic()
+        metrics.update(self._step_metrics(batch, t_wait, t_train, t_sync, t_end))
+        self._last_end = t_end
+        self.on_step(self.version, metrics, batch)
+        return metrics
+
+    def _restart_older_than(self, version: int) -> None:
+        """Cancel the episodes that started on weights older than `version` (they are queued
+        again by `_episode_done`)."""
+        for task, attempt in list(self._inflight.items()):
+            if attempt.start_version < version:
+                task.cancel()
+
+    def _rollout_idle(self, slot_area: float, active_area: float) -> float:
+        return max(0.0, 1.0 - active_area / slot_area) if slot_area > 0 else 0.0
+
+    def _step_metrics(self, batch: list[Trajectory], t_wait: float, t_train: float, t_sync: float,
+                      t_end: float) -> dict[str, float]:
+        wall = t_end - self._t0
+        staleness = [self.version - 1 - min((v for v, m in zip(t.policy_version, t.loss_mask) if m),
+                                            default=self.version - 1) for t in batch]
+        return {
+            "policy_version": self.version,
+            "step_s": t_end - self._last_end,
+            "time/wait_batch_s": t_train - t_wait,
+            "time/train_s": t_sync - t_train,
+            "time/sync_s": t_end - t_sync,
+            "system/slots": self.slots,
+            "system/active_slots": len(self._inflight),
+            "system/queue_depth": self.buffer.ready_count,
+            "system/preparing": self.buffer.waiting_count,
+            "system/staleness_mean": sum(staleness) / len(staleness),
+            "system/staleness_max": max(staleness),
+            "system/dropped_stale": self.ledger.dropped_stale,
+            "system/retried": self.ledger.retried,
+            "system/failed": self.ledger.failed,
+            "system/restarted": self.ledger.restarted,
+            "system/trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
+            "system/rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
+            "system/prep_overlap_frac": self._prep_overlap(),
+            "throughput/goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
+            "throughput/goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
+            "throughput/generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
+        }
+
+    def _prep_overlap(self) -> float:
+        """Fraction of preparation time (critic values, reference log-probs) that ran while the
+        trainer was training: the ref/critic pipelining overlap."""
+        prep = self.buffer.prep_busy
+        total = sum(end - start for start, end in prep)
+        return overlap_s(prep, self.train_busy) / total if total > 0 else 0.0
+
+    # ------------------------------------------------------------------ elastic capacity
+
+    async def _elastic_loop(self) -> None:
+        interval = self.settings.elastic_interval_s
+        if self.min_slots == self.max_slots:
+            return
+        idle0, blocked0 = self._idle.integral(), self._blocked.integral()
+        while True:
+            await asyncio.sleep(interval)
+            idle1, blocked1 = self._idle.integral(), self._blocked.integral()
+            load = LoadSignals(
+                trainer_idle_frac=(idle1 - idle0) / interval,
+                ready=self.buffer.ready_count,
+                gate_blocked_frac=(blocked1 - blocked0) / interval,
+                batch_size=self.settings.batch_size,
+            )
+            idle0, blocked0 = idle1, blocked1
+            new, reason = decide_slots(self.slots, self.min_slots, self.max_slots, load)
+            if reason:
+                self.set_slots(new, reason)
+
+    def set_slots(self, slots: int, reason: str) -> None:
+        """Resize the rollout capacity (running episodes above a smaller size finish normally)."""
+        event = {"t": round(time.monotonic() - self._t0, 3), "version": self.version,
+                 "from": self.slots, "to": slots, "reason": reason}
+        self.slot_events.append(event)
+        logger.info("rollout slots %d -> %d: %s", self.slots, slots, reason)
+        self.slots = slots
+        self._slots_tw.set(float(slots))
+        self._changed.set()
