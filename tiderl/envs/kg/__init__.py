@@ -1,6 +1,18 @@
-"""Knowledge-graph environment: triple store, AgentBench-style tools, env and task sources."""
+"""Knowledge-graph environment: backends (in-memory, RDF files, SPARQL), AgentBench-style tools,
+the env, task sources (synthetic, MetaQA, AgentBench KG) and oracles. See docs/env_kg.md."""
 
+from tiderl.envs.kg.agentbench import gold_calls, gold_turns, load_agentbench_kg_tasks, parse_action, trace_graph
+from tiderl.envs.kg.backend import BackendLimitError, KGBackend, numeric_value
 from tiderl.envs.kg.env import TOOL_SCHEMAS, KGEnv, set_scores
+from tiderl.envs.kg.rdf import FREEBASE, WIKIDATA, GraphSpec, RdfSchema, load_rdf_file, parse_rdf, to_ntriples
+from tiderl.envs.kg.sparql import (
+    HttpSparqlClient,
+    OxigraphClient,
+    SparqlBackend,
+    SparqlError,
+    oxigraph_backend,
+    sparql_backend,
+)
 from tiderl.envs.kg.store import (
     METAQA_ATTRIBUTE_RELATIONS,
     TripleStore,
@@ -22,29 +34,52 @@ from tiderl.envs.kg.tasks import (
     split_by_entity,
     tool_call_text,
 )
-from tiderl.envs.kg.tools import TOOL_ARGUMENTS, KGToolbox
+from tiderl.envs.kg.tools import TOOL_ARGUMENTS, KGToolbox, ObservationLimits, bounded_list, knowledge_units
 
 __all__ = [
+    "BackendLimitError",
+    "FREEBASE",
+    "GraphSpec",
+    "HttpSparqlClient",
+    "KGBackend",
     "KGEnv",
     "KGToolbox",
     "METAQA_ATTRIBUTE_RELATIONS",
+    "ObservationLimits",
+    "OxigraphClient",
+    "RdfSchema",
+    "SparqlBackend",
+    "SparqlError",
     "TOOL_ARGUMENTS",
     "TOOL_SCHEMAS",
     "TripleStore",
+    "WIKIDATA",
+    "bounded_list",
     "build_movie_world",
     "default_templates",
     "follow_path",
     "generate_metaqa_training_questions",
     "generate_questions",
+    "gold_calls",
+    "gold_turns",
     "inverse",
+    "knowledge_units",
+    "load_agentbench_kg_tasks",
     "load_metaqa_kb",
     "load_metaqa_questions",
-    "load_tsv_triples",
+    "load_rdf_file",
+    "numeric_value",
     "oracle_relation_path",
     "oracle_turns",
+    "oxigraph_backend",
+    "parse_action",
+    "parse_rdf",
     "path_answer",
     "qtype_to_path",
     "set_scores",
+    "sparql_backend",
     "split_by_entity",
+    "to_ntriples",
     "tool_call_text",
+    "trace_graph",
 ]

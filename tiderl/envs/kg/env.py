@@ -10,6 +10,15 @@ set of entity names), else 0.0. Precision, recall and F1 are logged as scores. W
 the predicted set first, and the toolbox hides it from every `get_neighbors` result: MetaQA's
 multi-hop gold answers exclude the topic entity, at intermediate hops too (3-hop gold sets are
 reproducible with the tools only under that convention).
+
+Other task conventions the env honours: `task.meta["entities"]` (name -> id, AgentBench's map
+from the names in the question to Freebase mids) lets the agent use those names as tool
+arguments; `task.meta["count_creates_variable"]` makes count store its number as a variable, so
+counting questions (gold answer `["3"]`) can be answered with `Final Answer: #k`.
+
+The final StepResult (an answer, or `finish`) carries `info["knowledge_units"]`: the sorted
+`entity:<id>` / `entity_relation:<id>|<relation>` strings of what successful tool calls explored
+(see `tools.knowledge_units`), for a curiosity reward.
 """
 
 from __future__ import annotations
@@ -18,8 +27,8 @@ import copy
 import re
 from typing import Any
 
-from tiderl.envs.kg.store import TripleStore
-from tiderl.envs.kg.tools import KGToolbox
+from tiderl.envs.kg.backend import KGBackend
+from tiderl.envs.kg.tools import KGToolbox, ObservationLimits
 from tiderl.envs.protocol import Action, StepResult, Task
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -91,16 +100,19 @@ def set_scores(predicted: set[str], gold: set[str]) -> tuple[float, float, float
 class KGEnv:
     """One KG episode at a time (the `Env` protocol).
 
-    store: the knowledge graph (shared read-only between env instances).
+    store: the knowledge graph, any `KGBackend` (shared read-only between env instances).
     max_listed: list entity names in a new-variable observation when the set has at most this
         many members (0 = never).
     system_prompt: overrides `DEFAULT_SYSTEM_PROMPT`.
+    limits: bounds on the lists observations show (default `ObservationLimits()`).
     The current episode's `toolbox` is public so reward shaping can read `toolbox.touched`.
     """
 
-    def __init__(self, store: TripleStore, max_listed: int = 0, system_prompt: str | None = None) -> None:
+    def __init__(self, store: KGBackend, max_listed: int = 0, system_prompt: str | None = None,
+                 limits: ObservationLimits | None = None) -> None:
         self.store = store
         self.max_listed = max_listed
+        self.limits = ObservationLimits() if limits is None else limits
         self._system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.toolbox: KGToolbox | None = None
         self._task: Task | None = None
@@ -117,7 +129,11 @@ class KGEnv:
     def reset(self, task: Task) -> str:
         """Start an episode with fresh variables; returns the question."""
         hidden = [task.meta["topic"]] if task.meta.get("exclude_topic") else []
-        self.toolbox = KGToolbox(self.store, max_listed=self.max_listed, hidden=hidden)
+        self.toolbox = KGToolbox(
+            self.store, max_listed=self.max_listed, hidden=hidden, limits=self.limits,
+            entity_names=task.meta.get("entities"),
+            count_creates_variable=bool(task.meta.get("count_creates_variable")),
+        )
         self._task = task
         self._parse_errors = 0
         return task.prompt
@@ -141,10 +157,11 @@ class KGEnv:
 
     def finish(self, reason: str) -> StepResult:
         """End without an answer (turn/token limit): reward 0, the same info keys as an answer."""
-        self._require_episode()
+        toolbox = self._require_episode()
         info = self._counters() | {
             "success": 0.0, "f1": 0.0, "precision": 0.0, "recall": 0.0,
             "reward_parts": {"outcome": 0.0}, "answer_size": 0, "finish_reason": reason,
+            "knowledge_units": toolbox.knowledge_units(),
         }
         return StepResult(observations=[], reward=0.0, done=True, info=info)
 
@@ -179,5 +196,6 @@ class KGEnv:
         info = self._counters() | {
             "success": reward, "f1": f1, "precision": precision, "recall": recall,
             "reward_parts": {"outcome": reward}, "answer_size": len(predicted),
+            "knowledge_units": self.toolbox.knowledge_units(),
         }
         return StepResult(observations=[], reward=reward, done=True, info=info)

@@ -8,12 +8,18 @@ Attribute relations are ordinary edges whose object is a value (a year, a rating
 listed in `attribute_relations`; `argmax`/`argmin` parse their objects as floats. They stay
 traversable like any other relation, because MetaQA asks questions such as "when was [X]
 released" whose answers are the year entities themselves.
+
+The store implements `backend.KGBackend`, so the KG tools run on it directly. Graphs whose ids
+are not readable names (Freebase mids, RDF IRIs) can carry labels (`add_label`): the tools then
+accept an exact label wherever they accept an id.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Collection, Iterable, Iterator
+
+from tiderl.envs.kg.backend import numeric_value
 
 INVERSE_SUFFIX = "_inv"
 
@@ -34,10 +40,17 @@ class TripleStore:
     """Triples indexed by subject and relation, with inverse edges added automatically.
 
     attribute_relations: forward relations whose objects are values (see module docstring).
+    add_inverse: add the `r_inv` edge of every triple (default). Off for graphs that already
+        hold both directions as named relations (Freebase's reverse properties); the objects
+        are still entities then, with no relation of their own unless the graph gives one.
     """
 
-    def __init__(self, attribute_relations: Iterable[str] = ()) -> None:
+    def __init__(self, attribute_relations: Iterable[str] = (), add_inverse: bool = True) -> None:
         self.attribute_relations: frozenset[str] = frozenset(attribute_relations)
+        self.add_inverse = add_inverse
+        # id -> display name, and name -> ids (names need not be unique).
+        self._labels: dict[str, str] = {}
+        self._ids_by_label: dict[str, set[str]] = {}
         # entity -> relation -> objects; holds forward and inverse edges.
         self._edges: dict[str, dict[str, set[str]]] = {}
         # relation -> entities that have at least one edge of it (for sampling topics).
@@ -59,16 +72,28 @@ class TripleStore:
         """Add `(s, r, o)` and its inverse `(o, r_inv, s)`; returns False for a duplicate."""
         if not s or not r or not o:
             raise ValueError(f"triple ({s!r}, {r!r}, {o!r}) has an empty part: all three must be non-empty")
-        if r.endswith(INVERSE_SUFFIX):
+        if self.add_inverse and r.endswith(INVERSE_SUFFIX):
             raise ValueError(
                 f"relation {r!r} ends with {INVERSE_SUFFIX!r}, which is reserved for the inverse edges "
                 "the store adds itself: rename the relation"
             )
         if not self._link(s, r, o):
             return False
-        self._link(o, inverse(r), s)
+        if self.add_inverse:
+            self._link(o, inverse(r), s)
+        else:
+            # The object is an entity even without edges of its own.
+            self._edges.setdefault(o, {})
         self._num_triples += 1
         return True
+
+    def add_label(self, entity: str, name: str) -> None:
+        """Make `entity` findable by the name `name` (`find_entities`). An entity with several
+        names is displayed with the smallest, a choice that does not depend on their order.
+        A label alone does not make an entity: it needs an edge."""
+        self._ids_by_label.setdefault(name, set()).add(entity)
+        shown = self._labels.get(entity)
+        self._labels[entity] = name if shown is None else min(shown, name)
 
     @property
     def num_triples(self) -> int:
@@ -102,22 +127,56 @@ class TripleStore:
         """The entities that have at least one `relation` edge (a fresh set)."""
         return set(self._subjects.get(relation, ()))
 
+    def triples(self) -> Iterator[tuple[str, str, str]]:
+        """Every forward triple `(s, r, o)` once (not the inverse edges the store added)."""
+        for s, by_relation in self._edges.items():
+            for r, objects in by_relation.items():
+                if not (self.add_inverse and r.endswith(INVERSE_SUFFIX)):
+                    for o in objects:
+                        yield s, r, o
+
     def relation_names(self) -> list[str]:
         """Every relation name in the store, forward and `_inv`, sorted."""
         return sorted(self._subjects)
 
     def numeric_values(self, entity: str, attribute: str) -> list[float]:
-        """The values of `attribute` on `entity` that parse as floats, ascending.
+        """The values of `attribute` on `entity` that parse with `backend.numeric_value`
+        (numbers and ISO dates), ascending.
 
         Values that are not numbers are skipped: MetaQA mixes words into value relations.
         """
-        values = []
-        for raw in self._edges.get(entity, {}).get(attribute, ()):
-            try:
-                values.append(float(raw))
-            except ValueError:
-                continue
-        return sorted(values)
+        values = (numeric_value(raw) for raw in self._edges.get(entity, {}).get(attribute, ()))
+        return sorted(v for v in values if v is not None)
+
+    # -- the KGBackend protocol (see backend.py) ----------------------------------------------
+
+    def find_entities(self, name: str) -> list[str]:
+        """The ids labelled exactly `name`, sorted."""
+        return sorted(self._ids_by_label.get(name, ()))
+
+    def labels(self, entities: Iterable[str]) -> dict[str, str]:
+        """id -> label for those of `entities` that have one."""
+        return {e: self._labels[e] for e in entities if e in self._labels}
+
+    def relations_of(self, entities: Collection[str]) -> set[str]:
+        """The union of `relations(e)` over `entities`."""
+        found: set[str] = set()
+        for e in entities:
+            found.update(self._edges.get(e, ()))
+        return found
+
+    def is_attribute(self, relation: str) -> bool:
+        """True for the declared `attribute_relations`."""
+        return relation in self.attribute_relations
+
+    def attributes_of(self, entities: Collection[str]) -> set[str]:
+        """The declared attribute relations any of `entities` has (whatever their values)."""
+        return self.relations_of(entities) & self.attribute_relations
+
+    def attribute_values(self, entities: Iterable[str], attribute: str) -> dict[str, list[float]]:
+        """entity -> `numeric_values(entity, attribute)`, for entities that have at least one."""
+        found = {e: self.numeric_values(e, attribute) for e in entities}
+        return {e: values for e, values in found.items() if values}
 
 
 def _open_data_file(path: str | Path, what: str) -> Path:

@@ -2,7 +2,11 @@
 
 A `KGToolbox` lives for one episode. Set-valued results become variables `#0, #1, ...` that
 later calls (and the final answer) refer to. Every argument named `variable*` accepts either
-a variable (`#k`) or an exact entity name.
+a variable (`#k`), an exact entity id, a name from the task's entity map (AgentBench gives
+`name -> mid`), or an exact label the backend knows (when exactly one entity carries it).
+
+Every lookup goes through the `backend.KGBackend` protocol, so the tools behave identically on
+the in-memory `TripleStore` and on a SPARQL endpoint (`sparql.SparqlBackend`).
 
 The toolbox never raises on bad input from the agent: unknown tools, unknown variables or
 entities, missing/extra/mistyped arguments and relations the entity lacks all come back as an
@@ -11,22 +15,31 @@ reads it and can recover; `num_errors` counts them.
 
 Observations stay short because a tiny model reads them: a new variable is reported as
 `Variable #0: 3 entities`, and its entity names are listed only when the set has at most
-`max_listed` members (default 0: never list).
+`max_listed` members (default 0: never list); an entity with a label is listed as `id (label)`.
+Every list in an observation (relations, attributes, listed entities) is bounded by
+`ObservationLimits`: past `max_items` items or `max_chars` characters it ends with a note
+saying how many were left out.
 
 `hidden` entities never appear in a `get_neighbors` result. The env hides the topic entity of
 multi-hop MetaQA-style questions, whose gold answers exclude the topic at every hop (an agent
 cannot subtract sets with these tools, so the convention lives in the environment).
 
 `count(variable)` answers with a number and creates no variable: a count is not a set of
-entities, so it could not be a `Final Answer: #k` anyway.
+entities, so it could not be a `Final Answer: #k` anyway. AgentBench's counting questions are
+answered with the count itself; with `count_creates_variable` the count becomes a variable
+holding one value (`{"3"}`) so `Final Answer: #k` can name it.
+
+`touched` records what successful calls explored; `knowledge_units()` renders it as sorted
+strings (`entity:<id>`, `entity_relation:<id>|<relation>`) for a curiosity bonus.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from tiderl.envs.kg.store import TripleStore
+from tiderl.envs.kg.backend import BackendLimitError, KGBackend
 
 _VARIABLE = re.compile(r"#(\d+)")
 
@@ -44,6 +57,44 @@ TOOL_ARGUMENTS: dict[str, tuple[str, ...]] = {
 
 class ToolError(Exception):
     """An agent mistake; its message becomes the `Error:` observation (never leaves the toolbox)."""
+
+
+@dataclass(frozen=True)
+class ObservationLimits:
+    """The most one list in an observation shows: `max_items` items and `max_chars` characters
+    of items (separators included). What does not fit is counted in a note."""
+
+    max_items: int = 100
+    max_chars: int = 4000
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1 or self.max_chars < 1:
+            raise ValueError(f"ObservationLimits needs max_items >= 1 and max_chars >= 1, got "
+                             f"max_items={self.max_items}, max_chars={self.max_chars}")
+
+
+def bounded_list(items: Sequence[str], limits: ObservationLimits) -> str:
+    """`items` joined by ", ", or the longest prefix within `limits` followed by
+    `... (N more not shown; M in all)`. An item is never cut: a cut name cannot be copied."""
+    shown: list[str] = []
+    length = 0
+    for item in items[: limits.max_items]:
+        added = len(item) + (2 if shown else 0)
+        if length + added > limits.max_chars:
+            break
+        shown.append(item)
+        length += added
+    if len(shown) == len(items):
+        return ", ".join(items)
+    hidden = len(items) - len(shown)
+    note = f"({hidden} more not shown; {len(items)} in all)"
+    return f"{', '.join(shown)}, ... {note}" if shown else f"... {note}"
+
+
+def knowledge_units(touched: Iterable[tuple[str, str] | str]) -> list[str]:
+    """`touched` as sorted strings: `entity:<id>` for an entity, `entity_relation:<id>|<relation>`
+    for an (entity, relation) pair."""
+    return sorted(f"entity_relation:{u[0]}|{u[1]}" if isinstance(u, tuple) else f"entity:{u}" for u in touched)
 
 
 def _signature(name: str) -> str:
@@ -79,21 +130,37 @@ def _describe(ref: str) -> str:
 
 
 class KGToolbox:
-    """One episode's tool state over a `TripleStore`.
+    """One episode's tool state over a knowledge graph (any `KGBackend`; `store` for history).
 
     variables: the entity sets created so far; `#k` is `variables[k]`.
     hidden: entities get_neighbors never returns (see the module docstring).
+    limits: bounds on listed relations/attributes/entities (default `ObservationLimits()`).
+    entity_names: name -> id, tried before ids and labels (AgentBench's per-question map).
+    count_creates_variable: count also stores its number as a variable (AgentBench).
     num_calls / num_errors: tool calls made / those that returned an `Error:` observation.
     touched: knowledge units the agent reached, for a curiosity bonus: `(entity, relation)`
-        pairs it expanded with get_neighbors and the entity names it reached (plain strings).
+        pairs it expanded with get_neighbors or compared with argmax/argmin, and the entity ids
+        those calls returned (plain strings).
     """
 
-    def __init__(self, store: TripleStore, max_listed: int = 0, hidden: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        store: KGBackend,
+        max_listed: int = 0,
+        hidden: Iterable[str] = (),
+        *,
+        limits: ObservationLimits | None = None,
+        entity_names: Mapping[str, str] | None = None,
+        count_creates_variable: bool = False,
+    ) -> None:
         if max_listed < 0:
             raise ValueError(f"max_listed must be >= 0 (0 = never list entities), got {max_listed}")
         self.store = store
         self.max_listed = max_listed
         self.hidden = frozenset(hidden)
+        self.limits = ObservationLimits() if limits is None else limits
+        self.entity_names = dict(entity_names or {})
+        self.count_creates_variable = count_creates_variable
         self.variables: list[set[str]] = []
         self.num_calls = 0
         self.num_errors = 0
@@ -109,7 +176,9 @@ class KGToolbox:
         }
 
     def call(self, name: str, arguments: Any) -> str:
-        """Run tool `name`; returns its observation, or an `Error: ...` observation. Never raises."""
+        """Run tool `name`; returns its observation, or an `Error: ...` observation for any agent
+        mistake. Only a failing backend raises (e.g. `sparql.SparqlError`: an unreachable
+        endpoint is not the agent's fault; the agent loop ends that episode)."""
         self.num_calls += 1
         try:
             if not isinstance(name, str) or name not in self._tools:
@@ -118,6 +187,10 @@ class KGToolbox:
         except ToolError as e:
             self.num_errors += 1
             return f"Error: {e}"
+
+    def knowledge_units(self) -> list[str]:
+        """What successful calls explored so far, as sorted strings (see `knowledge_units`)."""
+        return knowledge_units(self.touched)
 
     def resolve_answer(self, ref: str) -> set[str] | None:
         """The entity set of variable `ref` (`#k`), or None when `ref` names no existing variable."""
@@ -129,7 +202,8 @@ class KGToolbox:
     # -- helpers -------------------------------------------------------------------------
 
     def _resolve(self, ref: str) -> set[str]:
-        """The entities `ref` stands for: a variable `#k` or one exact entity name."""
+        """The entities `ref` stands for: a variable `#k`, a name of the task's entity map, an
+        entity id, or a label exactly one entity carries."""
         match = _VARIABLE.fullmatch(ref)
         if match is not None:
             k = int(match.group(1))
@@ -141,12 +215,36 @@ class KGToolbox:
                 )
                 raise ToolError(f"variable #{k} does not exist. {defined}")
             return self.variables[k]
-        if self.store.has_entity(ref):
-            return {ref}
+        found = self._lookup(ref)
+        if found is not None:
+            return {found}
         hint = "Use an exact entity name from the question or a variable like #0."
-        if ref.startswith("[") and ref.endswith("]") and self.store.has_entity(ref[1:-1]):
+        if ref.startswith("[") and ref.endswith("]") and self._lookup(ref[1:-1]) is not None:
             hint = f"Drop the square brackets: use '{ref[1:-1]}'."
         raise ToolError(f"entity '{ref}' not found. {hint}")
+
+    def _lookup(self, name: str) -> str | None:
+        """The id `name` refers to, None when none; ToolError when it is ambiguous or mapped to
+        an id the graph lacks."""
+        mapped = self.entity_names.get(name)
+        if mapped is not None:
+            if not self.store.has_entity(mapped):
+                raise ToolError(f"entity '{name}' ({mapped}) is not in the knowledge graph.")
+            return mapped
+        if self.store.has_entity(name):
+            return name
+        ids = self.store.find_entities(name)
+        if len(ids) > 1:
+            raise ToolError(f"'{name}' names {len(ids)} entities: {bounded_list(ids, self.limits)}. "
+                            "Use one of these ids instead.")
+        return ids[0] if ids else None
+
+    def _listing(self, entities: set[str]) -> str:
+        """The sorted entities, `id (label)` where a label differs from the id, bounded."""
+        ordered = sorted(entities)
+        labels = self.store.labels(ordered)
+        shown = [f"{e} ({labels[e]})" if labels.get(e, e) != e else e for e in ordered]
+        return bounded_list(shown, self.limits)
 
     def _new_variable(self, entities: set[str]) -> str:
         self.variables.append(entities)
@@ -154,22 +252,26 @@ class KGToolbox:
         noun = "entity" if len(entities) == 1 else "entities"
         text = f"Variable #{k}: {len(entities)} {noun}"
         if 0 < len(entities) <= self.max_listed:
-            text += f" ({', '.join(sorted(entities))})"
+            text += f" ({self._listing(entities)})"
         return text
 
     # -- tools ---------------------------------------------------------------------------
 
     def _get_relations(self, args: dict[str, str]) -> str:
         entities = self._resolve(args["variable"])
-        relations = sorted({r for e in entities for r in self.store.relations(e)})
+        relations = sorted(self.store.relations_of(entities))
         if not relations:
             return f"{_describe(args['variable'])} has no relations."
-        return f"Relations: {', '.join(relations)}"
+        return f"Relations: {bounded_list(relations, self.limits)}"
 
     def _get_neighbors(self, args: dict[str, str]) -> str:
         ref, relation = args["variable"], args["relation"]
         entities = self._resolve(ref)
-        reached = self.store.expand(entities, relation)
+        try:
+            reached = self.store.expand(entities, relation)
+        except BackendLimitError as e:
+            raise ToolError(f"{e} from {_describe(ref)}: too many to use. Narrow the set first "
+                            "(e.g. with intersection) or follow another relation.") from e
         if not reached:
             raise ToolError(
                 f"relation '{relation}' not found for {_describe(ref)}. "
@@ -192,36 +294,36 @@ class KGToolbox:
 
     def _get_attributes(self, args: dict[str, str]) -> str:
         entities = self._resolve(args["variable"])
-        present = sorted(
-            {r for e in entities for r in self.store.relations(e) if r in self.store.attribute_relations}
-        )
+        present = sorted(self.store.attributes_of(entities))
         if not present:
             return f"{_describe(args['variable'])} has no attributes."
-        return f"Attributes: {', '.join(present)}"
+        return f"Attributes: {bounded_list(present, self.limits)}"
 
     def _arg_extreme(self, args: dict[str, str], pick: Callable[..., float]) -> str:
         """argmax/argmin: the entities whose value is the max/min; an entity with several
         values counts with its largest (argmax) or smallest (argmin)."""
         ref, attribute = args["variable"], args["attribute"]
         entities = self._resolve(ref)
-        if attribute not in self.store.attribute_relations:
+        if not self.store.is_attribute(attribute):
             raise ToolError(
                 f"'{attribute}' is not an attribute. Call get_attributes({ref}) to see the attributes "
                 "it has."
             )
-        scores = {}
-        for e in entities:
-            values = self.store.numeric_values(e, attribute)
-            if values:
-                scores[e] = pick(values)
+        scores = {e: pick(values) for e, values in self.store.attribute_values(entities, attribute).items()}
         if not scores:
             raise ToolError(
                 f"no entity in {_describe(ref)} has a numeric '{attribute}'. "
                 f"Call get_attributes({ref}) to see the attributes it has."
             )
         best = pick(scores.values())
-        return self._new_variable({e for e, v in scores.items() if v == best})
+        winners = {e for e, v in scores.items() if v == best}
+        self.touched.update((e, attribute) for e in scores)
+        self.touched.update(winners)
+        return self._new_variable(winners)
 
     def _count(self, args: dict[str, str]) -> str:
         entities = self._resolve(args["variable"])
-        return f"Count: {len(entities)}"
+        if not self.count_creates_variable:
+            return f"Count: {len(entities)}"
+        self.variables.append({str(len(entities))})
+        return f"Count: {len(entities)}, stored as Variable #{len(self.variables) - 1}"
