@@ -85,8 +85,8 @@ def test_preset_values_by_paper() -> None:
 @pytest.mark.parametrize("overrides, field, fix", [
     (["algo.kl_coef=0.1"], "algo.kl_coef", "algo.name=ppo"),
     (["algo.policy_loss=ppo"], "algo.policy_loss", "algo.policy_loss=dis"),
-    (["algo.name=grpo", "algo.advantage=grpo"], "algo.group_size", "use e.g. 8"),
-    (["algo.name=dapo", "algo.dynamic_sampling=true"], "algo.dynamic_sampling",
+    (["algo.name=grpo", "algo.group_size=1"], "algo.group_size", "use e.g. 8"),
+    (["algo.name=dapo", "algo.advantage=reinforce_pp", "algo.group_size=1"], "algo.dynamic_sampling",
      "algo.group_size >= 2"),
     (["algo.name=grpo", "algo.advantage=grpo", "algo.group_size=5"], "algo.group_size",
      "multiple of algo.group_size"),
@@ -111,7 +111,7 @@ def test_algo_errors_name_the_field_and_the_fix(overrides, field, fix) -> None:
 def test_choices_are_checked() -> None:
     with pytest.raises(ConfigError, match="algo.loss_agg: 'mean' is not one of"):
         load_config(None, ["algo.loss_agg=mean"])
-    with pytest.raises(ConfigError, match="algo.name: 'trpo' is not one of"):
+    with pytest.raises(ConfigError, match="algo.name: unknown algorithm 'trpo'. Fix: use one of sao, ppo"):
         load_config(None, ["algo.name=trpo"])
     # eps_low = 1 (no lower bound) is allowed now, for CISPO.
     assert isinstance(load_config(None, ["algo.eps_low=1.0"]), RunConfig)

@@ -445,25 +445,65 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    """Build and validate a RunConfig from a nested dict."""
-    cfg = _build(RunConfig, data, "")
+    """Build and validate a RunConfig from a nested dict.
+
+    The `algo` mapping is filled in from its preset first (`algos.presets.with_preset`): the
+    keys a config sets win, every other algorithm option takes the preset's value.
+    """
+    from tiderl.algos.presets import with_preset
+
+    algo = data.get("algo", {})
+    if not isinstance(algo, dict):
+        raise ConfigError(f"algo: expected a mapping of keys, got {algo!r}.")
+    name = algo.get("name", "sao")
+    try:
+        algo = with_preset(algo)
+    except ValueError:
+        choices = ", ".join(dataclasses.fields(AlgoConfig)[0].metadata["choices"] or ())
+        raise ConfigError(f"algo.name: unknown algorithm {name!r}. Fix: use one of {choices}.") from None
+    cfg = _build(RunConfig, {**data, "algo": algo}, "")
     validate(cfg)
     return cfg
 
 
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, merging nested mappings key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping in a YAML config file, with its `base:` file (a path relative to it)
+    merged underneath, recursively."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found. Fix: pass an existing YAML file.")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level.")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: base must be a file path, got {base!r}. Fix: base: other.yaml")
+    base_path = (p.parent / base).resolve()
+    if base_path in _chain or base_path == p.resolve():
+        raise ConfigError(f"{p}: base {base!r} includes itself. Fix: break the cycle of base: files.")
+    return _deep_merge(read_yaml_config(base_path, (*_chain, p.resolve())), data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML config (optional), apply dotted overrides, validate, return the tree."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found. Fix: pass an existing YAML file.")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level.")
+    """Read a YAML config (optional, with its `base:` chain), apply dotted overrides, apply the
+    algorithm preset, validate, return the tree."""
+    data: dict[str, Any] = read_yaml_config(path) if path is not None else {}
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(data, key, value)

@@ -2,7 +2,8 @@
 
 The order of operations, in one place:
 
-1. critic values V for every token (current critic, no grad);
+1. critic values V for every token (current critic, no grad), unless every trajectory already
+   carries them in `annotations["values"]` (computed ahead by the asynchronous buffer);
 2. critic targets: skip-observation GAE with the critic's lambda (1 = Monte-Carlo return);
 3. K critic optimizer steps on those targets (K = `algo.critic_updates`);
 4. actor advantages: skip-observation GAE with the decoupled, per-trajectory policy lambda,
@@ -51,6 +52,18 @@ def _values(critic: torch.nn.Module, mb: Batch) -> torch.Tensor:
     return token_values(critic, mb.input_ids, mb.attention_mask)
 
 
+def _annotated_values(trajectories: list[Trajectory], rows: list[int], mb: Batch) -> torch.Tensor:
+    """The rows' `annotations["values"]` laid out like `mb` (right-padded with zeros)."""
+    out = torch.zeros(mb.action_mask.shape, dtype=torch.float32, device=mb.action_mask.device)
+    for i, row in enumerate(rows):
+        values = trajectories[row].annotations["values"]
+        if len(values) != len(trajectories[row].tokens):
+            raise ValueError(f"trajectory {row} has {len(values)} precomputed values for "
+                             f"{len(trajectories[row].tokens)} tokens")
+        out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
 def sao_step(
     trajectories: list[Trajectory],
     actor: Learner,
@@ -69,10 +82,16 @@ def sao_step(
     if normalizer == 0:
         return {"skipped_no_action_tokens": 1.0}
 
+    # Critic values computed ahead of the step (the asynchronous buffer's pipelined critic
+    # forward, from a snapshot of the critic) are used as they are; otherwise compute them now.
+    precomputed = all("values" in t.annotations for t in trajectories)
     mbs: list[MicroBatch] = []
     for rows in groups:
         b = slice_batch(full, rows).to(device)
-        values = _values(critic.model, b)
+        if precomputed:
+            values = _annotated_values(trajectories, rows, b)
+        else:
+            values = _values(critic.model, b)
         rewards = outcome_token_rewards(b.rewards, b.action_mask)
         _, returns = skip_observation_gae(rewards, values, b.action_mask, algo.gamma,
                                           algo.critic_lambda)
@@ -81,6 +100,7 @@ def sao_step(
     all_values = torch.cat([m.values[m.batch.action_mask > 0] for m in mbs])
     all_returns = torch.cat([m.returns[m.batch.action_mask > 0] for m in mbs])
     metrics: dict[str, float] = {
+        "value/precomputed": float(precomputed),
         "value/explained_variance": explained_variance(
             all_values, all_returns, torch.ones_like(all_values)),
         "value/mean": float(all_values.mean()),
