@@ -7,6 +7,9 @@ then syncs. The asynchronous scheduler changes only *where it waits* (the rollou
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -16,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from tiderl.agent.loop import run_episodes
-from tiderl.algos.sao import sao_step
+from tiderl.algos.step import algo_step, group_size, needs_critic, needs_ref
 from tiderl.config import RunConfig, dump_yaml
 from tiderl.data import KGSetup, env_factory, load_kg_setup
 from tiderl.envs.protocol import Env, Task
@@ -59,11 +62,12 @@ class Run:
     tokenizer: Any
     engine: TorchEngine
     actor: Learner
-    critic: Learner
+    critic: Learner | None  # None when the algorithm has no critic
     make_env: Callable[[], Env]
     tasks: TaskStream
     step: int = 0
     model_path: str = ""
+    ref: torch.nn.Module | None = None  # frozen initial policy, when the algorithm uses a KL term
 
 
 def resolve_model_path(cfg: RunConfig, setup: KGSetup) -> str:
@@ -86,28 +90,78 @@ def build_run(cfg: RunConfig, setup: KGSetup | None = None) -> Run:
     policy = load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
     engine = TorchEngine(policy, tokenizer, device=cfg.model.device,
                          seed=cfg.seed, max_batch_size=cfg.rollout.engine_batch_size)
-    critic_model = (ValueModel.load(cfg.algo.value_init) if cfg.algo.value_init
-                    else ValueModel.from_policy(policy)).to(cfg.model.device)
-    if cfg.algo.freeze_critic_attention:
-        freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
     t = cfg.train
     betas = (t.adam_beta1, t.adam_beta2)
+    critic = None
+    if needs_critic(cfg.algo):
+        critic_model = (ValueModel.load(cfg.algo.value_init) if cfg.algo.value_init
+                        else ValueModel.from_policy(policy)).to(cfg.model.device)
+        if cfg.algo.freeze_critic_attention:
+            freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
+        critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, betas, t.grad_clip)
+    ref = None
+    if needs_ref(cfg.algo):
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
     actor = Learner(policy, cfg.algo.actor_lr, t.weight_decay, betas, t.grad_clip)
-    critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, betas, t.grad_clip)
     run = Run(cfg, setup, tokenizer, engine, actor, critic, make_env=env_factory(cfg.env, setup),
-              tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path)
+              tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path, ref=ref)
     if t.resume:
         run.step = load_checkpoint(t.resume, actor, critic)
         sync_weights(run)
     return run
 
 
-def rollout(run: Run, tasks: list[Task]) -> list[Trajectory]:
-    """Sample one episode per task with the engine's current weights."""
+def rollout(run: Run, tasks: list[Task], group: int = 1) -> list[Trajectory]:
+    """Sample `group` episodes per task with the engine's current weights; the episodes of one
+    task share a group_id unique to this call (`<task_id>#<serial>`)."""
     cfg = run.cfg
     params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
-    return run_episodes(run.engine, run.tokenizer, run.make_env, tasks, params,
-                        max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens)
+    copies, group_ids = [], {}
+    for task in tasks:
+        gid = f"{task.task_id}#{next(_GROUP_SERIAL)}"
+        for _ in range(group):
+            c = dataclasses.replace(task)
+            group_ids[id(c)] = gid
+            copies.append(c)
+    return run_episodes(run.engine, run.tokenizer, run.make_env, copies, params,
+                        max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+                        group_id_fn=lambda t: group_ids[id(t)])
+
+
+_GROUP_SERIAL = itertools.count()
+
+
+def sample_batch(run: Run) -> tuple[list[Trajectory], dict[str, float]]:
+    """One optimizer step's trajectories: `batch_size / group_size` tasks, `group_size` episodes
+    each. With DAPO's dynamic sampling, groups whose rewards are all equal are set aside and
+    more are drawn, up to 4 batches' worth of draws (then the step trains on what it has)."""
+    cfg = run.cfg
+    g = group_size(cfg.algo)
+    want = cfg.rollout.batch_size
+    kept: list[Trajectory] = []
+    drawn = 0
+    while len(kept) < want and drawn < 4 * want:
+        fresh = rollout(run, run.tasks.take((want - len(kept)) // g), g)
+        drawn += len(fresh)
+        if not cfg.algo.dynamic_sampling:
+            kept.extend(fresh)
+            continue
+        for start in range(0, len(fresh), g):
+            members = fresh[start:start + g]
+            if len({m.reward for m in members}) > 1:
+                kept.extend(members)
+    extra = {"sampling/drawn": float(drawn)} if cfg.algo.dynamic_sampling else {}
+    return (kept or fresh), extra
+
+
+def train_step(run: Run, trajectories: list[Trajectory]) -> dict[str, float]:
+    """One optimizer step of the configured algorithm on `trajectories`."""
+    cfg = run.cfg
+    return algo_step(trajectories, run.actor, run.critic, run.ref, cfg.algo,
+                     pad_id=run.tokenizer.pad_token_id,
+                     micro_batch_tokens=cfg.train.micro_batch_tokens,
+                     train_actor=run.step >= cfg.algo.critic_warmup_steps,
+                     device=cfg.model.device)
 
 
 def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
@@ -124,13 +178,10 @@ def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
     try:
         while run.step < last:
             t0 = time.perf_counter()
-            trajectories = rollout(run, run.tasks.take(cfg.rollout.batch_size))
+            trajectories, sampling = sample_batch(run)
             t1 = time.perf_counter()
-            metrics = sao_step(trajectories, run.actor, run.critic, cfg.algo,
-                               pad_id=run.tokenizer.pad_token_id,
-                               micro_batch_tokens=cfg.train.micro_batch_tokens,
-                               train_actor=run.step >= cfg.algo.critic_warmup_steps,
-                               device=cfg.model.device)
+            metrics = train_step(run, trajectories)
+            metrics.update(sampling)
             t2 = time.perf_counter()
             run.step += 1
             sync_weights(run)

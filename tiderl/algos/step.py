@@ -235,7 +235,7 @@ def algo_step(
     if needs_critic(cfg) and critic is None:
         raise ValueError(f"algo.advantage={cfg.advantage} needs a critic; build one when "
                          "needs_critic(cfg) is True")
-    if needs_ref(cfg) and ref is None:
+    if needs_ref(cfg) and ref is None and not all("ref_logprobs" in t.annotations for t in trajectories):
         raise ValueError(f"algo.kl_coef={cfg.kl_coef} needs a reference model; build one when "
                          "needs_ref(cfg) is True")
     if not trajectories:
@@ -302,7 +302,14 @@ def algo_step(
     else:
         old = full.behavior_logprobs
     ref_lp = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and all("ref_logprobs" in t.annotations for t in trajectories):
+        # Computed ahead by the asynchronous buffer (reference forward pipelined with training).
+        ref_lp = torch.zeros(shape, dtype=torch.float32)
+        for i, t in enumerate(trajectories):
+            ref_lp[i, : len(t.tokens)] = torch.tensor(t.annotations["ref_logprobs"], dtype=torch.float32)
+        ref_lp = ref_lp * mask
+        metrics["kl/ref_precomputed"] = 1.0
+    elif cfg.kl_coef > 0:
         ref_model = ref.model if isinstance(ref, Learner) else ref
         assert ref_model is not None
         ref_model.eval()

@@ -31,7 +31,8 @@ class ReadyBuffer:
     (start, end) time of every preparation batch, for measuring overlap with training.
     """
 
-    def __init__(self, preparations: list[Preparation], group_size: int = 1, max_prep_batch: int = 64):
+    def __init__(self, preparations: list[Preparation], group_size: int = 1, max_prep_batch: int = 64,
+                 accept_group: Callable[[list[Trajectory]], bool] | None = None):
         if group_size < 1:
             raise ValueError(f"group_size={group_size} must be >= 1")
         self.preparations = preparations
@@ -46,6 +47,10 @@ class ReadyBuffer:
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self.prep_busy: list[tuple[float, float]] = []
+        # Complete groups failing `accept_group` (e.g. all rewards equal, for dynamic sampling)
+        # are handed to `on_reject` instead of the trainer; the scheduler settles and counts them.
+        self.accept_group = accept_group
+        self.on_reject: Callable[[list[Trajectory]], None] = lambda group: None
 
     @property
     def ready_count(self) -> int:
@@ -133,4 +138,8 @@ class ReadyBuffer:
         group = self._partial.setdefault(trajectory.group_id, [])
         group.append(trajectory)
         if len(group) == self.group_size:
-            self._ready.extend(self._partial.pop(trajectory.group_id))
+            complete = self._partial.pop(trajectory.group_id)
+            if self.accept_group is not None and not self.accept_group(complete):
+                self.on_reject(complete)
+            else:
+                self._ready.extend(complete)

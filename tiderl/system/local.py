@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiderl.agent.loop import play_episode
-from tiderl.algos.sao import sao_step
+from tiderl.algos.step import algo_step, group_size
 from tiderl.config import RunConfig, dump_yaml
 from tiderl.envs.protocol import Task
 from tiderl.evaluate import sampling_params
@@ -29,8 +29,9 @@ from tiderl.system.buffer import Preparation, ReadyBuffer
 from tiderl.system.engine_client import BatchingEngine
 from tiderl.system.latency import with_latency
 from tiderl.system.scheduler import Scheduler, SchedulerSettings
+from tiderl.train.checkpoint import save_checkpoint
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
-from tiderl.train.forward import token_values
+from tiderl.train.forward import token_logprobs, token_values
 from tiderl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -97,22 +98,44 @@ class CriticSnapshot:
                 trajectories[row].annotations["values"] = values[i, : lengths[row]].tolist()
 
 
-class SAOTrainer:
-    """The TrainerSide of a tiderl Run: one `sao_step` per batch."""
+class RefLogprobs:
+    """Reference-model log-probs of every token, as a preparation (`annotations["ref_logprobs"]`):
+    the reference is frozen, so its forward pass can run any time before the step."""
+
+    def __init__(self, ref: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+        self.ref = ref
+        self.pad_id = pad_id
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        batch = collate(trajectories, self.pad_id)
+        lengths = [len(t.tokens) for t in trajectories]
+        for rows in micro_batch_indices(lengths, self.micro_batch_tokens):
+            mb = slice_batch(batch, rows).to(self.device)
+            logprobs = token_logprobs(self.ref, mb.input_ids, mb.attention_mask)[0].float().cpu()
+            logprobs = logprobs * mb.action_mask.cpu()
+            for i, row in enumerate(rows):
+                trajectories[row].annotations["ref_logprobs"] = logprobs[i, : lengths[row]].tolist()
+
+
+class RunTrainer:
+    """The TrainerSide of a tiderl Run: one `algo_step` of the configured algorithm per batch."""
 
     def __init__(self, run: "Run", snapshot: CriticSnapshot | None = None):
         self.run = run
         self.snapshot = snapshot
 
     def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
-        cfg = self.run.cfg
-        metrics = sao_step(batch, self.run.actor, self.run.critic, cfg.algo,
-                           pad_id=self.run.tokenizer.pad_token_id,
-                           micro_batch_tokens=cfg.train.micro_batch_tokens,
-                           train_actor=version >= cfg.algo.critic_warmup_steps,
-                           device=cfg.model.device)
-        if self.snapshot is not None:
-            self.snapshot.refresh(self.run.critic.model)
+        run, cfg = self.run, self.run.cfg
+        metrics = algo_step(batch, run.actor, run.critic, run.ref, cfg.algo,
+                            pad_id=run.tokenizer.pad_token_id,
+                            micro_batch_tokens=cfg.train.micro_batch_tokens,
+                            train_actor=version >= cfg.algo.critic_warmup_steps,
+                            device=cfg.model.device)
+        if self.snapshot is not None and run.critic is not None:
+            self.snapshot.refresh(run.critic.model)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -122,12 +145,34 @@ class SAOTrainer:
         return weights_checksum(state_dict)
 
 
+def default_preparations(run: "Run") -> tuple[list[Preparation], CriticSnapshot | None]:
+    """What a trajectory needs before it is ready, for the run's algorithm: SAO's critic values
+    (from a snapshot of the critic) and, with a KL term, reference log-probs."""
+    cfg = run.cfg
+    preparations: list[Preparation] = []
+    snapshot = None
+    if cfg.algo.name == "sao" and run.critic is not None:
+        snapshot = CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
+                                  cfg.train.micro_batch_tokens, cfg.model.device)
+        preparations.append(snapshot)
+    if run.ref is not None:
+        preparations.append(RefLogprobs(run.ref, run.tokenizer.pad_token_id,
+                                        cfg.train.micro_batch_tokens, cfg.model.device))
+    return preparations, snapshot
+
+
+def informative_group(group: list[Trajectory]) -> bool:
+    """DAPO's dynamic sampling: a group whose rewards are all equal carries no signal."""
+    return len({t.reward for t in group}) > 1
+
+
 def scheduler_settings(cfg: RunConfig) -> SchedulerSettings:
     s = cfg.system
     return SchedulerSettings(
         batch_size=cfg.rollout.batch_size, max_staleness=s.max_staleness, partial_rollout=s.partial_rollout,
         slots=s.slots, min_slots=s.min_slots, max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
         max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
+        group_size=group_size(cfg.algo),
     )
 
 
@@ -154,19 +199,21 @@ def train_async(run: "Run", steps: int, rollout: Any = None,
         params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
         rollout = LocalRollout(run.engine, run.tokenizer, training_env_factory(cfg, run.make_env), params,
                                cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size)
+    snapshot = None
     if preparations is None:
-        snapshot = CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
-                                  cfg.train.micro_batch_tokens, cfg.model.device)
-        preparations = [snapshot]
-    else:
-        snapshot = None
-    trainer = SAOTrainer(run, snapshot)
+        preparations, snapshot = default_preparations(run)
+    trainer = RunTrainer(run, snapshot)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
 
     def on_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> None:
         metrics.update(rollout_metrics(batch))
         run.step = version
         logger.log(version, metrics)
+        every = cfg.train.checkpoint_every
+        if every > 0 and version % every == 0:
+            # Between steps: the trainer thread is idle until the scheduler's next take.
+            save_checkpoint(run_dir / "checkpoints" / f"step_{version}", version, run.actor,
+                            run.critic, run.tokenizer)
 
     async def main() -> tuple[list[dict[str, float]], dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -174,7 +221,8 @@ def train_async(run: "Run", steps: int, rollout: Any = None,
         # Environments without `astep` run their steps on the default executor: give it a
         # thread per slot so slow tools do not queue behind each other.
         loop.set_default_executor(ThreadPoolExecutor(max(settings.initial_slots(), cfg.system.max_slots) + 4))
-        buffer = ReadyBuffer(preparations)
+        buffer = ReadyBuffer(preparations, group_size=settings.group_size,
+                             accept_group=informative_group if cfg.algo.dynamic_sampling else None)
         scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer,
                               on_step=on_step, start_version=run.step)
         await rollout.start()

@@ -20,7 +20,8 @@ and Ray backends plug in the same way, and the tests drive it with fakes.
 
 Every task attempt ends in exactly one ledger bucket: trained, dropped as stale, failed (its
 retries used up), retried (it faulted and went back to the queue), restarted (cancelled by new
-weights in restart mode), or still unsettled when the run stops.
+weights in restart mode), filtered (its complete group carried no signal, with dynamic
+sampling), or still unsettled when the run stops.
 """
 
 from __future__ import annotations
@@ -107,10 +108,12 @@ class Ledger:
     failed: int = 0
     retried: int = 0
     restarted: int = 0
+    filtered: int = 0  # complete groups set aside as uninformative (dynamic sampling)
     failures: list[dict[str, Any]] = field(default_factory=list)
 
     def settled(self) -> int:
-        return self.trained + self.dropped_stale + self.failed + self.retried + self.restarted
+        return (self.trained + self.dropped_stale + self.failed + self.retried + self.restarted
+                + self.filtered)
 
 
 @dataclass
@@ -144,6 +147,7 @@ class Scheduler:
         self.rollout = rollout
         self.trainer = trainer
         self.buffer = buffer
+        buffer.on_reject = self._filtered
         self.on_step = on_step
         self.version = start_version
         self.gate = StalenessGate(s.max_staleness, s.batch_size)
@@ -273,6 +277,11 @@ class Scheduler:
                                          "reason": reason})
             logger.error("task %s failed after %d attempts: %s", attempt.task.task_id, attempt.attempt + 1, reason)
 
+    def _filtered(self, group: list[Trajectory]) -> None:
+        self.gate.settled(len(group))
+        self.ledger.filtered += len(group)
+        self._changed.set()
+
     def _episode_done(self, task: asyncio.Task[None]) -> None:
         attempt = self._inflight.pop(task, None)
         if task.cancelled() and attempt is not None and not self._stopping:
@@ -373,6 +382,7 @@ class Scheduler:
             "system/retried": self.ledger.retried,
             "system/failed": self.ledger.failed,
             "system/restarted": self.ledger.restarted,
+            "system/filtered": self.ledger.filtered,
             "system/trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
             "system/rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
             "system/prep_overlap_frac": self._prep_overlap(),

@@ -19,24 +19,26 @@ from tiderl.train.critic import ValueModel
 from tiderl.train.learner import Learner
 
 
-def save_checkpoint(path: str | Path, step: int, actor: Learner, critic: Learner,
+def save_checkpoint(path: str | Path, step: int, actor: Learner, critic: Learner | None,
                     tokenizer: Any) -> Path:
-    """Write a checkpoint of both models and optimizers at `step`."""
+    """Write a checkpoint of the actor, the critic (when the algorithm has one) and their
+    optimizers at `step`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_model_dir(actor.model, tokenizer, path / "actor")
-    critic.model.save(path / "critic")
+    if critic is not None:
+        critic.model.save(path / "critic")
     torch.save({
         "step": step,
         "actor_optimizer": actor.optimizer.state_dict(),
-        "critic_optimizer": critic.optimizer.state_dict(),
+        "critic_optimizer": critic.optimizer.state_dict() if critic is not None else None,
         "torch_rng": torch.get_rng_state(),
     }, path / "trainer_state.pt")
     (path / "tiderl_checkpoint.json").write_text(json.dumps({"step": step}))
     return path
 
 
-def load_checkpoint(path: str | Path, actor: Learner, critic: Learner) -> int:
+def load_checkpoint(path: str | Path, actor: Learner, critic: Learner | None) -> int:
     """Restore models and optimizers in place from `path`; returns the step to continue from."""
     path = Path(path)
     if not (path / "tiderl_checkpoint.json").is_file():
@@ -46,10 +48,13 @@ def load_checkpoint(path: str | Path, actor: Learner, critic: Learner) -> int:
         )
     saved_actor = load_model(path / "actor", device="cpu")
     actor.model.load_state_dict(saved_actor.state_dict())
-    saved_critic = ValueModel.load(path / "critic")
-    critic.model.load_state_dict(saved_critic.state_dict())
     state = torch.load(path / "trainer_state.pt", weights_only=False)
+    if critic is not None:
+        if state["critic_optimizer"] is None:
+            raise ValueError(f"{path} holds no critic (it was saved by a critic-free algorithm); "
+                             "resume it with the same algo.name")
+        critic.model.load_state_dict(ValueModel.load(path / "critic").state_dict())
+        critic.optimizer.load_state_dict(state["critic_optimizer"])
     actor.optimizer.load_state_dict(state["actor_optimizer"])
-    critic.optimizer.load_state_dict(state["critic_optimizer"])
     torch.set_rng_state(state["torch_rng"])
     return int(state["step"])
