@@ -450,3 +450,39 @@ def test_scripted_engine_groups_and_exhausted_scripts(tok):
     assert out[3].stop_reason == "max_turns" and [a.text for a in factory.envs[3].actions] == ["", ""]
     with pytest.raises(KeyError, match="no script key"):
         run_episodes(ScriptedEngine(tok, {"nothing": []}), tok, EnvFactory(), [task("up")], PARAMS, 1, 2000)
+
+
+def test_play_episode_matches_run_episodes_token_for_token(tok):
+    """The asynchronous one-episode coroutine keeps every promise of the lock-step loop."""
+    import asyncio
+
+    from tiderl.agent.loop import play_episode
+
+    scripts = {
+        "Who directed Alien?": ["Let me think.\n" + call("alien"), "ANSWER: Ridley Scott"],
+        "Who directed Heat?": [call("nope", name="delete"), "hmm", "ANSWER: Pete Docter"],
+        "Who directed Up?": [call("up")] * 5,  # runs into the turn limit
+    }
+    tasks = [task("alien"), task("heat"), task("up", shaping=0.25)]
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[IM_END_ID])
+    lockstep = run_episodes(ScriptedEngine(tok, scripts, version=2), tok, EnvFactory(), tasks, params,
+                            max_turns=3, max_total_tokens=400)
+
+    engine = ScriptedEngine(tok, scripts, version=2)
+
+    async def generate(prompt, p):
+        return engine.generate([prompt], p)[0]
+
+    async def play_all():
+        # Concurrently, so the episodes interleave at the engine.
+        return await asyncio.gather(*(play_episode(generate, tok, EnvFactory(), t, params, 3, 400)
+                                      for t in tasks))
+
+    alone = asyncio.run(play_all())
+    for a, b in zip(lockstep, alone):
+        assert (a.tokens, a.loss_mask, a.behavior_logprobs, a.policy_version) == \
+               (b.tokens, b.loss_mask, b.behavior_logprobs, b.policy_version)
+        assert (a.reward, a.reward_parts, a.stop_reason, a.num_turns) == \
+               (b.reward, b.reward_parts, b.stop_reason, b.num_turns)
+    assert [t.stop_reason for t in alone] == ["answer", "answer", "max_turns"]
+    assert alone[2].reward_parts["shaping"] == pytest.approx(0.75)  # three tool steps, 0.25 each

@@ -13,6 +13,7 @@ import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -184,10 +185,13 @@ def training_env_factory(cfg: RunConfig, make_env: Any) -> Any:
 
 
 def train_async(run: "Run", steps: int, rollout: Any = None,
-                preparations: list[Preparation] | None = None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+                preparations: list[Preparation] | None = None,
+                observer: Callable[[int, dict[str, float], list[Trajectory]], None] | None = None,
+                ) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """Train `steps` optimizer steps with the asynchronous scheduler; returns (history, summary).
 
     `rollout` defaults to a LocalRollout over `run.engine`; the Ray backend passes its own.
+    `observer(version, metrics, batch)` is called after every step (tests, custom logging).
     """
     from tiderl.loop import rollout_metrics
 
@@ -209,6 +213,8 @@ def train_async(run: "Run", steps: int, rollout: Any = None,
         metrics.update(rollout_metrics(batch))
         run.step = version
         logger.log(version, metrics)
+        if observer is not None:
+            observer(version, metrics, batch)
         every = cfg.train.checkpoint_every
         if every > 0 and version % every == 0:
             # Between steps: the trainer thread is idle until the scheduler's next take.

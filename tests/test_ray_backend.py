@@ -1,0 +1,308 @@
+"""The Ray backend on a local 2-CPU Ray cluster with a tiny model: end-to-end asynchronous SAO,
+a rollout worker killed mid-run, the worker pool's fault handling step by step, and the remote
+critic's values against the local one's."""
+
+import asyncio
+import copy
+import json
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from tiderl.config import load_config  # noqa: E402
+from tiderl.loop import build_run, train  # noqa: E402
+from tiderl.rollout.torch_engine import weights_checksum  # noqa: E402
+from tiderl.system import local as local_backend  # noqa: E402
+from tiderl.system import ray_backend as rb  # noqa: E402
+from tiderl.types import NO_VERSION  # noqa: E402
+
+SMALL = [
+    "data.num_films=40", "data.num_people=40", "data.eval_size=16",
+    "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+    "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+    "model.warmstart.num_traces=200", "model.warmstart.steps=20", "model.warmstart.batch_size=16",
+    "rollout.batch_size=8", "algo.critic_warmup_steps=1", "log.progress=false", "log.tensorboard=false",
+    "system.wait_timeout_s=180",
+]
+TIMEOUT_S = 180  # every blocking Ray call in this file waits at most this long
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Test-only actor classes live in this module, which Ray's workers cannot import by name.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def small_config(cache, run_dir, *more):
+    return load_config("configs/kg_sao_tiny.yaml", SMALL + [f"model.cache_dir={cache}", f"run_dir={run_dir}", *more])
+
+
+def sampled_versions(trajectory):
+    return [v for v, m in zip(trajectory.policy_version, trajectory.loss_mask) if m]
+
+
+def perturbed(model, seed):
+    """The weights of a copy of `model` moved by small noise (a stand-in for a trainer step).
+    The noise goes on the parameters, so tied weights (embeddings and LM head) stay tied."""
+    g = torch.Generator().manual_seed(seed)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return moved.state_dict()
+
+
+def assert_ledger_balances(summary):
+    ledger = summary["ledger"]
+    assert ledger["started"] == (ledger["trained"] + ledger["dropped_stale"] + ledger["failed"]
+                                 + ledger["retried"] + ledger["restarted"] + ledger["unsettled"]), ledger
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path, monkeypatch):
+    cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
+                       "system.max_staleness=1", "system.ray_workers=2")
+    run = build_run(cfg)
+    batches = []  # (trainer version, sampled token versions of each trajectory) per step
+    step = local_backend.SAOTrainer.step
+
+    def recording_step(self, batch, version):
+        batches.append((version, [sampled_versions(t) for t in batch]))
+        return step(self, batch, version)
+
+    monkeypatch.setattr(local_backend.SAOTrainer, "step", recording_step)
+
+    history = train(run)  # raises if any worker's checksum differed from the trainer's
+
+    assert len(history) == 3 and run.step == 3
+    assert [h["policy_version"] for h in history] == [1, 2, 3]
+    assert [version for version, _ in batches] == [0, 1, 2]
+    for version, trajectories in batches:
+        assert len(trajectories) == cfg.rollout.batch_size
+        for versions in trajectories:
+            assert versions and NO_VERSION not in versions
+            # Within the staleness bound, and never sampled by weights the trainer has not made.
+            assert version - min(versions) <= 1 and max(versions) <= version, (version, versions)
+    assert all(h["system/staleness_max"] <= 1 for h in history)
+
+    summary = json.loads((tmp_path / "run" / "system.json").read_text())
+    assert summary["ledger"]["trained"] == 3 * cfg.rollout.batch_size
+    assert summary["ledger"]["failed"] == 0
+    assert_ledger_balances(summary)
+    assert summary["worker_restarts"] == 0
+    stats = summary["ray"]["worker_stats"]
+    assert sorted(s["serial"] for s in stats) == [0, 1]
+    # Least-loaded routing used both workers, and each ended on the last weights.
+    assert all(s["episodes"] > 0 and s["version"] == 3 for s in stats), stats
+    assert summary["ray"]["critic_refreshes"] is None  # the critic ran in the driver
+
+    # The driver's own engine follows the trained weights (evaluation after training uses it).
+    assert run.engine.version == 3
+    assert run.engine.state_checksum() == weights_checksum(run.actor.model.state_dict())
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeypatch):
+    # Simulated tool latency makes episodes long enough to be killed in flight.
+    cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
+                       "system.max_staleness=1", "system.ray_workers=2",
+                       "env.tool_latency=fixed", "env.tool_latency_s=0.3")
+    # Also run the critic in its own actor (train_ray reads this flag when the config has it).
+    cfg.system.ray_remote_critic = True
+    run = build_run(cfg)
+    rollouts = []
+    from_run = rb.RayRollout.from_run
+
+    def capturing_from_run(run, **options):
+        rollouts.append(from_run(run, **options))
+        return rollouts[-1]
+
+    monkeypatch.setattr(rb.RayRollout, "from_run", capturing_from_run)
+    killed = []
+
+    def killer():
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and not killed:
+            try:
+                busy = [w for w in list(rollouts[0]._workers.values()) if w.load > 0] if rollouts else []
+            except RuntimeError:  # the pool changed while we looked
+                busy = []
+            if busy:
+                time.sleep(0.3)  # let its episodes get into their first tool calls
+                victim = max(busy, key=lambda w: w.load)
+                killed.append((victim.serial, victim.load))
+                ray.kill(victim.handle)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    history = train(run)
+    thread.join(timeout=5)
+
+    assert killed, "the worker pool never had an episode in flight"
+    assert len(history) == 3 and run.step == 3
+    summary = json.loads((tmp_path / "run" / "system.json").read_text())
+    ledger = summary["ledger"]
+    assert ledger["retried"] >= 1 and ledger["failed"] == 0, ledger
+    assert ledger["trained"] == 3 * cfg.rollout.batch_size
+    assert_ledger_balances(summary)
+    assert summary["worker_restarts"] >= 1
+    lost = [e for e in summary["ray"]["events"] if e["event"] == "lost"]
+    assert [e["worker"] for e in lost] == [killed[0][0]]
+    assert all("WorkerLost" in f["reason"] for f in summary["failures"])  # none: nothing failed for good
+    assert summary["ray"]["critic_refreshes"] == 3
+
+
+# ------------------------------------------------------------------ the pool, step by step
+
+
+@pytest.fixture(scope="module")
+def slow_tool_run(cluster, cache, tmp_path_factory):
+    """A run whose episodes take at least 1.5 s (one simulated tool call)."""
+    cfg = small_config(cache, tmp_path_factory.mktemp("pool"), "system.backend=ray", "system.ray_workers=2",
+                       "env.tool_latency=fixed", "env.tool_latency_s=1.5")
+    return build_run(cfg)
+
+
+@pytest.mark.slow
+def test_worker_pool_routes_syncs_and_replaces(slow_tool_run):
+    run = slow_tool_run
+    tasks = run.tasks.take(4)
+
+    async def scenario():
+        rollout = rb.RayRollout.from_run(run)
+        await rollout.start()
+        try:
+            assert rollout.version == 0 and rollout.live_workers == 2
+
+            state1 = perturbed(run.actor.model, 1)
+            assert await rollout.update_weights(state1, 1) == weights_checksum(state1)
+            assert rollout.version == 1
+
+            # Two episodes at once go to different workers; kill the first one's worker mid-episode.
+            first = rollout._workers[0]
+            episodes = [asyncio.ensure_future(rollout.run_episode(t, t.task_id)) for t in tasks[:2]]
+            await asyncio.sleep(0.5)
+            assert first.load == 1 and rollout._workers[1].load == 1
+            ray.kill(first.handle)
+            lost, played = await asyncio.wait_for(asyncio.gather(*episodes, return_exceptions=True), TIMEOUT_S)
+            assert isinstance(lost, rb.WorkerLost), lost
+            assert set(sampled_versions(played)) == {1}
+            assert rollout.live_workers == 1 and rollout.version == 1 and rollout.worker_restarts == 1
+
+            # Weights move on while the replacement boots; it must join on the newest ones.
+            state2 = perturbed(run.actor.model, 2)
+            assert await rollout.update_weights(state2, 2) == weights_checksum(state2)
+            deadline = time.monotonic() + TIMEOUT_S
+            while rollout.live_workers < 2:
+                assert time.monotonic() < deadline, f"no replacement within {TIMEOUT_S}s: {rollout.events}"
+                await asyncio.sleep(0.2)
+            assert sorted(rollout._workers) == [1, 2] and rollout.version == 2
+            fresh = rollout._workers[2].handle
+            assert await rb._await_ref(fresh.checksum.remote(), TIMEOUT_S, "checksum") == weights_checksum(state2)
+            assert [e["event"] for e in rollout.events] == ["lost", "replaced"]
+            assert rollout.events[1]["replaces"] == 0 and rollout.events[1]["version"] == 2
+
+            played = await asyncio.wait_for(
+                asyncio.gather(*(rollout.run_episode(t, t.task_id) for t in tasks[2:])), TIMEOUT_S)
+            assert all(set(sampled_versions(t)) == {2} for t in played)
+        finally:
+            await rollout.close()
+        assert sorted((s["serial"], s["episodes"]) for s in rollout.worker_stats) == [(1, 2), (2, 1)]
+        assert rollout.live_workers == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_remote_critic_matches_the_local_critic(slow_tool_run):
+    run = slow_tool_run
+    cfg = run.cfg
+    from tiderl.loop import rollout as play
+
+    # Short episodes with the driver's engine (no tool latency there: run_episodes ignores it).
+    trajectories = play(run, run.tasks.take(3))
+    local = local_backend.CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
+                                         cfg.train.micro_batch_tokens, cfg.model.device)
+
+    def values(preparation):
+        copies = [type(t)(**{**t.__dict__, "annotations": {}}) for t in trajectories]
+        preparation(copies)
+        return [torch.tensor(t.annotations["values"]) for t in copies]
+
+    async def scenario():
+        critic = rb.RemoteCritic.from_run(run)
+        await critic.start()
+        try:
+            before = values(critic)
+            for remote, here in zip(before, values(local)):
+                assert remote.shape == here.shape and torch.allclose(remote, here, atol=1e-5)
+            with torch.no_grad():
+                run.critic.model.head.bias += 1.0
+            await critic.refresh_async()
+            after = values(critic)
+            for old, new in zip(before, after):
+                assert torch.allclose(new, old + 1.0, atol=1e-4)
+            assert critic.refreshes == 1
+        finally:
+            critic.close()
+            with torch.no_grad():
+                run.critic.model.head.bias -= 1.0
+
+    asyncio.run(scenario())
+
+
+class DisagreeingWorker:
+    """A stand-in for RolloutWorker whose worker 1 reports a wrong checksum after a weight update."""
+
+    def __init__(self, serial, bundle, state=None, version=None, max_concurrency=8):
+        self.serial = serial
+        self.held = weights_checksum(bundle.model.state_dict())
+
+    async def ping(self):
+        return {"serial": self.serial}
+
+    async def checksum(self):
+        return self.held
+
+    async def update_weights(self, state, version):
+        self.held = weights_checksum(state) + (0.5 if self.serial == 1 else 0.0)
+        return self.held
+
+
+def test_disagreeing_workers_fail_the_sync(cluster):
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "system.ray_workers=2",
+                                                   "rollout.batch_size=2", "system.wait_timeout_s=120"])
+    model = torch.nn.Linear(3, 2)
+
+    async def scenario():
+        rollout = rb.RayRollout(cfg, model, None, None, workers=2, worker_cls=DisagreeingWorker)
+        await rollout.start()
+        try:
+            assert rollout.live_workers == 2 and not rollout.connected_here
+            state = {k: v + 1 for k, v in model.state_dict().items()}
+            with pytest.raises(RuntimeError, match="hold different weights"):
+                await rollout.update_weights(state, 1)
+        finally:
+            await rollout.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,222 @@
+"""The local asynchronous backend with real parts: latency wrapper, batching engine client,
+pipelined critic values, and a few asynchronous SAO steps on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from tiderl.algos.sao import sao_step
+from tiderl.envs.protocol import Action, StepResult, Task
+from tiderl.rollout.base import Completion, SamplingParams
+from tiderl.system.engine_client import BatchingEngine
+from tiderl.system.latency import LatencyEnv, draw_latency, with_latency
+
+# --- simulated latency ----------------------------------------------------------------------------
+
+
+def test_latency_distributions_have_the_configured_mean_and_shape():
+    rng = random.Random(0)
+    assert draw_latency("fixed", 0.3, 1.0, 0.0, rng) == 0.3
+    assert draw_latency("none", 0.3, 1.0, 0.0, rng) == 0.0
+    uniform = [draw_latency("uniform", 1.0, 0.5, 0.0, rng) for _ in range(5000)]
+    assert 0.5 <= min(uniform) and max(uniform) <= 1.5
+    assert statistics.mean(uniform) == pytest.approx(1.0, abs=0.02)
+    heavy = [draw_latency("lognormal", 1.0, 1.0, 0.0, rng) for _ in range(40000)]
+    # mu = ln(1) - 1/2, so the mean is 1 and the median exp(-1/2) = 0.607.
+    assert statistics.mean(heavy) == pytest.approx(1.0, rel=0.05)
+    assert statistics.median(heavy) == pytest.approx(math.exp(-0.5), rel=0.05)
+    assert max(heavy) > 10  # a heavy tail
+    capped = [draw_latency("lognormal", 1.0, 1.0, 2.0, rng) for _ in range(2000)]
+    assert max(capped) == 2.0
+    with pytest.raises(ValueError, match="unknown latency kind"):
+        draw_latency("gamma", 1.0, 1.0, 0.0, rng)
+
+
+class EchoEnv:
+    def system_prompt(self) -> str:
+        return "sys"
+
+    def tool_schemas(self) -> list:
+        return []
+
+    def reset(self, task: Task) -> str:
+        return task.prompt
+
+    def step(self, action: Action) -> StepResult:
+        return StepResult([action.text], done=action.text == "stop", info={"success": 1})
+
+    def finish(self, reason: str) -> StepResult:
+        return StepResult([], done=True, info={"success": 0})
+
+
+def test_latency_env_delays_steps_and_reports_the_total():
+    make = with_latency(EchoEnv, "fixed", 0.05, 0.0, seed=1)
+    env = make()
+    assert isinstance(env, LatencyEnv) and env.system_prompt() == "sys"
+
+    async def two_steps():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = await env.astep(Action("hi"))
+        last = await env.astep(Action("stop"))
+        return first, last, loop.time() - t0
+
+    first, last, took = asyncio.run(two_steps())
+    assert first.observations == ["hi"] and last.done
+    assert took >= 0.1
+    assert last.info["tool_latency_s"] == pytest.approx(0.1)
+    assert with_latency(EchoEnv, "none", 0.0, 0.0) is EchoEnv  # nothing wrapped
+
+
+def test_latency_of_an_environment_does_not_depend_on_creation_order_of_others():
+    make_a = with_latency(EchoEnv, "lognormal", 0.2, 1.0, seed=7)
+    make_b = with_latency(EchoEnv, "lognormal", 0.2, 1.0, seed=7)
+    a = [make_a().draw() for _ in range(3)]
+    b = [make_b().draw() for _ in range(3)]
+    assert a == b and len(set(a)) == 3
+
+
+# --- the batching engine client ---------------------------------------------------------------------
+
+
+class CountingEngine:
+    """Echoes each prompt's last token `max_new_tokens` times; records each call's batch size."""
+
+    version = 3
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def generate(self, prompts, params):
+        self.calls.append((len(prompts), params.max_new_tokens))
+        n = params.max_new_tokens
+        return [Completion([p[-1]] * n, [-0.5] * n, "x" * n, "length", [self.version] * n) for p in prompts]
+
+    def update_weights(self, state_dict, version):
+        self.version = version
+
+
+def test_concurrent_requests_are_decoded_together_and_cut_to_their_own_budget():
+    engine = CountingEngine()
+
+    async def main():
+        client = BatchingEngine(engine, max_batch_size=8)
+        client.start()
+        budgets = [2, 5, 3, 5, 1]
+        outs = await asyncio.gather(*(client.generate([i, 10 + i], SamplingParams(max_new_tokens=b))
+                                      for i, b in enumerate(budgets)))
+        greedy = await client.generate([1], SamplingParams(temperature=0.0, max_new_tokens=2))
+        await client.close()
+        return budgets, outs, greedy
+
+    budgets, outs, greedy = asyncio.run(main())
+    assert engine.calls[0] == (5, 5)  # one batch, the largest budget
+    for i, (b, out) in enumerate(zip(budgets, outs)):
+        assert out.token_ids == [10 + i] * b and len(out.logprobs) == b == len(out.policy_version)
+        assert out.finish_reason == "length"
+    assert engine.calls[-1] == (1, 2) and greedy.token_ids == [1, 1]  # other settings: own batch
+
+
+def test_engine_failure_reaches_every_waiting_episode():
+    class Broken(CountingEngine):
+        def generate(self, prompts, params):
+            raise RuntimeError("CUDA error: out of memory")
+
+    async def main():
+        client = BatchingEngine(Broken())
+        client.start()
+        results = await asyncio.gather(*(client.generate([1], SamplingParams()) for _ in range(3)),
+                                       return_exceptions=True)
+        await client.close()
+        return results
+
+    assert all(isinstance(r, RuntimeError) and "out of memory" in str(r) for r in asyncio.run(main()))
+
+
+# --- a tiny model, end to end ---------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def small_config(cache, run_dir, *more):
+    from tests.test_e2e_sao import SMALL
+    from tiderl.config import load_config
+
+    return load_config("configs/kg_sao_tiny.yaml",
+                       SMALL + [f"model.cache_dir={cache}", f"run_dir={run_dir}", *more])
+
+
+@pytest.mark.slow
+def test_precomputed_critic_values_give_the_same_step(cache, tmp_path):
+    from tiderl.loop import build_run, rollout
+    from tiderl.system.local import CriticSnapshot
+
+    cfg = small_config(cache, tmp_path / "run")
+    run = build_run(cfg)
+    trajectories = rollout(run, run.tasks.take(6))
+    snapshot = CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id, 512, "cpu")
+    annotated = [type(t).from_dict({**t.to_dict(), "annotations": {}}) for t in trajectories]
+    snapshot(annotated)
+    assert all(len(t.annotations["values"]) == len(t.tokens) for t in annotated)
+
+    def grads_after(batch):
+        run2 = build_run(cfg)
+        m = sao_step(batch, run2.actor, run2.critic, cfg.algo, run2.tokenizer.pad_token_id, 512,
+                     train_actor=True)
+        return m, {k: v.detach().clone() for k, v in run2.actor.model.state_dict().items()}
+
+    m_plain, w_plain = grads_after(trajectories)
+    m_pre, w_pre = grads_after(annotated)
+    assert m_plain["value/precomputed"] == 0.0 and m_pre["value/precomputed"] == 1.0
+    assert m_pre["value/loss_first"] == pytest.approx(m_plain["value/loss_first"], abs=1e-6)
+    assert m_pre["policy/loss"] == pytest.approx(m_plain["policy/loss"], abs=1e-6)
+    for k in w_plain:
+        assert torch.allclose(w_plain[k], w_pre[k], atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_path):
+    from tiderl.loop import build_run, train
+    from tiderl.system.local import train_async
+
+    cfg = small_config(cache, tmp_path / "run", "system.backend=local", "system.max_staleness=2",
+                       "rollout.batch_size=4", "train.steps=5", "env.tool_latency=fixed",
+                       "env.tool_latency_s=0.05", "log.tensorboard=false")
+    run = build_run(cfg)
+    seen = []
+    history, summary = train_async(run, 5, observer=lambda v, m, b: seen.append((v, m, b)))
+    assert [v for v, _, _ in seen] == [1, 2, 3, 4, 5] and run.step == 5
+    assert run.engine.version == 5
+    for version, metrics, batch in seen:
+        assert len(batch) == 4
+        assert metrics["value/precomputed"] == 1.0  # the critic forward ran ahead, in the buffer
+        assert math.isfinite(metrics["value/loss"])
+        for t in batch:
+            sampled = [v for v, m in zip(t.policy_version, t.loss_mask) if m]
+            assert version - 1 - min(sampled) <= 2  # within the staleness bound
+    mixed = [t for _, _, b in seen for t in b if len(t.versions()) > 1]
+    assert mixed, "no trained trajectory continued across a weight update"
+    ledger = summary["ledger"]
+    assert ledger["trained"] == 20 and ledger["failed"] == 0
+    assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started")
+    assert 0 <= summary["trainer_idle_frac"] <= 1 and summary["goodput_trajectories_per_s"] > 0
+    assert summary["staleness_histogram"]
+
+    # The same through the loop's entry point: system.json holds the run's totals.
+    cfg2 = small_config(cache, tmp_path / "run2", "system.backend=local", "system.max_staleness=1",
+                        "rollout.batch_size=4", "train.steps=2", "log.tensorboard=false")
+    run2 = build_run(cfg2)
+    assert len(train(run2)) == 2
+    saved = json.loads((tmp_path / "run2" / "system.json").read_text())
+    assert saved["ledger"]["trained"] == 8

@@ -1,0 +1,671 @@
+"""The Ray backend: rollout workers are Ray actors, the trainer stays in the driver.
+
+The asynchronous `Scheduler` is the same one the local backend uses; only its `RolloutBackend`
+changes. `RayRollout` owns a pool of `RolloutWorker` actors, each with its own `TorchEngine`
+behind a `BatchingEngine`, its own environments and its own sampler seed, so the episodes routed
+to one worker are decoded together. What travels through the object store: once per run a
+`WorkerBundle` (config, policy model, tokenizer, task setup), and once per optimizer step the
+policy weights (`ray.put` once, loaded by every worker).
+
+Faults: a worker that dies (any `RayActorError` on a call to it) is removed from the pool at
+once, every call in flight on it raises `WorkerLost` (the scheduler retries those tasks on the
+live workers), and a fresh actor is started in the background with the latest weights and
+version; it joins the pool only after its weight checksum matches the trainer's. Every wait on a
+Ray reference is bounded by `system.wait_timeout_s`.
+
+`train_ray(run, steps)` is what `tiderl.loop` calls for `system.backend=ray`. See docs/ray.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+try:
+    import ray
+    from ray.exceptions import RayActorError
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "system.backend=ray needs Ray, which is not installed. Fix: pip install 'ray>=2,<3' "
+        "(or use system.backend=local)."
+    ) from err
+
+from tiderl.agent.loop import play_episode
+from tiderl.config import RunConfig
+from tiderl.data import KGSetup, env_factory
+from tiderl.envs.protocol import Task
+from tiderl.evaluate import sampling_params
+from tiderl.rollout.torch_engine import TorchEngine, weights_checksum
+from tiderl.system.engine_client import BatchingEngine
+from tiderl.system.local import CriticSnapshot, scheduler_settings, train_async, training_env_factory
+from tiderl.types import Trajectory
+
+if TYPE_CHECKING:
+    from tiderl.loop import Run
+
+logger = logging.getLogger(__name__)
+
+# A replacement worker that fails to start (or to load the weights) is tried again this many
+# times in all; after that the pool stays smaller and the failure is in `RayRollout.events`.
+MAX_REPLACEMENT_ATTEMPTS = 3
+
+
+class WorkerLost(RuntimeError):
+    """A rollout worker died while serving a call (the call's task can be retried elsewhere)."""
+
+
+def worker_seed(seed: int, serial: int) -> int:
+    """The sampler and latency seed of worker number `serial`: distinct per worker, so two
+    workers never draw the same token stream, and a replacement does not replay the stream of
+    the worker it replaces."""
+    return seed + 1000 * (serial + 1)
+
+
+def _cpu_state(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`state_dict` with every tensor on the CPU (no copy for tensors already there)."""
+    return {k: v.detach().to("cpu") for k, v in state_dict.items()}
+
+
+def _cpu_module(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` itself when it lives on the CPU, else a CPU copy (what is shipped to actors, so a
+    worker on a machine without the driver's device can still unpickle it)."""
+    if all(p.device.type == "cpu" for p in itertools.chain(module.parameters(), module.buffers())):
+        return module
+    return copy.deepcopy(module).to("cpu")
+
+
+def _cancel(ref: Any) -> None:
+    """Ask Ray to cancel the task behind `ref` (best effort: it may have finished or died)."""
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - cancelling a finished or lost task is not an error here
+        pass
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - the actor may already be gone
+        pass
+
+
+async def _await_ref(ref: Any, timeout_s: float, what: str) -> Any:
+    """The value of `ref`, or TimeoutError naming `what` after `timeout_s` (the Ray task is then
+    cancelled). Cancelling the awaiting coroutine cancels the Ray task too."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+    except TimeoutError:
+        _cancel(ref)
+        raise TimeoutError(f"{what} took longer than system.wait_timeout_s={timeout_s:g}s") from None
+    except asyncio.CancelledError:
+        _cancel(ref)
+        raise
+
+
+def connect(address: str, num_cpus: int | None = None) -> bool:
+    """Make sure this process is connected to Ray. An already initialised Ray is used as it is;
+    `address` '' starts a local cluster (with `num_cpus`, default all cores); anything else
+    ('auto', 'ray://host:10001', 'host:6379') joins that cluster. Returns True when this call
+    did the connecting, so the caller knows to `ray.shutdown()` at the end."""
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address)
+    else:
+        # "local" rather than None: None would join a cluster named by $RAY_ADDRESS.
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
+    return True
+
+
+# ---------------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class WorkerBundle:
+    """Everything a rollout worker is built from; put in the object store once per run."""
+
+    cfg: RunConfig
+    model: torch.nn.Module  # the policy with the weights of `version`, on the CPU
+    version: int
+    tokenizer: Any
+    setup: KGSetup
+
+
+class RolloutWorker:
+    """One rollout process: a TorchEngine behind a BatchingEngine, the run's environment
+    factory (with simulated tool latency, seeded per worker) and the rollout sampling settings.
+
+    Meant to run as a Ray async actor (`ray.remote(RolloutWorker)`): its methods are coroutines
+    on the actor's event loop, so all the episodes routed to it share one engine and their model
+    turns are decoded in one batch. `state`/`version`, when given, are loaded over the bundle's
+    weights at construction (a replacement worker starts on the latest weights).
+    """
+
+    def __init__(self, serial: int, bundle: WorkerBundle, state: dict[str, Any] | None = None,
+                 version: int | None = None, max_concurrency: int = 64):
+        cfg = bundle.cfg
+        self.serial = serial
+        seed = worker_seed(cfg.seed, serial)
+        torch.manual_seed(seed)
+        self.engine = TorchEngine(bundle.model, bundle.tokenizer, device=cfg.model.device, seed=seed,
+                                  max_batch_size=cfg.rollout.engine_batch_size)
+        # The bundle's model already holds the weights of `bundle.version`.
+        self.engine.version = bundle.version
+        if state is not None:
+            self.engine.update_weights(state, bundle.version if version is None else version)
+        self.tokenizer = bundle.tokenizer
+        self.make_env = training_env_factory(dataclasses.replace(cfg, seed=seed),
+                                             env_factory(cfg.env, bundle.setup))
+        self.params = sampling_params(cfg.rollout, bundle.tokenizer.eos_token_id, greedy=False)
+        self.max_turns = cfg.env.max_turns
+        self.max_total_tokens = cfg.env.max_total_tokens
+        self.max_concurrency = max_concurrency
+        self._client: BatchingEngine | None = None
+        self.episodes = 0
+        self.generated_tokens = 0
+
+    def _ensure_client(self) -> BatchingEngine:
+        # The BatchingEngine binds to the running event loop, which an actor has only inside its
+        # methods, not in __init__.
+        if self._client is None:
+            loop = asyncio.get_running_loop()
+            # Environments without `astep` step on the default executor: a thread per episode.
+            loop.set_default_executor(ThreadPoolExecutor(self.max_concurrency + 4, thread_name_prefix="tiderl-env"))
+            self._client = BatchingEngine(self.engine, self.engine.max_batch_size)
+            self._client.start()
+        return self._client
+
+    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
+        """Play one episode (`play_episode`) with this worker's engine and environments."""
+        client = self._ensure_client()
+        trajectory = await play_episode(client.generate, self.tokenizer, self.make_env, task, self.params,
+                                        self.max_turns, self.max_total_tokens, group_id=group_id)
+        self.episodes += 1
+        self.generated_tokens += trajectory.num_action_tokens
+        return trajectory
+
+    async def update_weights(self, state: dict[str, Any], version: int) -> float:
+        """Load `state` as `version` (between two decode steps; episodes in flight go on with
+        the new weights) and return the checksum of the weights now held."""
+        client = self._ensure_client()
+        await client.update_weights(state, version)
+        return await client.call(self.engine.state_checksum)
+
+    async def checksum(self) -> float:
+        """`weights_checksum` of the weights this worker samples with."""
+        return await self._ensure_client().call(self.engine.state_checksum)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def ping(self) -> dict[str, Any]:
+        """Who and where this worker is, and what it has done (for the run's summary)."""
+        client = self._client
+        return {
+            "serial": self.serial,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "version": self.engine.version,
+            "episodes": self.episodes,
+            "generated_tokens": self.generated_tokens,
+            "decode_batches": client.batches if client else 0,
+            "decode_busy_s": round(client.busy_s, 3) if client else 0.0,
+        }
+
+
+# ---------------------------------------------------------------------------------- the backend
+
+
+@dataclass
+class _Weights:
+    """One published weight version: its object-store reference (None = the bundle's weights)
+    and the checksum the trainer computes for it (a future, computed off the event loop)."""
+
+    version: int
+    ref: Any
+    checksum: asyncio.Future[float]
+
+
+@dataclass
+class _Worker:
+    serial: int
+    handle: Any
+    version: int
+    started: float
+    load: int = 0  # calls to run_episode in flight
+
+
+class RayRollout:
+    """The RolloutBackend over a pool of `RolloutWorker` Ray actors.
+
+    - `start()` connects to Ray (`system.ray_address`; '' starts a local cluster unless Ray is
+      already initialised), puts the `WorkerBundle` in the object store, starts `workers` actors
+      and checks that each holds the trainer's weights.
+    - `run_episode` goes to the live worker with the fewest episodes in flight.
+    - `update_weights` puts the weights in the object store once, loads them on every live worker,
+      and returns their common checksum (RuntimeError when the workers disagree).
+    - `version` is the lowest weight version over the live workers.
+    - A dead worker is replaced in the background (`worker_restarts` counts the replacements
+      started; `events` records each loss and replacement).
+
+    `critic`, when given, is a `RemoteCritic` that is started with the pool and refreshed with the
+    trainer's critic at every weight update (the trainer is idle then).
+    """
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, setup: KGSetup,
+                 start_version: int = 0, *, workers: int | None = None,
+                 worker_options: dict[str, Any] | None = None, critic: "RemoteCritic | None" = None,
+                 worker_cls: type = RolloutWorker):
+        self.cfg = cfg
+        self.num_workers = cfg.system.ray_workers if workers is None else workers
+        if self.num_workers < 1:
+            raise ValueError(f"system.ray_workers={self.num_workers}: the Ray backend needs at least one worker")
+        self.timeout_s = cfg.system.wait_timeout_s
+        settings = scheduler_settings(cfg)
+        # Every slot may land on one worker when the others are down; the extra calls are the
+        # weight updates, checksums and pings that run beside the episodes.
+        self.max_concurrency = max(settings.initial_slots(), settings.max_slots) + 8
+        self.worker_options: dict[str, Any] = {"max_concurrency": self.max_concurrency}
+        if cfg.model.device.startswith("cuda"):
+            self.worker_options["num_gpus"] = 1
+        self.worker_options.update(worker_options or {})
+        self.critic = critic
+        self._actor_cls = ray.remote(worker_cls)
+        self._model, self._tokenizer, self._setup = model, tokenizer, setup
+        self._start_version = start_version
+        self._serials = itertools.count()
+        self._workers: dict[int, _Worker] = {}  # live workers by serial
+        self._latest: _Weights | None = None
+        self._bundle_ref: Any = None
+        self._replacing: set[asyncio.Task[None]] = set()
+        self._live_changed = asyncio.Event()
+        self._closing = False
+        self._t0 = time.monotonic()
+        self.connected_here = False
+        self.worker_restarts = 0
+        self.events: list[dict[str, Any]] = []
+        self.worker_stats: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_run(cls, run: "Run", **options: Any) -> "RayRollout":
+        """A RayRollout for `run`: its config, current policy, tokenizer and tasks."""
+        return cls(run.cfg, run.actor.model, run.tokenizer, run.setup, run.step, **options)
+
+    # ------------------------------------------------------------------ RolloutBackend
+
+    @property
+    def version(self) -> int:
+        if self._workers:
+            return min(w.version for w in self._workers.values())
+        # No live worker: the replacements on their way will hold the latest weights.
+        return self._latest.version if self._latest else self._start_version
+
+    @property
+    def live_workers(self) -> int:
+        return len(self._workers)
+
+    async def start(self) -> None:
+        self.connected_here = connect(self.cfg.system.ray_address)
+        self._check_resources()
+        model = _cpu_module(self._model)
+        self._latest = _Weights(self._start_version, None,
+                                asyncio.ensure_future(asyncio.to_thread(weights_checksum, model.state_dict())))
+        self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup))
+        self._model = None  # the object store has it now; the trainer keeps its own
+        pool = [self._spawn() for _ in range(self.num_workers)]
+        try:
+            # Every boot runs to its end (no orphaned waits), then the first failure is raised.
+            booted = await asyncio.gather(*(self._boot(w) for w in pool), return_exceptions=True)
+            failure = next((r for r in booted if isinstance(r, BaseException)), None)
+            if failure is not None:
+                raise RuntimeError(f"starting {self.num_workers} Ray rollout workers failed: {failure}") from failure
+            if self.critic is not None:
+                await self.critic.start()
+        except BaseException:
+            for w in pool:
+                _kill(w.handle)
+            if self.critic is not None:
+                self.critic.close()
+            raise
+        for w in pool:
+            self._admit(w)
+        logger.info("%d Ray rollout workers ready (weights version %d)", len(pool), self._start_version)
+
+    async def close(self) -> None:
+        """Stop replacing, collect each worker's counters (`worker_stats`), kill the actors."""
+        self._closing = True
+        for task in list(self._replacing):
+            task.cancel()
+        await asyncio.gather(*self._replacing, return_exceptions=True)
+        live = list(self._workers.values())
+        stats = await asyncio.gather(*(_await_ref(w.handle.ping.remote(), min(self.timeout_s, 30.0), "final ping")
+                                       for w in live), return_exceptions=True)
+        self.worker_stats = [s for s in stats if isinstance(s, dict)]
+        for w in live:
+            _kill(w.handle)
+        self._workers.clear()
+        if self.critic is not None:
+            self.critic.close()
+
+    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
+        """Play `task` on the least-loaded live worker. Raises WorkerLost when that worker dies,
+        TimeoutError after `system.wait_timeout_s` (both: the scheduler retries the task)."""
+        w = await self._pick()
+        w.load += 1
+        try:
+            return await self._call(w, w.handle.run_episode.remote(task, group_id),
+                                    f"the episode of task {task.task_id}")
+        finally:
+            w.load -= 1
+
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
+        """Load `state_dict` as `version` on every live worker; returns their common checksum.
+
+        The weights are serialised into the object store once, now (the trainer is idle while
+        the scheduler awaits this call). A worker that dies meanwhile is replaced with these
+        weights; one that disagrees fails the sync (RuntimeError naming every worker's checksum).
+        """
+        state = _cpu_state(state_dict)
+        ref = ray.put(state)
+        latest = _Weights(version, ref, asyncio.ensure_future(asyncio.to_thread(weights_checksum, state)))
+        self._latest = latest  # booting replacements catch up with this from now on
+        targets = list(self._workers.values())
+        jobs = [self._load(w, latest) for w in targets]
+        if self.critic is not None:
+            jobs.append(self.critic.refresh_async())
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        # Await the trainer-side checksum before returning: its thread reads `state`, which
+        # shares storage with the trainer's parameters.
+        await latest.checksum
+        held: dict[int, float] = {}
+        for w, result in zip(targets, results):
+            if isinstance(result, WorkerLost):
+                continue  # its replacement boots with these weights
+            if isinstance(result, BaseException):
+                raise result
+            held[w.serial] = result
+        if self.critic is not None and isinstance(results[-1], BaseException):
+            raise results[-1]
+        if not held:
+            # Every worker died during the update: answer for the first replacement (which
+            # `_boot` checked against the trainer's checksum before admitting it).
+            w = await self._pick()
+            return await self._call(w, w.handle.checksum.remote(), "checksum")
+        if len(set(held.values())) > 1:
+            raise RuntimeError(f"weight sync to version {version} failed: the rollout workers hold different "
+                               f"weights (checksum by worker: {held})")
+        return next(iter(held.values()))
+
+    # ------------------------------------------------------------------ the pool
+
+    def _check_resources(self) -> None:
+        gpus = float(self.worker_options.get("num_gpus", 0) or 0) * self.num_workers
+        available = ray.cluster_resources().get("GPU", 0.0)
+        if gpus > available:
+            raise RuntimeError(
+                f"{self.num_workers} Ray rollout workers need {gpus:g} GPUs and the cluster has {available:g}. "
+                "Fix: lower system.ray_workers, or pass worker_options={'num_gpus': <fraction>} to RayRollout.")
+
+    def _spawn(self) -> _Worker:
+        """Start a worker actor on the latest published weights (not yet in the pool)."""
+        serial = next(self._serials)
+        latest = self._latest
+        assert latest is not None and self._bundle_ref is not None, "RayRollout.start() was not called"
+        handle = self._actor_cls.options(**self.worker_options).remote(
+            serial, self._bundle_ref, latest.ref, latest.version if latest.ref is not None else None,
+            self.max_concurrency)
+        return _Worker(serial, handle, latest.version, time.monotonic())
+
+    async def _boot(self, w: _Worker) -> None:
+        """Wait until `w` has started and holds the latest weights, verified by checksum. Loops
+        when a newer version is published while it loads, so it joins the pool up to date."""
+        await self._call(w, w.handle.ping.remote(), "starting")
+        while True:
+            latest = self._latest
+            assert latest is not None
+            if w.version != latest.version:
+                held = await self._call(w, w.handle.update_weights.remote(latest.ref, latest.version),
+                                        f"loading weights version {latest.version}")
+                w.version = latest.version
+            else:
+                held = await self._call(w, w.handle.checksum.remote(), "checksum")
+            expected = await latest.checksum
+            if held != expected:
+                raise RuntimeError(f"rollout worker {w.serial} holds weights with checksum {held!r} for version "
+                                   f"{latest.version}; the trainer's are {expected!r}")
+            if self._latest is latest:  # nothing newer arrived while it loaded: it is current
+                return
+
+    def _admit(self, w: _Worker) -> None:
+        self._workers[w.serial] = w
+        self._live_changed.set()
+
+    async def _pick(self) -> _Worker:
+        """The live worker with the fewest episodes in flight (waiting for a replacement when
+        none is live)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._workers:
+            if not self._replacing:
+                raise RuntimeError("no live Ray rollout worker, and none is being replaced: see the "
+                                   f"worker events {self.events[-3:]}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no live Ray rollout worker for system.wait_timeout_s={self.timeout_s:g}s "
+                                   f"({len(self._replacing)} replacements starting)")
+            self._live_changed.clear()
+            try:
+                await asyncio.wait_for(self._live_changed.wait(), left)
+            except TimeoutError:
+                pass
+        return min(self._workers.values(), key=lambda w: (w.load, w.serial))
+
+    async def _call(self, w: _Worker, ref: Any, what: str) -> Any:
+        """Await a call on worker `w`; its death becomes WorkerLost (and starts a replacement)."""
+        try:
+            return await _await_ref(ref, self.timeout_s, f"rollout worker {w.serial}: {what}")
+        except RayActorError as exc:
+            self._lose(w, exc)
+            # The first lines of Ray's message carry the cause (e.g. the constructor's exception).
+            cause = " ".join(str(exc).split())[:400]
+            raise WorkerLost(f"rollout worker {w.serial} died during {what}: {type(exc).__name__}: {cause}") from exc
+
+    async def _load(self, w: _Worker, weights: _Weights) -> float:
+        held = await self._call(w, w.handle.update_weights.remote(weights.ref, weights.version),
+                                f"loading weights version {weights.version}")
+        w.version = max(w.version, weights.version)
+        return held
+
+    def _lose(self, w: _Worker, exc: BaseException) -> None:
+        """Take a dead worker out of the pool and start its replacement (once per worker, however
+        many of its calls fail; a worker still booting is retried by `_replace` instead)."""
+        if self._workers.get(w.serial) is not w:
+            return
+        del self._workers[w.serial]
+        _kill(w.handle)
+        self._event("lost", w.serial, reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+        logger.warning("Ray rollout worker %d died (%s); %d live", w.serial, type(exc).__name__, len(self._workers))
+        if self._closing:
+            return
+        self.worker_restarts += 1
+        task = asyncio.get_running_loop().create_task(self._replace(w.serial), name=f"replace worker {w.serial}")
+        self._replacing.add(task)
+        task.add_done_callback(self._replacing.discard)
+
+    async def _replace(self, lost: int) -> None:
+        for attempt in range(1, MAX_REPLACEMENT_ATTEMPTS + 1):
+            w = self._spawn()
+            try:
+                await self._boot(w)
+            except asyncio.CancelledError:
+                _kill(w.handle)
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed replacement is retried, then recorded
+                _kill(w.handle)
+                self._event("replacement_failed", w.serial, replaces=lost, attempt=attempt,
+                            reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            self._admit(w)
+            self._event("replaced", w.serial, replaces=lost, version=w.version,
+                        boot_s=round(time.monotonic() - w.started, 3))
+            logger.info("Ray rollout worker %d replaces %d (weights version %d)", w.serial, lost, w.version)
+            return
+        logger.error("could not replace Ray rollout worker %d after %d attempts", lost, MAX_REPLACEMENT_ATTEMPTS)
+
+    def _event(self, kind: str, serial: int, **details: Any) -> None:
+        self.events.append({"t": round(time.monotonic() - self._t0, 3), "event": kind, "worker": serial, **details})
+
+    def report(self) -> dict[str, Any]:
+        """The backend's part of the run summary."""
+        return {
+            "ray_version": ray.__version__,
+            "address": self.cfg.system.ray_address or "local",
+            "workers": self.num_workers,
+            "worker_restarts": self.worker_restarts,
+            "events": self.events,
+            "worker_stats": self.worker_stats,
+            "critic_refreshes": self.critic.refreshes if self.critic is not None else None,
+        }
+
+    def shutdown(self) -> None:
+        """Disconnect from Ray if `start()` connected (a Ray initialised by the caller stays)."""
+        if self.connected_here and ray.is_initialized():
+            ray.shutdown()
+        self.connected_here = False
+
+
+# ---------------------------------------------------------------------------------- the critic
+
+
+class CriticWorker:
+    """A copy of the critic in its own process (a Ray actor): computes per-token values exactly
+    as `CriticSnapshot` does in the local backend. Calls run one at a time, so a weight load
+    never overlaps a forward pass."""
+
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+        self.snapshot = CriticSnapshot(critic, pad_id, micro_batch_tokens, device)
+        self.batches = 0
+
+    def values(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """One critic value per token of each trajectory."""
+        self.snapshot(trajectories)
+        self.batches += 1
+        return [t.annotations["values"] for t in trajectories]
+
+    def load(self, state: dict[str, Any]) -> float:
+        """Load the trainer's critic weights; returns the checksum of what is now held."""
+        self.snapshot.model.load_state_dict(state)
+        return weights_checksum(self.snapshot.model.state_dict())
+
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "batches": self.batches}
+
+
+class RemoteCritic:
+    """A Preparation (puts `annotations["values"]` on trajectories) whose critic forward runs in
+    a `CriticWorker` actor, so it takes no compute from the driver's trainer.
+
+    `start()` creates the actor with the trainer critic's current weights; `refresh_async()`
+    (awaited by `RayRollout.update_weights`, i.e. right after each trainer step) ships the
+    trainer critic's new weights and checks them by checksum. `refresh(critic)` is the same,
+    blocking, with the signature of `CriticSnapshot.refresh`.
+    """
+
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
+                 timeout_s: float, actor_options: dict[str, Any] | None = None):
+        self.source = critic
+        self.pad_id = pad_id
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = device
+        self.timeout_s = timeout_s
+        self.actor_options = dict(actor_options or {})
+        if device.startswith("cuda"):
+            self.actor_options.setdefault("num_gpus", 1)
+        self._handle: Any = None
+        self.refreshes = 0
+
+    @classmethod
+    def from_run(cls, run: "Run", **options: Any) -> "RemoteCritic":
+        cfg = run.cfg
+        return cls(run.critic.model, run.tokenizer.pad_token_id, cfg.train.micro_batch_tokens,
+                   cfg.model.device, cfg.system.wait_timeout_s, **options)
+
+    async def start(self) -> None:
+        """Create the critic actor (Ray must be connected) and wait until it is up."""
+        critic = _cpu_module(self.source)
+        self._handle = ray.remote(CriticWorker).options(**self.actor_options).remote(
+            critic, self.pad_id, self.micro_batch_tokens, self.device)
+        await _await_ref(self._handle.ping.remote(), self.timeout_s, "starting the critic actor")
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        """Put `annotations["values"]` on each trajectory (blocking; runs on the prep thread)."""
+        if self._handle is None:
+            raise RuntimeError("RemoteCritic.start() was not called")
+        values = ray.get(self._handle.values.remote(trajectories), timeout=self.timeout_s)
+        for trajectory, v in zip(trajectories, values):
+            trajectory.annotations["values"] = v
+
+    def _ship(self, critic: torch.nn.Module) -> tuple[Any, float]:
+        state = _cpu_state(critic.state_dict())
+        # Serialised now: the caller guarantees the trainer is not stepping at this moment.
+        return ray.put(state), weights_checksum(state)
+
+    def _check(self, held: float, sent: float) -> None:
+        if held != sent:
+            raise RuntimeError(f"critic weight refresh failed: the critic actor holds checksum {held!r}, "
+                               f"the trainer sent {sent!r}")
+        self.refreshes += 1
+
+    async def refresh_async(self) -> None:
+        ref, sent = self._ship(self.source)
+        held = await _await_ref(self._handle.load.remote(ref), self.timeout_s, "critic weight refresh")
+        self._check(held, sent)
+
+    def refresh(self, critic: torch.nn.Module) -> None:
+        ref, sent = self._ship(critic)
+        self._check(ray.get(self._handle.load.remote(ref), timeout=self.timeout_s), sent)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _kill(self._handle)
+            self._handle = None
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def train_ray(run: "Run", steps: int, *, workers: int | None = None, worker_options: dict[str, Any] | None = None,
+              remote_critic: bool | None = None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Train `steps` optimizer steps with rollout workers on Ray; returns (history, summary).
+
+    The summary is `train_async`'s plus `worker_restarts` and `ray` (`RayRollout.report()`).
+    `remote_critic` (default: `system.ray_remote_critic` when the config has it, else False)
+    computes critic values in a `RemoteCritic` actor instead of the driver's prep thread.
+    Afterwards the driver's own engine (`run.engine`) is synced to the trained weights, so
+    evaluation after training samples what was trained. Ray is shut down only if this call
+    started (or connected) it.
+    """
+    if remote_critic is None:
+        remote_critic = bool(getattr(run.cfg.system, "ray_remote_critic", False))
+    critic = RemoteCritic.from_run(run) if remote_critic else None
+    rollout = RayRollout.from_run(run, workers=workers, worker_options=worker_options, critic=critic)
+    try:
+        history, summary = train_async(run, steps, rollout=rollout,
+                                       preparations=[critic] if critic is not None else None)
+    finally:
+        rollout.shutdown()
+    summary["worker_restarts"] = rollout.worker_restarts
+    summary["ray"] = rollout.report()
+    from tiderl.loop import sync_weights
+
+    sync_weights(run)
+    return history, summary
