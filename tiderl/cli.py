@@ -29,17 +29,53 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     add("train", "train a policy with SAO")
-    ev = add("eval", "evaluate a policy on held-out tasks")
+    ev = add("eval", "evaluate a policy (or the scripted oracle) on held-out tasks")
     ev.add_argument("--model", help="model dir or checkpoint's actor/ dir (default: model.path)")
     ev.add_argument("--json", help="also write the results to this JSON file")
+    ev.add_argument("--env", choices=("kg", "db"),
+                    help="shortcut for env.name=...; default: the one --data needs")
+    ev.add_argument("--data", choices=("embedded", "metaqa", "agentbench_db", "agentbench_kg"),
+                    help="shortcut for data.source=...; with --env db alone, agentbench_db")
+    ev.add_argument("--hops", help="shortcut for data.hops=[...], e.g. 1,2,3")
+    ev.add_argument("--split", help="shortcut for data.split=... (AgentBench: dev, standard, std)")
+    ev.add_argument("--pass-k", type=int, help="shortcut for eval.pass_k=K (K samples per task)")
+    ev.add_argument("--oracle", action="store_true",
+                    help="evaluate the scripted oracle instead of a model: the environment's ceiling")
     add("demo", "build the embedded model, evaluate, train with SAO, evaluate again")
     add("build-model", "build (or find) the cached embedded default model and print its path")
     sub.add_parser("config", help="print every config key with its default and meaning")
     return parser
 
 
+# The environment each data source needs, for the eval shortcuts.
+_ENV_OF_DATA = {"embedded": "kg", "metaqa": "kg", "agentbench_kg": "kg", "agentbench_db": "db"}
+
+
+def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
+    """The dotted overrides `tiderl eval`'s shortcut flags stand for. --data alone also sets
+    the environment it needs, and --env db alone the one DB source."""
+    out = []
+    env, data = getattr(args, "env", None), getattr(args, "data", None)
+    if data and not env:
+        env = _ENV_OF_DATA[data]
+    if env == "db" and not data:
+        data = "agentbench_db"
+    if env:
+        out.append(f"env.name={env}")
+    if data:
+        out.append(f"data.source={data}")
+    if getattr(args, "hops", None):
+        out.append(f"data.hops=[{args.hops}]")
+    if getattr(args, "split", None):
+        out.append(f"data.split={args.split}")
+    if getattr(args, "pass_k", None) is not None:
+        out.append(f"eval.pass_k={args.pass_k}")
+    return out
+
+
 def _load(args: argparse.Namespace) -> RunConfig:
-    overrides = list(args.overrides)
+    """The config file plus the shortcut flags, then the dotted overrides (which win)."""
+    overrides = _shortcut_overrides(args) + list(args.overrides)
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     return load_config(args.config, overrides)
@@ -62,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return cmd_train(cfg)
     if args.command == "eval":
-        return cmd_eval(cfg, args.model, args.json)
+        return cmd_eval(cfg, args.model, args.json, oracle=args.oracle)
     if args.command == "demo":
         return cmd_demo(cfg)
     if args.command == "build-model":
@@ -87,39 +123,107 @@ def cmd_train(cfg: RunConfig) -> int:
 
 
 def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
-               tasks: list) -> dict[str, Any]:
+               tasks: list, chunk_size: int = 0) -> dict[str, Any]:
+    """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
+    task and also runs when only eval.pass_k > 1 asks for it."""
     from tiderl.evaluate import evaluate
 
     out = {}
     if cfg.eval.greedy:
-        out["greedy"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, True)
-    if cfg.eval.sampled:
-        out["sampled"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, False)
+        out["greedy"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, True,
+                                 chunk_size=chunk_size)
+    if cfg.eval.sampled or cfg.eval.pass_k > 1:
+        out["sampled"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, False,
+                                  samples_per_task=cfg.eval.pass_k, chunk_size=chunk_size)
     return out
 
 
-def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None) -> int:
-    import torch
+def _eval_chunk_size(cfg: RunConfig, setup: Any) -> int:
+    """Tasks per batch of episodes: one at a time on a SQLAlchemy database (a backend there
+    serves one session at a time), else all at once (0)."""
+    return 1 if setup.env_name == "db" and "://" in cfg.env.db_backend else 0
 
-    from tiderl.data import env_factory, load_kg_setup
-    from tiderl.evaluate import format_table
-    from tiderl.loop import resolve_model_path
-    from tiderl.models.loading import load_model, load_tokenizer
-    from tiderl.rollout.torch_engine import TorchEngine
 
-    torch.manual_seed(cfg.seed)
-    setup = load_kg_setup(cfg.data)
-    path = model or resolve_model_path(cfg, setup)
-    tokenizer = load_tokenizer(path)
-    engine = TorchEngine(load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
-                         device=cfg.model.device, seed=cfg.seed,
-                         max_batch_size=cfg.rollout.engine_batch_size)
-    results = _eval_both(cfg, engine, tokenizer, env_factory(cfg.env, setup),
-                         setup.eval_tasks)
-    print(format_table([(f"{setup.name} {mode}", r) for mode, r in results.items()]))
-    print(json.dumps({"model": str(path), "data": setup.name, "results": results}, indent=2))
+def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
+                 chunk_size: int) -> tuple[dict[str, Any], str]:
+    """The scripted oracle through `evaluate` (greedy only: a script is deterministic).
+    Tokenizer: the one of `--model` or `model.path`, else one trained here on the oracle's
+    own texts (the embedded model's, being KG-only and slow to build, is not used)."""
+    from tiderl.data import db_backend
+    from tiderl.evaluate import (evaluate, oracle_engine, oracle_limits, oracle_texts,
+                                 oracle_turns_for)
+
+    tasks = setup.eval_tasks
+    backend = db_backend(cfg.env, setup) if setup.env_name == "db" else None
+    scripts = {t.task_id: oracle_turns_for(t, backend) for t in tasks}
+    path = model or (cfg.model.path if cfg.model.path != "tiny" else "")
+    if path:
+        from tiderl.models.loading import load_tokenizer
+
+        tokenizer, source = load_tokenizer(path), str(path)
+    else:
+        from tiderl.models.tiny import train_tokenizer
+
+        tokenizer = train_tokenizer(oracle_texts(make_env(), tasks, scripts),
+                                    vocab_size=cfg.model.tiny.vocab_size)
+        source = f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"
+    env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
+    result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
+                      rollout, True, chunk_size=chunk_size or 256)
+    return {"greedy": result}, source
+
+
+def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
+             oracle: bool = False) -> int:
+    """Evaluate `model` (or model.path, or with `oracle` the scripted oracle) on the held-out
+    tasks; print a Markdown table, write the results to `json_path` (else print them)."""
+    from tiderl.data import env_factory, load_setup
+    from tiderl.evaluate import markdown_table, result_rows
+
+    t0 = time.perf_counter()
+    setup = load_setup(cfg.data)
+    make_env = env_factory(cfg.env, setup)
+    chunk_size = _eval_chunk_size(cfg, setup)
+    if oracle:
+        results, tokenizer_source = _oracle_eval(cfg, setup, make_env, model, chunk_size)
+        what, label = "oracle", (lambda mode: "oracle")
+    else:
+        if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa"):
+            print(f"tiderl: the embedded tiny model is a KG model for data.source embedded or metaqa, "
+                  f"not {setup.name}. Fix: pass --model DIR (or model.path=DIR), or --oracle.",
+                  file=sys.stderr)
+            return 2
+        import torch
+
+        from tiderl.loop import resolve_model_path
+        from tiderl.models.loading import load_model, load_tokenizer
+        from tiderl.rollout.torch_engine import TorchEngine
+
+        torch.manual_seed(cfg.seed)
+        path = model or resolve_model_path(cfg, setup)
+        tokenizer = load_tokenizer(path)
+        engine = TorchEngine(load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
+                             device=cfg.model.device, seed=cfg.seed,
+                             max_batch_size=cfg.rollout.engine_batch_size)
+        results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size)
+        what, tokenizer_source = str(path), str(path)
+        label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
+    split = f" {setup.split}" if setup.split else ""
+    print(f"## tiderl eval: {what} on {setup.name}{split} (env {cfg.env.name}, "
+          f"{len(setup.eval_tasks)} tasks)\n")
+    print(markdown_table(result_rows(results, label)))
+    payload = {**results, "eval": {
+        "model": what, "data": setup.name, "split": setup.split, "env": cfg.env.name,
+        "hops": list(cfg.data.hops) if setup.name in ("embedded", "metaqa") else None,
+        "db_backend": cfg.env.db_backend if setup.env_name == "db" else None,
+        "n_tasks": len(setup.eval_tasks), "pass_k": cfg.eval.pass_k, "oracle": oracle,
+        "tokenizer": tokenizer_source, "wall_s": time.perf_counter() - t0,
+    }}
     if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2))
+        Path(json_path).write_text(json.dumps(payload, indent=2))
+        print(f"\nresults: {json_path}")
+    else:
+        print("\n" + json.dumps(payload, indent=2))
     return 0
 
 
