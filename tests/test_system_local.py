@@ -220,3 +220,31 @@ def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_pa
     assert len(train(run2)) == 2
     saved = json.loads((tmp_path / "run2" / "system.json").read_text())
     assert saved["ledger"]["trained"] == 8
+
+
+@pytest.mark.slow
+def test_group_sampling_and_curiosity_in_the_lock_step_loop(cache, tmp_path):
+    from collections import Counter
+
+    from tiderl.loop import build_run, sample_batch, train
+
+    cfg = small_config(cache, tmp_path / "run", "algo.name=grpo", "algo.group_size=4", "algo.critic_warmup_steps=0",
+                       "rollout.batch_size=8", "train.steps=1", "curiosity.enabled=true",
+                       "curiosity.scope=episode", "log.tensorboard=false")
+    run = build_run(cfg)
+    assert run.critic is None and run.ref is not None  # GRPO: no critic, a KL reference
+    batch, _ = sample_batch(run)
+    groups = Counter(t.group_id for t in batch)
+    assert len(batch) == 8 and sorted(groups.values()) == [4, 4]
+    for ids in groups:
+        assert len({t.task_id for t in batch if t.group_id == ids}) == 1  # one prompt per group
+    for t in batch:
+        units = t.env_info.get("knowledge_units", [])
+        assert t.reward_parts["curiosity"] == pytest.approx(t.env_info["curiosity/bonus"])
+        assert t.reward == pytest.approx(t.reward_parts["outcome"] + t.reward_parts["curiosity"])
+        assert (t.reward_parts["curiosity"] > 0) == bool(units)
+    history = train(run)
+    assert len(history) == 1 and "curiosity/novel_units" in history[0]
+    # The lock-step loop computes the reference log-probs inside the step (no buffer ahead of it).
+    assert "kl/ref_precomputed" not in history[0]
+    assert math.isfinite(history[0]["kl/ref_kl_mean"])

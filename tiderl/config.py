@@ -89,9 +89,12 @@ class DataConfig:
     source: str = opt(
         "embedded",
         "'embedded': a knowledge graph and questions that tiderl generates; 'metaqa': train on "
-        "tiderl's template questions over MetaQA's kb.txt, evaluate on MetaQA's test questions.",
-        ("embedded", "metaqa"),
+        "tiderl's template questions over MetaQA's kb.txt, evaluate on MetaQA's test questions; "
+        "'agentbench_db': AgentBench DB tasks (env.name=db); 'agentbench_kg': AgentBench KG "
+        "questions (need env.sparql_endpoint, a Freebase SPARQL endpoint).",
+        ("embedded", "metaqa", "agentbench_db", "agentbench_kg"),
     )
+    split: str = opt("", "AgentBench split to evaluate on ('' = dev; DB: dev/standard, KG: dev/std).")
     data_dir: str = opt(
         "",
         "Root of the shared benchmark data ('' = $TIDERL_DATA_DIR or ../shared/data).",
@@ -109,10 +112,15 @@ class DataConfig:
 class EnvConfig:
     """The environment and the episode limits."""
 
-    name: str = opt("kg", "Environment.", ("kg",))
+    name: str = opt("kg", "Environment: knowledge graph tools or SQL database tools.", ("kg", "db"))
     max_turns: int = opt(4, "Model turns per episode (AgentBench uses 15).")
     max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
     max_listed: int = opt(0, "KG: list entity names in observations of sets up to this size.")
+    max_items: int = opt(100, "Longest list (relations, entities, rows) shown in one observation.")
+    max_observation_chars: int = opt(4000, "Longest observation text; longer ones are cut with a note.")
+    sparql_endpoint: str = opt("", "KG: a SPARQL endpoint URL to query instead of the in-memory store.")
+    db_backend: str = opt("sqlite", "DB: 'sqlite', 'duckdb' or an SQLAlchemy URL.")
+    db_timeout_s: float = opt(2.0, "DB: statement timeout in seconds.")
     system_prompt: str = opt("", "System message ('' = the environment's own).")
     tool_latency: str = opt(
         "none", "Simulated tool latency added to every env step (training episodes only).",
@@ -266,6 +274,7 @@ class EvalConfig:
     every: int = opt(0, "Evaluate during training every N steps (0 = before and after only).")
     greedy: bool = opt(True, "Report greedy decoding.")
     sampled: bool = opt(True, "Report sampling at the rollout temperature.")
+    pass_k: int = opt(1, "Also report pass@k from k samples per task (1 = off).")
 
 
 @dataclass
@@ -300,6 +309,27 @@ class SystemConfig:
 
 
 @dataclass
+class CuriosityConfig:
+    """The curiosity-shaped reward (docs/curiosity.md): a bonus for knowledge units reached."""
+
+    enabled: bool = opt(False, "Add the curiosity bonus to training rewards.")
+    weight: float = opt(0.05, "Bonus per unit of novelty (before annealing).")
+    episode_cap: float = opt(6.0, "Most novelty one episode can count (in units, before the weight).")
+    scope: str = opt("global", "Novelty per episode, across training (1/sqrt(1+seen)), or their mean.",
+                     ("episode", "global", "both"))
+    kind_weights: dict[str, float] = opt(
+        {"entity": 0.5, "entity_relation": 1.0, "table": 0.5, "column": 1.0},
+        "Weight of each unit kind (the prefix before ':').")
+    default_kind_weight: float = opt(1.0, "Weight of unit kinds not in kind_weights.")
+    schedule: str = opt("constant", "Annealing of the weight.", ("constant", "linear", "cosine"))
+    final_weight: float = opt(0.0, "Weight at the end of annealing.")
+    anneal_steps: int = opt(0, "Steps over which the weight anneals (>= 1 for linear/cosine).")
+    pay_on_success: bool = opt(True, "Also pay the bonus on successful episodes.")
+    success_reward: float = opt(1.0, "The reward of a solved episode (the gate's reference).")
+    gate_fraction: float = opt(0.5, "A failed episode's bonus stays below this share of the gap to success.")
+
+
+@dataclass
 class LogConfig:
     """Where metrics go."""
 
@@ -320,6 +350,7 @@ class RunConfig:
     algo: AlgoConfig = section(AlgoConfig, "The RL algorithm.")
     train: TrainConfig = section(TrainConfig, "Optimisation.")
     system: SystemConfig = section(SystemConfig, "Rollout/training scheduling and backends.")
+    curiosity: CuriosityConfig = section(CuriosityConfig, "Curiosity-shaped reward (KARL).")
     eval: EvalConfig = section(EvalConfig, "Held-out evaluation.")
     log: LogConfig = section(LogConfig, "Logging.")
 
@@ -340,6 +371,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None:
             return None
         return _coerce(value, args[0], where)
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}. Fix: write e.g. {{a: 1.0}}.")
+        return {_coerce(k, key_tp, f"{where} key"): _coerce(v, value_tp, f"{where}.{k}")
+                for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
@@ -597,7 +634,8 @@ def validate(cfg: RunConfig) -> None:
          "must be divisible by model.tiny.num_heads", "use e.g. 128 with 4 heads")
     need(cfg.model.tiny.num_heads % cfg.model.tiny.num_kv_heads == 0, "model.tiny.num_kv_heads",
          "must divide model.tiny.num_heads", "use e.g. 2 with 4 heads")
-    need(cfg.model.tiny.max_positions >= cfg.env.max_total_tokens, "model.tiny.max_positions",
+    need(cfg.model.path != "tiny" or cfg.model.tiny.max_positions >= cfg.env.max_total_tokens,
+         "model.tiny.max_positions",
          "must be at least env.max_total_tokens", "raise model.tiny.max_positions")
     need(0 <= cfg.model.warmstart.relation_noise <= 1, "model.warmstart.relation_noise",
          "must be in [0, 1]", "use 0.5")
@@ -613,6 +651,25 @@ def validate(cfg: RunConfig) -> None:
     need(sysc.elastic_interval_s > 0, "system.elastic_interval_s", "must be > 0", "use 2.0")
     need(sysc.max_task_retries >= 0, "system.max_task_retries", "must be >= 0", "use 2")
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
+    has_critic = cfg.algo.name == "sao" or cfg.algo.advantage == "gae"  # = algos.step.needs_critic
+    need(has_critic or cfg.algo.critic_warmup_steps == 0, "algo.critic_warmup_steps",
+         f"is {cfg.algo.critic_warmup_steps} but algo.name={cfg.algo.name} has no critic, so the actor "
+         "would not train for those steps", "set algo.critic_warmup_steps=0")
+    need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
+    need(cfg.env.max_items >= 1, "env.max_items", "must be >= 1", "use 100")
+    need(cfg.env.max_observation_chars >= 100, "env.max_observation_chars", "must be >= 100", "use 4000")
+    need((cfg.env.name == "db") == (cfg.data.source == "agentbench_db"), "env.name",
+         f"env.name={cfg.env.name!r} does not fit data.source={cfg.data.source!r}",
+         "use env.name=db with data.source=agentbench_db, env.name=kg with the KG sources")
+    need(cfg.data.source != "agentbench_kg" or bool(cfg.env.sparql_endpoint), "env.sparql_endpoint",
+         "AgentBench KG questions need a Freebase SPARQL endpoint",
+         "set env.sparql_endpoint=http://host:port/sparql")
+    cur = cfg.curiosity
+    need(cur.weight >= 0 and cur.final_weight >= 0, "curiosity.weight", "must be >= 0", "use 0.05")
+    need(cur.episode_cap > 0, "curiosity.episode_cap", "must be > 0", "use 6.0")
+    need(0 <= cur.gate_fraction < 1, "curiosity.gate_fraction", "must be in [0, 1)", "use 0.5")
+    need(cur.schedule == "constant" or cur.anneal_steps >= 1, "curiosity.anneal_steps",
+         f"must be >= 1 with schedule={cur.schedule!r}", "set e.g. curiosity.anneal_steps=100")
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import json
 import random
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from tiderl.envs.protocol import Env, Task
 from tiderl.evaluate import sampling_params, summarize
 from tiderl.metrics.logger import MetricsLogger
 from tiderl.models.loading import load_model, load_tokenizer
+from tiderl.rewards.curiosity import CuriosityShaper, CuriositySettings
+from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
 from tiderl.rollout.torch_engine import TorchEngine, weights_checksum
 from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
@@ -68,6 +71,11 @@ class Run:
     step: int = 0
     model_path: str = ""
     ref: torch.nn.Module | None = None  # frozen initial policy, when the algorithm uses a KL term
+    curiosity: CuriosityShaper | None = None  # shapes rewards and counts knowledge units
+
+    def shape(self, trajectory: Trajectory) -> Trajectory:
+        """The trajectory with the curiosity bonus of the current step (unchanged without one)."""
+        return self.curiosity.shape(trajectory, self.step) if self.curiosity else trajectory
 
 
 def resolve_model_path(cfg: RunConfig, setup: KGSetup) -> str:
@@ -103,10 +111,16 @@ def build_run(cfg: RunConfig, setup: KGSetup | None = None) -> Run:
     if needs_ref(cfg.algo):
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
     actor = Learner(policy, cfg.algo.actor_lr, t.weight_decay, betas, t.grad_clip)
+    # Always built: with curiosity off it pays nothing but still counts the units agents reach.
+    curiosity = CuriosityShaper(CuriositySettings(**dataclasses.asdict(cfg.curiosity)))
     run = Run(cfg, setup, tokenizer, engine, actor, critic, make_env=env_factory(cfg.env, setup),
-              tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path, ref=ref)
+              tasks=TaskStream(setup.train_tasks, cfg.seed), model_path=model_path, ref=ref,
+              curiosity=curiosity)
     if t.resume:
         run.step = load_checkpoint(t.resume, actor, critic)
+        state = Path(t.resume) / "curiosity.json"
+        if state.is_file():
+            curiosity.load_state_dict(json.loads(state.read_text()))
         sync_weights(run)
     return run
 
@@ -141,7 +155,7 @@ def sample_batch(run: Run) -> tuple[list[Trajectory], dict[str, float]]:
     kept: list[Trajectory] = []
     drawn = 0
     while len(kept) < want and drawn < 4 * want:
-        fresh = rollout(run, run.tasks.take((want - len(kept)) // g), g)
+        fresh = [run.shape(t) for t in rollout(run, run.tasks.take((want - len(kept)) // g), g)]
         drawn += len(fresh)
         if not cfg.algo.dynamic_sampling:
             kept.extend(fresh)
@@ -187,6 +201,7 @@ def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
             sync_weights(run)
             t3 = time.perf_counter()
             metrics.update(rollout_metrics(trajectories))
+            metrics.update(curiosity_metrics(trajectories))
             generated = sum(t.num_action_tokens for t in trajectories)
             metrics.update({
                 "policy_version": run.step,
@@ -200,8 +215,7 @@ def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
             history.append(metrics)
             every = cfg.train.checkpoint_every
             if every > 0 and run.step % every == 0:
-                save_checkpoint(run_dir / "checkpoints" / f"step_{run.step}", run.step,
-                                run.actor, run.critic, run.tokenizer)
+                save_run_checkpoint(run, run_dir / "checkpoints" / f"step_{run.step}")
     finally:
         logger.close()
     return history
@@ -210,8 +224,6 @@ def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
 def _train_async(run: Run, steps: int) -> list[dict[str, Any]]:
     """The same training on the asynchronous scheduler (`system.backend` local or ray); the
     run's totals (ledger, staleness histogram, slot changes) go to `run_dir/system.json`."""
-    import json
-
     from tiderl.system.local import train_async
 
     if run.cfg.system.backend == "ray":
@@ -222,6 +234,14 @@ def _train_async(run: Run, steps: int) -> list[dict[str, Any]]:
         history, summary = train_async(run, steps)
     (Path(run.cfg.run_dir) / "system.json").write_text(json.dumps(summary, indent=2))
     return history
+
+
+def save_run_checkpoint(run: Run, path: Path) -> Path:
+    """Actor, critic, optimizers and the curiosity counts (so a resume pays the same bonuses)."""
+    path = save_checkpoint(path, run.step, run.actor, run.critic, run.tokenizer)
+    if run.curiosity is not None:
+        (path / "curiosity.json").write_text(json.dumps(run.curiosity.state_dict()))
+    return path
 
 
 def sync_weights(run: Run) -> None:

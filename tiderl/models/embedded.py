@@ -66,8 +66,11 @@ def build_key(cfg: RunConfig) -> str:
         "version": BUILD_VERSION,
         "tiny": asdict(cfg.model.tiny),
         "warmstart": asdict(cfg.model.warmstart),
-        "data": {k: v for k, v in asdict(cfg.data).items() if k not in ("data_dir", "eval_size")},
-        "env": {k: v for k, v in asdict(cfg.env).items()},
+        # Only what shapes the demonstrations: not where data lives, not the eval sample, not
+        # simulated latency (a benchmark must not rebuild the model per latency setting).
+        "data": {k: v for k, v in asdict(cfg.data).items() if k not in ("data_dir", "eval_size", "split")},
+        "env": {k: getattr(cfg.env, k) for k in ("name", "max_turns", "max_total_tokens", "max_listed",
+                                                 "max_items", "max_observation_chars", "system_prompt")},
         "seed": cfg.seed,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]

@@ -30,7 +30,6 @@ from tiderl.system.buffer import Preparation, ReadyBuffer
 from tiderl.system.engine_client import BatchingEngine
 from tiderl.system.latency import with_latency
 from tiderl.system.scheduler import Scheduler, SchedulerSettings
-from tiderl.train.checkpoint import save_checkpoint
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import token_logprobs, token_values
 from tiderl.types import Trajectory
@@ -187,13 +186,16 @@ def training_env_factory(cfg: RunConfig, make_env: Any) -> Any:
 def train_async(run: "Run", steps: int, rollout: Any = None,
                 preparations: list[Preparation] | None = None,
                 observer: Callable[[int, dict[str, float], list[Trajectory]], None] | None = None,
+                stop: Callable[[dict[str, float]], bool] | None = None,
                 ) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """Train `steps` optimizer steps with the asynchronous scheduler; returns (history, summary).
 
     `rollout` defaults to a LocalRollout over `run.engine`; the Ray backend passes its own.
-    `observer(version, metrics, batch)` is called after every step (tests, custom logging).
+    `observer(version, metrics, batch)` is called after every step (tests, custom logging);
+    `stop(metrics)` may end the run early (e.g. at a generated-token budget).
     """
-    from tiderl.loop import rollout_metrics
+    from tiderl.loop import rollout_metrics, save_run_checkpoint
+    from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
 
     cfg = run.cfg
     run_dir = Path(cfg.run_dir)
@@ -211,6 +213,7 @@ def train_async(run: "Run", steps: int, rollout: Any = None,
 
     def on_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> None:
         metrics.update(rollout_metrics(batch))
+        metrics.update(curiosity_metrics(batch))
         run.step = version
         logger.log(version, metrics)
         if observer is not None:
@@ -218,8 +221,7 @@ def train_async(run: "Run", steps: int, rollout: Any = None,
         every = cfg.train.checkpoint_every
         if every > 0 and version % every == 0:
             # Between steps: the trainer thread is idle until the scheduler's next take.
-            save_checkpoint(run_dir / "checkpoints" / f"step_{version}", version, run.actor,
-                            run.critic, run.tokenizer)
+            save_run_checkpoint(run, run_dir / "checkpoints" / f"step_{version}")
 
     async def main() -> tuple[list[dict[str, float]], dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -230,10 +232,10 @@ def train_async(run: "Run", steps: int, rollout: Any = None,
         buffer = ReadyBuffer(preparations, group_size=settings.group_size,
                              accept_group=informative_group if cfg.algo.dynamic_sampling else None)
         scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer,
-                              on_step=on_step, start_version=run.step)
+                              on_step=on_step, start_version=run.step, shape=run.shape)
         await rollout.start()
         try:
-            history = await scheduler.run(steps)
+            history = await scheduler.run(steps, stop)
         finally:
             await rollout.close()
         return history, scheduler.summary()

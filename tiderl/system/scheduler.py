@@ -136,6 +136,7 @@ class Scheduler:
         buffer: ReadyBuffer,
         on_step: Callable[[int, dict[str, float], list[Trajectory]], None] = lambda *_: None,
         start_version: int = 0,
+        shape: Callable[[Trajectory], Trajectory] = lambda t: t,
     ):
         s = settings
         if s.batch_size % s.group_size:
@@ -149,6 +150,7 @@ class Scheduler:
         self.buffer = buffer
         buffer.on_reject = self._filtered
         self.on_step = on_step
+        self.shape = shape  # reward shaping of each finished episode (curiosity), before the buffer
         self.version = start_version
         self.gate = StalenessGate(s.max_staleness, s.batch_size)
         self.ledger = Ledger()
@@ -174,9 +176,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ public
 
-    async def run(self, steps: int) -> list[dict[str, float]]:
-        """Train `steps` optimizer steps; returns each step's metrics. Cancels what is still in
-        flight at the end (counted as unsettled, never silently lost)."""
+    async def run(self, steps: int, stop: Callable[[dict[str, float]], bool] | None = None
+                  ) -> list[dict[str, float]]:
+        """Train `steps` optimizer steps (fewer if `stop(metrics)` says so after a step); returns
+        each step's metrics. Cancels what is still in flight at the end (counted as unsettled,
+        never silently lost)."""
         self._t0 = self._last_end = time.monotonic()
         history: list[dict[str, float]] = []
         self.buffer.start()
@@ -185,6 +189,8 @@ class Scheduler:
         try:
             for _ in range(steps):
                 history.append(await self._train_one())
+                if stop is not None and stop(history[-1]):
+                    break
                 if fill.done():  # a bug in the fill loop must not turn into a timeout
                     fill.result()
         finally:
@@ -262,7 +268,7 @@ class Scheduler:
         if trajectory.stop_reason == "error":
             self._fault(attempt, f"environment: {trajectory.env_info.get('error', '?')}")
             return
-        self.buffer.put(trajectory)
+        self.buffer.put(self.shape(trajectory))
 
     def _fault(self, attempt: _Attempt, reason: str) -> None:
         """Queue the task again, or count it as failed once its retries are used up."""
@@ -389,6 +395,8 @@ class Scheduler:
             "throughput/goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
             "throughput/goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
             "throughput/generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
+            "system/generated_tokens": self.generated_tokens,
+            "system/trained_tokens": self.trained_tokens,
         }
 
     def _prep_overlap(self) -> float:

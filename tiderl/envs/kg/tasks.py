@@ -91,10 +91,24 @@ _ASK_SHARING: dict[str, tuple[str, ...]] = {
                        "what other movies feature the actors of {topic}?"),
 }
 
+# One film -> the films sharing a <relation> with it, as a noun phrase (the first two hops of a
+# 3-hop question: forward, then back).
+_FILMS_SHARING: dict[str, tuple[str, ...]] = {
+    "directed_by": ("the films that share a director with {topic}",
+                    "the other movies by the director of {topic}"),
+    "written_by": ("the films that share a writer with {topic}",
+                   "the other movies by the writer of {topic}"),
+    "starred_actors": ("the films that share an actor with {topic}",
+                       "the other movies with the actors of {topic}"),
+}
+
 
 def default_templates(relations: Iterable[str]) -> dict[tuple[str, ...], list[str]]:
-    """Question phrasings for every 1- and 2-hop path the tables can word over `relations`
-    (forward relation names; unknown ones are ignored). Keys are relation paths."""
+    """Question phrasings for every 1-, 2- and 3-hop path the tables can word over `relations`
+    (forward relation names; unknown ones are ignored). Keys are relation paths.
+
+    3-hop paths are (r, r_inv, y): from a film, the other films sharing its r, then their y
+    ("when were the films that share a director with [F] released?")."""
     rels = set(relations)
     templates: dict[tuple[str, ...], list[str]] = {}
     for r in sorted(rels & set(_ASK_ABOUT_FILM)):
@@ -109,6 +123,11 @@ def default_templates(relations: Iterable[str]) -> dict[tuple[str, ...], list[st
             )
     for r in sorted(rels & set(_ASK_SHARING)):
         templates[(r, inverse(r))] = list(_ASK_SHARING[r])
+    for r in sorted(rels & set(_FILMS_SHARING)):
+        for y in sorted(rels & set(_ASK_ABOUT_FILMS)):
+            if y != r:  # "who directed the films sharing a director with F" is 1-hop in disguise
+                templates[(r, inverse(r), y)] = [
+                    ask.replace("{films}", films) for ask in _ASK_ABOUT_FILMS[y] for films in _FILMS_SHARING[r]]
     return templates
 
 
