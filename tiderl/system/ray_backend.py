@@ -47,7 +47,8 @@ from tiderl.envs.protocol import Task
 from tiderl.evaluate import sampling_params
 from tiderl.rollout.torch_engine import TorchEngine, weights_checksum
 from tiderl.system.engine_client import BatchingEngine
-from tiderl.system.local import CriticSnapshot, scheduler_settings, train_async, training_env_factory
+from tiderl.system.local import (CriticSnapshot, default_preparations, scheduler_settings, train_async,
+                                 training_env_factory)
 from tiderl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -172,6 +173,7 @@ class RolloutWorker:
         self.max_concurrency = max_concurrency
         self._client: BatchingEngine | None = None
         self.episodes = 0
+        self.cancelled = 0
         self.generated_tokens = 0
 
     def _ensure_client(self) -> BatchingEngine:
@@ -188,8 +190,12 @@ class RolloutWorker:
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
         """Play one episode (`play_episode`) with this worker's engine and environments."""
         client = self._ensure_client()
-        trajectory = await play_episode(client.generate, self.tokenizer, self.make_env, task, self.params,
-                                        self.max_turns, self.max_total_tokens, group_id=group_id)
+        try:
+            trajectory = await play_episode(client.generate, self.tokenizer, self.make_env, task, self.params,
+                                            self.max_turns, self.max_total_tokens, group_id=group_id)
+        except asyncio.CancelledError:  # the driver cancelled it (restart mode, shutdown, timeout)
+            self.cancelled += 1
+            raise
         self.episodes += 1
         self.generated_tokens += trajectory.num_action_tokens
         return trajectory
@@ -208,6 +214,14 @@ class RolloutWorker:
     async def version(self) -> int:
         return self.engine.version
 
+    async def stop(self) -> dict[str, Any]:
+        """Stop the decode loop (before the actor is killed) and return the final `ping`."""
+        stats = await self.ping()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        return stats
+
     async def ping(self) -> dict[str, Any]:
         """Who and where this worker is, and what it has done (for the run's summary)."""
         client = self._client
@@ -217,6 +231,7 @@ class RolloutWorker:
             "node": ray.get_runtime_context().get_node_id(),
             "version": self.engine.version,
             "episodes": self.episodes,
+            "cancelled": self.cancelled,
             "generated_tokens": self.generated_tokens,
             "decode_batches": client.batches if client else 0,
             "decode_busy_s": round(client.busy_s, 3) if client else 0.0,
@@ -342,13 +357,14 @@ class RayRollout:
         logger.info("%d Ray rollout workers ready (weights version %d)", len(pool), self._start_version)
 
     async def close(self) -> None:
-        """Stop replacing, collect each worker's counters (`worker_stats`), kill the actors."""
+        """Stop replacing, stop each worker and collect its counters (`worker_stats`), kill the
+        actors."""
         self._closing = True
         for task in list(self._replacing):
             task.cancel()
         await asyncio.gather(*self._replacing, return_exceptions=True)
         live = list(self._workers.values())
-        stats = await asyncio.gather(*(_await_ref(w.handle.ping.remote(), min(self.timeout_s, 30.0), "final ping")
+        stats = await asyncio.gather(*(_await_ref(w.handle.stop.remote(), min(self.timeout_s, 30.0), "stopping")
                                        for w in live), return_exceptions=True)
         self.worker_stats = [s for s in stats if isinstance(s, dict)]
         for w in live:
@@ -475,8 +491,11 @@ class RayRollout:
             return await _await_ref(ref, self.timeout_s, f"rollout worker {w.serial}: {what}")
         except RayActorError as exc:
             self._lose(w, exc)
-            # The first lines of Ray's message carry the cause (e.g. the constructor's exception).
-            cause = " ".join(str(exc).split())[:400]
+            # Ray's message starts with where it happened and ends with the exception that killed
+            # the actor (e.g. its constructor's): keep both ends.
+            cause = " ".join(str(exc).split())
+            if len(cause) > 700:
+                cause = f"{cause[:200]} ... {cause[-500:]}"
             raise WorkerLost(f"rollout worker {w.serial} died during {what}: {type(exc).__name__}: {cause}") from exc
 
     async def _load(self, w: _Worker, weights: _Weights) -> float:
@@ -506,8 +525,9 @@ class RayRollout:
             w = self._spawn()
             try:
                 await self._boot(w)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the backend is closing
                 _kill(w.handle)
+                self._event("replacement_cancelled", w.serial, replaces=lost)
                 raise
             except Exception as exc:  # noqa: BLE001 - a failed replacement is retried, then recorded
                 _kill(w.handle)
@@ -649,18 +669,23 @@ def train_ray(run: "Run", steps: int, *, workers: int | None = None, worker_opti
 
     The summary is `train_async`'s plus `worker_restarts` and `ray` (`RayRollout.report()`).
     `remote_critic` (default: `system.ray_remote_critic` when the config has it, else False)
-    computes critic values in a `RemoteCritic` actor instead of the driver's prep thread.
+    computes critic values in a `RemoteCritic` actor instead of the driver's prep thread (for
+    algorithms with a critic; the other preparations, e.g. reference log-probs, stay local).
     Afterwards the driver's own engine (`run.engine`) is synced to the trained weights, so
     evaluation after training samples what was trained. Ray is shut down only if this call
     started (or connected) it.
     """
     if remote_critic is None:
         remote_critic = bool(getattr(run.cfg.system, "ray_remote_critic", False))
-    critic = RemoteCritic.from_run(run) if remote_critic else None
+    critic, preparations = None, None
+    if remote_critic:
+        defaults, snapshot = default_preparations(run)
+        if snapshot is not None:  # the algorithm has a critic: its forward moves to an actor
+            critic = RemoteCritic.from_run(run)
+            preparations = [critic if p is snapshot else p for p in defaults]
     rollout = RayRollout.from_run(run, workers=workers, worker_options=worker_options, critic=critic)
     try:
-        history, summary = train_async(run, steps, rollout=rollout,
-                                       preparations=[critic] if critic is not None else None)
+        history, summary = train_async(run, steps, rollout=rollout, preparations=preparations)
     finally:
         rollout.shutdown()
     summary["worker_restarts"] = rollout.worker_restarts
