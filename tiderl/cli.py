@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--pass-k", type=int, help="shortcut for eval.pass_k=K (K samples per task)")
     ev.add_argument("--oracle", action="store_true",
                     help="evaluate the scripted oracle instead of a model: the environment's ceiling")
+    pv = add("pretrain-value", "fit a critic to Monte-Carlo returns of trajectories (for algo.value_init)")
+    pv.add_argument("--trajectories", help="JSON-lines trajectories to fit (default: roll out the policy)")
+    pv.add_argument("--episodes", type=int, default=512, help="episodes to roll out when no file is given")
+    pv.add_argument("--epochs", type=int, default=3)
+    pv.add_argument("--out", help="critic dir to write (default: <run_dir>/value_init)")
     add("demo", "build the embedded model, evaluate, train with SAO, evaluate again")
     add("build-model", "build (or find) the cached embedded default model and print its path")
     sub.add_parser("config", help="print every config key with its default and meaning")
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_eval(cfg, args.model, args.json, oracle=args.oracle)
     if args.command == "demo":
         return cmd_demo(cfg)
+    if args.command == "pretrain-value":
+        return cmd_pretrain_value(cfg, args.trajectories, args.episodes, args.epochs, args.out)
     if args.command == "build-model":
         from tiderl.data import load_kg_setup
         from tiderl.loop import resolve_model_path
@@ -224,6 +231,46 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         print(f"\nresults: {json_path}")
     else:
         print("\n" + json.dumps(payload, indent=2))
+    return 0
+
+
+def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: int, epochs: int,
+                       out: str | None) -> int:
+    """Fit a critic (the policy's backbone plus a fresh head, attention frozen as configured) to
+    Monte-Carlo returns, save it where `algo.value_init` can load it, print the fit."""
+    import dataclasses
+
+    from tiderl.loop import build_run, rollout
+    from tiderl.train.critic import ValueModel, freeze_matching
+    from tiderl.train.learner import Learner
+    from tiderl.train.value_pretrain import load_trajectories, pretrain_value, save_trajectories
+
+    run = build_run(dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, value_init="")))
+    out_dir = Path(out or Path(cfg.run_dir) / "value_init")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if trajectories_path:
+        data = load_trajectories(trajectories_path)
+    else:
+        data = []
+        while len(data) < episodes:
+            data.extend(rollout(run, run.tasks.take(min(cfg.rollout.batch_size, episodes - len(data)))))
+        save_trajectories(data, out_dir / "trajectories.jsonl")
+    critic_model = ValueModel.from_policy(run.actor.model).to(cfg.model.device)
+    if cfg.algo.freeze_critic_attention:
+        freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
+    t = cfg.train
+    critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.grad_clip)
+    report = pretrain_value(critic, data, run.tokenizer.pad_token_id, t.micro_batch_tokens, epochs=epochs,
+                            batch_size=cfg.rollout.batch_size, gamma=cfg.algo.gamma,
+                            device=cfg.model.device, seed=cfg.seed)
+    critic_model.save(out_dir)
+    (out_dir / "pretrain_report.json").write_text(json.dumps(report, indent=2))
+    before, after = report["before"], report["after"]
+    print(f"[tiderl] {report['train']} trajectories, {report['steps']} steps; held-out "
+          f"({report['holdout']}) explained variance {before.get('explained_variance', float('nan')):.3f} -> "
+          f"{after.get('explained_variance', float('nan')):.3f}, mse {before.get('mse', float('nan')):.4f} -> "
+          f"{after.get('mse', float('nan')):.4f}")
+    print(f"critic: {out_dir}  (train with algo.value_init={out_dir})")
     return 0
 
 

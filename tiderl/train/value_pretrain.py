@@ -1,0 +1,124 @@
+"""Value pretraining: fit a critic to the Monte-Carlo returns of a dataset of trajectories.
+
+SAO starts its critic from the policy with a zero head; on long tasks the first steps then
+learn against a critic that knows nothing. Pretraining fits the critic offline on trajectories
+the policy (or any policy) produced, with targets = Monte-Carlo returns over model tokens
+(skip-observation GAE with lambda = 1), the same targets SAO's critic learns online. The result
+is a normal `ValueModel` directory that `algo.value_init` loads.
+
+Trajectories are stored as JSON lines (`Trajectory.to_dict()`), one per line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiderl.algos.advantages import explained_variance, outcome_token_rewards, skip_observation_gae
+from tiderl.algos.losses import value_loss
+from tiderl.train.batching import collate, micro_batch_indices, slice_batch
+from tiderl.train.forward import token_values
+from tiderl.train.learner import Learner
+from tiderl.types import Trajectory
+
+
+def save_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> int:
+    """Write trajectories as JSON lines; returns how many."""
+    n = 0
+    with open(path, "w") as f:
+        for t in trajectories:
+            f.write(json.dumps(t.to_dict()) + "\n")
+            n += 1
+    return n
+
+
+def load_trajectories(path: str | Path) -> list[Trajectory]:
+    """Read JSON-lines trajectories; a malformed line raises ValueError naming its number."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Trajectory.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{i} is not a tiderl trajectory ({exc}); write one "
+                                 "Trajectory.to_dict() JSON object per line") from None
+    if not out:
+        raise ValueError(f"{path} holds no trajectories")
+    return out
+
+
+def monte_carlo_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Per-token returns over model tokens: the outcome reward on each trajectory's last action
+    token, discounted back over action tokens only (observation tokens are skipped)."""
+    token_rewards = outcome_token_rewards(rewards, action_mask)
+    zeros = torch.zeros_like(token_rewards)
+    # With lambda = 1 and V = 0 the GAE "returns" are exactly the discounted reward-to-go.
+    _, returns = skip_observation_gae(token_rewards, zeros, action_mask, gamma, 1.0)
+    return returns
+
+
+@torch.no_grad()
+def value_fit(critic: torch.nn.Module, trajectories: list[Trajectory], pad_id: int,
+              micro_batch_tokens: int, gamma: float = 1.0, device: str = "cpu") -> dict[str, float]:
+    """Explained variance and mean squared error of `critic` against the Monte-Carlo returns."""
+    critic.eval()
+    full = collate(trajectories, pad_id)
+    values, returns = [], []
+    for rows in micro_batch_indices(full.attention_mask.sum(1).tolist(), micro_batch_tokens):
+        mb = slice_batch(full, rows).to(device)
+        v = token_values(critic, mb.input_ids, mb.attention_mask).float()
+        r = monte_carlo_returns(mb.rewards, mb.action_mask, gamma)
+        values.append(v[mb.action_mask > 0].cpu())
+        returns.append(r[mb.action_mask > 0].cpu())
+    v, r = torch.cat(values), torch.cat(returns)
+    return {"explained_variance": explained_variance(v, r, torch.ones_like(v)),
+            "mse": float(((v - r) ** 2).mean())}
+
+
+def pretrain_value(critic: Learner, trajectories: list[Trajectory], pad_id: int, micro_batch_tokens: int,
+                   epochs: int = 3, batch_size: int = 32, gamma: float = 1.0, device: str = "cpu",
+                   seed: int = 0, holdout: float = 0.1) -> dict[str, Any]:
+    """Fit `critic` to the trajectories' Monte-Carlo returns for `epochs` passes in shuffled
+    batches of `batch_size`; a `holdout` fraction is kept out to measure the fit before and after.
+
+    Returns {"train": n, "holdout": n, "steps": optimizer steps, "before": fit, "after": fit,
+    "loss": last batch loss}, fits from `value_fit` on the held-out trajectories.
+    """
+    if not trajectories:
+        raise ValueError("pretrain_value got no trajectories")
+    rng = random.Random(seed)
+    order = list(range(len(trajectories)))
+    rng.shuffle(order)
+    n_hold = int(len(order) * holdout) if len(order) >= 10 else 0
+    held = [trajectories[i] for i in order[:n_hold]]
+    train = [trajectories[i] for i in order[n_hold:]]
+    before = value_fit(critic.model, held, pad_id, micro_batch_tokens, gamma, device) if held else {}
+    steps, loss = 0, float("nan")
+    for _ in range(epochs):
+        rng.shuffle(train)
+        for start in range(0, len(train), batch_size):
+            batch = collate(train[start:start + batch_size], pad_id)
+            normalizer = float(batch.action_mask.sum())
+            if normalizer == 0:
+                continue
+            parts = [slice_batch(batch, rows).to(device) for rows in
+                     micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)]
+
+            def loss_fn(mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
+                v = token_values(critic.model, mb.input_ids, mb.attention_mask)
+                returns = monte_carlo_returns(mb.rewards, mb.action_mask, gamma)
+                return value_loss(v, returns, mb.action_mask, normalizer)
+
+            critic.model.train()
+            loss = critic.step(parts, loss_fn)["loss"]
+            steps += 1
+    after = value_fit(critic.model, held, pad_id, micro_batch_tokens, gamma, device) if held else {}
+    return {"train": len(train), "holdout": len(held), "steps": steps, "before": before,
+            "after": after, "loss": loss}
