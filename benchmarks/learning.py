@@ -9,7 +9,7 @@ Writes `<out>/curves.csv` and `<out>/curves.png`; prints final held-out success 
 algorithm over the seeds and whether any run collapsed (its final success fell below half its
 best); last line: SAO final success / GRPO final success.
 
-    .venv/bin/python benchmarks/learning.py             # 4 algorithms x 3 seeds, about 60 min here
+    .venv/bin/python benchmarks/learning.py             # 4 algorithms x 3 seeds, under 60 min here
     .venv/bin/python benchmarks/learning.py --quick     # 1 seed, tiny budget, about 5 min
     .venv/bin/python benchmarks/learning.py --long      # SAO, 1000 steps at staleness 4: collapse?
     .venv/bin/python benchmarks/learning.py --config configs/metaqa_sao_tiny.yaml   # MetaQA task
@@ -71,12 +71,13 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {"sao": "tab:blue", "grpo": "tab:orange", "dapo": "tab:green", "ppo": "tab:red"}
+    labelled: set[str] = set()
     for row in rows:
         xs = [p["generated_tokens"] for p in row["curve"]]
         ys = [p["success"] for p in row["curve"]]
-        ax.plot(xs, ys, color=colors.get(row["algo"], "gray"), alpha=0.8,
-                label=row["algo"] if row["seed"] == rows[0]["seed"] or row["algo"] not in
-                {r["algo"] for r in rows[: rows.index(row)]} else None)
+        first = row["algo"] not in labelled  # one legend entry per algorithm, not per seed
+        labelled.add(row["algo"])
+        ax.plot(xs, ys, color=colors.get(row["algo"], "gray"), alpha=0.8, label=row["algo"] if first else None)
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("held-out greedy success")
     ax.grid(alpha=0.3)
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("override", nargs="*", help="extra dotted config overrides for every run")
     args = parser.parse_args()
     args.staleness, args.batch, args.eval_n = 2, 64, 200
-    args.token_budget, args.max_steps, args.eval_every = 140_000, 1000, 5
+    args.token_budget, args.max_steps, args.eval_every = 100_000, 1000, 5
     algos, seeds = args.algos.split(","), [int(s) for s in args.seeds.split(",")]
     if args.quick:
         seeds, args.batch, args.eval_n, args.token_budget, args.eval_every = seeds[:1], 32, 100, 12_000, 2

@@ -150,11 +150,9 @@ def cache(tmp_path_factory):
 
 
 def small_config(cache, run_dir, *more):
-    from tests.test_e2e_sao import SMALL
-    from tiderl.config import load_config
+    from tests.test_e2e_sao import small_config as e2e_small_config
 
-    return load_config("configs/kg_sao_tiny.yaml",
-                       SMALL + [f"model.cache_dir={cache}", f"run_dir={run_dir}", *more])
+    return e2e_small_config(cache, run_dir, *more)
 
 
 @pytest.mark.slow

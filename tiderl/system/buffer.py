@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from tiderl.system.aio import cancel_and_wait
 from tiderl.types import Trajectory
 
 # A preparation annotates a list of trajectories in place (e.g. puts per-token critic values in
@@ -66,13 +67,8 @@ class ReadyBuffer:
             self._task = asyncio.get_running_loop().create_task(self._prep_loop(), name="tiderl-prep")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._executor.shutdown(wait=True)
 
     def put(self, trajectory: Trajectory) -> None:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tiderl.rollout.base import Completion, Engine, SamplingParams
+from tiderl.system.aio import cancel_and_wait
 
 
 def _batch_key(params: SamplingParams) -> tuple[Any, ...]:
@@ -69,13 +70,8 @@ class BatchingEngine:
             self._task = asyncio.get_running_loop().create_task(self._decode_loop(), name="tiderl-decode")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for _, _, future in self._pending:
             if not future.done():
                 future.set_exception(RuntimeError("the engine client was closed"))

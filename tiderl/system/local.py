@@ -70,6 +70,20 @@ class LocalRollout:
         return await self.client.call(self.engine.state_checksum)
 
 
+@torch.no_grad()
+def annotate_per_token(trajectories: list[Trajectory], key: str, forward: Callable[[Any], torch.Tensor],
+                       pad_id: int, micro_batch_tokens: int, device: str) -> None:
+    """Run `forward(micro_batch) -> [b, t]` over the trajectories (right-padded, in micro-batches
+    of at most `micro_batch_tokens`) and store each row's first len(tokens) entries as
+    `annotations[key]`."""
+    batch = collate(trajectories, pad_id)
+    lengths = [len(t.tokens) for t in trajectories]
+    for rows in micro_batch_indices(lengths, micro_batch_tokens):
+        out = forward(slice_batch(batch, rows).to(device)).float().cpu()
+        for i, row in enumerate(rows):
+            trajectories[row].annotations[key] = out[i, : lengths[row]].tolist()
+
+
 class CriticSnapshot:
     """A copy of the critic for the preparation thread, refreshed after every trainer step, so
     values are computed while the trainer updates the live critic (ref/critic pipelining)."""
@@ -85,17 +99,14 @@ class CriticSnapshot:
         with self.lock:
             self.model.load_state_dict(critic.state_dict())
 
-    @torch.no_grad()
     def __call__(self, trajectories: list[Trajectory]) -> None:
         """Put `annotations["values"]` (one critic value per token) on each trajectory."""
-        batch = collate(trajectories, self.pad_id)
-        lengths = [len(t.tokens) for t in trajectories]
-        for rows in micro_batch_indices(lengths, self.micro_batch_tokens):
-            mb = slice_batch(batch, rows).to(self.device)
+
+        def values(mb: Any) -> torch.Tensor:
             with self.lock:
-                values = token_values(self.model, mb.input_ids, mb.attention_mask).float().cpu()
-            for i, row in enumerate(rows):
-                trajectories[row].annotations["values"] = values[i, : lengths[row]].tolist()
+                return token_values(self.model, mb.input_ids, mb.attention_mask)
+
+        annotate_per_token(trajectories, "values", values, self.pad_id, self.micro_batch_tokens, self.device)
 
 
 class RefLogprobs:
@@ -108,16 +119,14 @@ class RefLogprobs:
         self.micro_batch_tokens = micro_batch_tokens
         self.device = device
 
-    @torch.no_grad()
     def __call__(self, trajectories: list[Trajectory]) -> None:
-        batch = collate(trajectories, self.pad_id)
-        lengths = [len(t.tokens) for t in trajectories]
-        for rows in micro_batch_indices(lengths, self.micro_batch_tokens):
-            mb = slice_batch(batch, rows).to(self.device)
-            logprobs = token_logprobs(self.ref, mb.input_ids, mb.attention_mask)[0].float().cpu()
-            logprobs = logprobs * mb.action_mask.cpu()
-            for i, row in enumerate(rows):
-                trajectories[row].annotations["ref_logprobs"] = logprobs[i, : lengths[row]].tolist()
+        """Put `annotations["ref_logprobs"]` (0 on forced tokens) on each trajectory."""
+
+        def logprobs(mb: Any) -> torch.Tensor:
+            return token_logprobs(self.ref, mb.input_ids, mb.attention_mask)[0] * mb.action_mask
+
+        annotate_per_token(trajectories, "ref_logprobs", logprobs, self.pad_id, self.micro_batch_tokens,
+                           self.device)
 
 
 class RunTrainer:

@@ -1,0 +1,16 @@
+"""asyncio helpers shared by the system's background loops."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has stopped (its CancelledError is absorbed)."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
