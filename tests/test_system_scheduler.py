@@ -164,7 +164,7 @@ def test_synchronous_mode_trains_only_on_the_current_version():
             assert t.versions() == {version}  # every sampled token on the trainer's own weights
     assert s.summary()["staleness_histogram"] == {0: 20}
     # Rollout waits during training: no episode starts while a step runs.
-    for _, v, t_start in rollout.starts:
+    for _, _, t_start in rollout.starts:
         assert not any(t0 < t_start < t1 for _, _, t0, t1 in trainer.batches)
     check_ledger(s)
 
@@ -217,7 +217,7 @@ def test_restart_mode_interrupts_and_requeues_episodes_on_new_weights():
     assert s.ledger.restarted >= 1
     # A restarted task runs again from scratch: some task id was started more than once.
     assert max(rollout.attempts.values()) >= 2
-    for version, batch, _, _ in trainer.batches:
+    for _, batch, _, _ in trainer.batches:
         for t in batch:
             assert len(t.versions()) == 1  # nothing trained spans a weight update
     check_ledger(s)

@@ -111,7 +111,7 @@ def pretrain_value(critic: Learner, trajectories: list[Trajectory], pad_id: int,
             parts = [slice_batch(batch, rows).to(device) for rows in
                      micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)]
 
-            def loss_fn(mb: Any) -> tuple[torch.Tensor, dict[str, float]]:
+            def loss_fn(mb: Any, normalizer: float = normalizer) -> tuple[torch.Tensor, dict[str, float]]:
                 v = token_values(critic.model, mb.input_ids, mb.attention_mask)
                 returns = monte_carlo_returns(mb.rewards, mb.action_mask, gamma)
                 return value_loss(v, returns, mb.action_mask, normalizer)

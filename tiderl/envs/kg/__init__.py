@@ -37,6 +37,7 @@ from tiderl.envs.kg.tasks import (
 from tiderl.envs.kg.tools import TOOL_ARGUMENTS, KGToolbox, ObservationLimits, bounded_list, knowledge_units
 
 __all__ = [
+    "load_tsv_triples",
     "BackendLimitError",
     "FREEBASE",
     "GraphSpec",
