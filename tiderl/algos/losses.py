@@ -20,7 +20,6 @@ torch.where BEFORE any arithmetic, so neither the forward value nor a gradient c
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -106,29 +105,13 @@ def dis_policy_loss(
         band), dis_low_frac / dis_high_frac (below / above it), ratio_mean, ratio_max, ratio_min,
         approx_kl (k3, see `_ratio_metrics`), num_action_tokens.
     """
-    _check_eps(eps_low, eps_high)
     _check_normalizer(normalizer)
-    is_action = action_mask > 0
-    zeros = torch.zeros_like(logprobs)
-    # Detached: the ratio enters as sg(r) and the band decision is not differentiable.
-    log_ratio = torch.where(is_action, logprobs.detach() - behavior_logprobs.detach(), zeros)
-    lower = -math.inf if eps_low >= 1.0 else math.log(1.0 - eps_low)
-    upper = math.log(1.0 + eps_high)
-    below = is_action & (log_ratio <= lower)
-    above = is_action & (log_ratio >= upper)
-    keep = is_action & ~below & ~above
+    # The per-token form lives with the other token losses; imported here to avoid a cycle.
+    from tiderl.algos.policy_losses import dis_token_loss
 
-    ratio = torch.where(keep, log_ratio.exp(), zeros)
-    adv = torch.where(keep, advantages.detach().to(logprobs.dtype), zeros)
-    safe_logprobs = torch.where(keep, logprobs, zeros)
-    loss = -(ratio * adv * safe_logprobs).sum() / normalizer
-
-    metrics = _ratio_metrics(log_ratio, is_action)
-    n = max(metrics["num_action_tokens"], 1.0)
-    metrics["dis_low_frac"] = below.sum().item() / n
-    metrics["dis_high_frac"] = above.sum().item() / n
-    metrics["dis_masked_frac"] = metrics["dis_low_frac"] + metrics["dis_high_frac"]
-    return loss, metrics
+    token_loss, metrics = dis_token_loss(logprobs, behavior_logprobs, advantages, action_mask,
+                                         eps_low, eps_high)
+    return token_loss.sum() / normalizer, metrics
 
 
 def ppo_clip_policy_loss(
