@@ -65,5 +65,5 @@ def test_pretrain_value_cli_fits_returns_and_writes_a_loadable_critic(tmp_path):
     assert report["after"]["explained_variance"] > 0.02  # 0.075 measured: more than the mean
 
     run = build_run(load_config("configs/kg_sao_tiny.yaml", common + [f"algo.value_init={out}"]))
-    head = run.critic.model.head.weight
+    head = run.critic.model.head.weight.detach()
     assert float(head.abs().sum()) > 0  # loaded, not the zero-initialised head
