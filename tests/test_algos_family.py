@@ -431,3 +431,12 @@ def test_overlong_penalty_by_hand() -> None:
     assert out.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -0.5, -0.5])
     with pytest.raises(ValueError, match="buffer"):
         overlong_penalty(lengths, max_length=10, buffer=20)
+
+
+def test_has_signal_is_the_per_group_form_of_informative_groups():
+    from tiderl.algos.sampling import has_signal, informative_groups
+
+    assert has_signal([0.0, 1.0]) and not has_signal([1.0, 1.0]) and not has_signal([0.0])
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    assert informative_groups(rewards, groups).tolist() == [True, True, False, False]

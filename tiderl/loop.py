@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from tiderl.agent.loop import run_episodes
+from tiderl.algos.sampling import has_signal
 from tiderl.algos.step import algo_step, group_size, needs_critic, needs_ref
 from tiderl.config import RunConfig, dump_yaml
 from tiderl.data import KGSetup, env_factory, load_kg_setup
@@ -162,7 +163,7 @@ def sample_batch(run: Run) -> tuple[list[Trajectory], dict[str, float]]:
             continue
         for start in range(0, len(fresh), g):
             members = fresh[start:start + g]
-            if len({m.reward for m in members}) > 1:
+            if has_signal([m.reward for m in members]):
                 kept.extend(members)
     extra = {"sampling/drawn": float(drawn)} if cfg.algo.dynamic_sampling else {}
     return (kept or fresh), extra
@@ -179,7 +180,9 @@ def train_step(run: Run, trajectories: list[Trajectory]) -> dict[str, float]:
 
 
 def train(run: Run, steps: int | None = None) -> list[dict[str, Any]]:
-    """Run SAO steps from `run.step` up to `train.steps` (or `steps` more). Returns the metrics."""
+    """Run optimizer steps of the configured algorithm from `run.step` up to `train.steps` (or
+    `steps` more), lock-step or on the asynchronous scheduler (`system.backend`). Returns the
+    metrics of every step."""
     cfg = run.cfg
     last = cfg.train.steps if steps is None else run.step + steps
     if cfg.system.backend != "inline":

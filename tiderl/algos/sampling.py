@@ -45,3 +45,9 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor
     r = torch.where(length <= start, torch.zeros_like(length),
                     torch.where(length <= max_length, soft, torch.full_like(length, -1.0)))
     return (factor * r).float()
+
+
+def has_signal(rewards: "list[float] | tuple[float, ...]") -> bool:
+    """DAPO's dynamic-sampling test for one group's rewards, as plain numbers: the group teaches
+    something iff its rewards are not all equal (`informative_groups` is the batched form)."""
+    return len(set(rewards)) > 1

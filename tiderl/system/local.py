@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiderl.agent.loop import play_episode
+from tiderl.algos.sampling import has_signal
 from tiderl.algos.step import algo_step, group_size
 from tiderl.config import RunConfig, dump_yaml
 from tiderl.envs.protocol import Task
@@ -172,7 +173,7 @@ def default_preparations(run: "Run") -> tuple[list[Preparation], CriticSnapshot 
 
 def informative_group(group: list[Trajectory]) -> bool:
     """DAPO's dynamic sampling: a group whose rewards are all equal carries no signal."""
-    return len({t.reward for t in group}) > 1
+    return has_signal([t.reward for t in group])
 
 
 def scheduler_settings(cfg: RunConfig) -> SchedulerSettings:
