@@ -263,7 +263,6 @@ def test_waiting_for_a_batch_times_out_and_says_what_it_waited_for():
 def test_group_algorithms_train_on_complete_groups_and_filter_uninformative_ones():
     # Rewards alternate by task draw: even tasks solve in some rollouts, odd tasks never.
     counter = itertools.count()
-    rewards: dict[str, float] = {}
 
     def reward(tid: str) -> float:
         i = int(tid[1:])
@@ -280,7 +279,6 @@ def test_group_algorithms_train_on_complete_groups_and_filter_uninformative_ones
         assert all(len({t.reward for t in batch[i:i + 2]}) == 2 for i in (0, 2))
     assert s.ledger.filtered >= 2
     check_ledger(s)
-    del rewards
 
 
 # --- elastic capacity -------------------------------------------------------------------------------

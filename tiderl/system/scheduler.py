@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from tiderl.envs.protocol import Task
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.elastic import LoadSignals, decide_slots
-from tiderl.system.staleness import StalenessGate
+from tiderl.system.staleness import StalenessGate, trajectory_staleness
 from tiderl.system.timing import TimeWeighted, overlap_s
 from tiderl.types import Trajectory
 
@@ -370,8 +370,8 @@ class Scheduler:
     def _step_metrics(self, batch: list[Trajectory], t_wait: float, t_train: float, t_sync: float,
                       t_end: float) -> dict[str, float]:
         wall = t_end - self._t0
-        staleness = [self.version - 1 - min((v for v, m in zip(t.policy_version, t.loss_mask) if m),
-                                            default=self.version - 1) for t in batch]
+        # The batch was trained from version - 1: the same measure the gate judged it by.
+        staleness = [trajectory_staleness(t.policy_version, self.version - 1) for t in batch]
         return {
             "policy_version": self.version,
             "step_s": t_end - self._last_end,
