@@ -13,6 +13,10 @@ best); last line: SAO final success / GRPO final success.
     .venv/bin/python benchmarks/learning.py --quick     # 1 seed, tiny budget, about 5 min
     .venv/bin/python benchmarks/learning.py --long      # SAO, 1000 steps at staleness 4: collapse?
     .venv/bin/python benchmarks/learning.py --config configs/metaqa_sao_tiny.yaml   # MetaQA task
+    .venv/bin/python benchmarks/learning.py --resume    # finish an interrupted run (same --out)
+
+Runs go seed by seed (every algorithm on seed 0, then seed 1, ...), and the CSV and JSON are
+rewritten after each one, so an interrupted benchmark keeps what it finished.
 
 The embedded model is built once (about 5 minutes) and cached; run times exclude that.
 """
@@ -60,6 +64,22 @@ def run_one(algo: str, seed: int, args: argparse.Namespace, model_path: str, out
     return {k: v for k, v in row.items() if k not in ("history", "run", "held_out", "held_out_episodes")}
 
 
+def finished_runs(out: Path) -> list[dict]:
+    """The runs a previous invocation with the same `--out` finished (`--resume`)."""
+    path = out / "runs.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def write_results(rows: list[dict], out: Path) -> None:
+    """Write `curves.csv` (one line per held-out measurement) and `runs.json` (one per run)."""
+    with open(out / "curves.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["algo", "seed", "step", "generated_tokens", "success", "stderr"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerows(row["curve"])
+    (out / "runs.json").write_text(json.dumps(rows, indent=2))
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
@@ -95,8 +115,13 @@ def main() -> None:
     parser.add_argument("--algos", default="sao,grpo,dapo,ppo")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--out", default="runs/bench_learning")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="optimizer steps between held-out measurements (default 5; 2 quick; 50 long)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in <out>/runs.json and run only the missing ones")
     parser.add_argument("override", nargs="*", help="extra dotted config overrides for every run")
     args = parser.parse_args()
+    requested_eval_every = args.eval_every
     args.staleness, args.batch, args.eval_n = 2, 64, 200
     args.token_budget, args.max_steps, args.eval_every = 100_000, 1000, 5
     algos, seeds = args.algos.split(","), [int(s) for s in args.seeds.split(",")]
@@ -105,6 +130,8 @@ def main() -> None:
     if args.long:
         algos, seeds, args.staleness, args.batch = ["sao"], seeds[:1], 4, 32
         args.token_budget, args.max_steps, args.eval_every = float("inf"), 1000, 50
+    if requested_eval_every is not None:
+        args.eval_every = requested_eval_every
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -115,16 +142,17 @@ def main() -> None:
     print(f"model {model_path}; staleness {args.staleness}; {args.batch} trajectories per step; "
           f"budget {args.token_budget} generated tokens; seeds {seeds}")
 
-    rows = []
-    for algo in algos:
-        for seed in seeds:
+    rows = finished_runs(out) if args.resume else []
+    done = {(r["algo"], r["seed"]) for r in rows}
+    for seed in seeds:  # seed-major: an interrupted benchmark still has every algorithm
+        for algo in algos:
+            if (algo, seed) in done:
+                print(f"  {algo} seed {seed}: kept from {out / 'runs.json'}")
+                continue
             rows.append(run_one(algo, seed, args, model_path, out))
-    with open(out / "curves.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["algo", "seed", "step", "generated_tokens", "success", "stderr"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerows(row["curve"])
-    (out / "runs.json").write_text(json.dumps(rows, indent=2))
+            write_results(rows, out)  # after every run, so an interruption loses one run at most
+    rows = [r for r in rows if r["algo"] in algos and r["seed"] in seeds]
+    write_results(rows, out)
     plotted = plot(rows, out / "curves.png")
 
     print(f"\n{'algorithm':<10}{'runs':>5}{'steps':>7}{'wall s':>8}{'final held-out':>20}{'collapsed':>11}")
