@@ -13,7 +13,7 @@ best); last line: SAO final success / GRPO final success.
     .venv/bin/python benchmarks/learning.py --quick     # 1 seed, tiny budget, about 5 min
     .venv/bin/python benchmarks/learning.py --long      # SAO, 1000 steps at staleness 4: collapse?
     .venv/bin/python benchmarks/learning.py --config configs/metaqa_sao_tiny.yaml   # MetaQA task
-    .venv/bin/python benchmarks/learning.py --resume    # finish an interrupted run (same --out)
+    .venv/bin/python benchmarks/learning.py --resume    # finish an interrupted run (same options)
 
 Runs go seed by seed (every algorithm on seed 0, then seed 1, ...), and the CSV and JSON are
 rewritten after each one, so an interrupted benchmark keeps what it finished.
@@ -151,8 +151,8 @@ def main() -> None:
                 continue
             rows.append(run_one(algo, seed, args, model_path, out))
             write_results(rows, out)  # after every run, so an interruption loses one run at most
+    write_results(rows, out)  # every finished run stays on disk, selected or not
     rows = [r for r in rows if r["algo"] in algos and r["seed"] in seeds]
-    write_results(rows, out)
     plotted = plot(rows, out / "curves.png")
 
     print(f"\n{'algorithm':<10}{'runs':>5}{'steps':>7}{'wall s':>8}{'final held-out':>20}{'collapsed':>11}")
