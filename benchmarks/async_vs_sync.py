@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiderl.config import load_config  # noqa: E402
 from tiderl.evaluate import evaluate  # noqa: E402
-from tiderl.loop import build_run  # noqa: E402
-from tiderl.system.local import train_async  # noqa: E402
+from tiderl.recipe import train  # noqa: E402
+from tiderl.run import build_run  # noqa: E402
 
 WORKLOAD = [
     # Heavy-tailed tool latency: mean 1 s, sigma 1.5 (median 0.32 s; 1 call in 100 over 10 s).
@@ -50,7 +50,7 @@ def run_mode(staleness: int, steps: int, batch: int, eval_n: int, out_dir: Path,
     ])
     run = build_run(cfg)
     t0 = time.perf_counter()
-    _, summary = train_async(run, steps)
+    _, summary = train(run, steps)
     wall = time.perf_counter() - t0
     tasks = run.setup.eval_tasks[:eval_n]
     # Held-out evaluation without simulated latency: it measures the policy, not the tools.

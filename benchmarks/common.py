@@ -12,11 +12,12 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per worker thread (2 cores here)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiderl.agent.loop import play_episodes  # noqa: E402
 from tiderl.config import RunConfig  # noqa: E402
-from tiderl.agent.loop import run_episodes  # noqa: E402
-from tiderl.evaluate import sampling_params, summarize  # noqa: E402
-from tiderl.loop import build_run  # noqa: E402
-from tiderl.system.local import train_async  # noqa: E402
+from tiderl.metrics.summary import summarize  # noqa: E402
+from tiderl.recipe import train  # noqa: E402
+from tiderl.rollout.base import sampling_params  # noqa: E402
+from tiderl.run import build_run  # noqa: E402
 
 
 def train_to_budget(cfg: RunConfig, token_budget: float, eval_every: int, eval_n: int,
@@ -36,8 +37,8 @@ def train_to_budget(cfg: RunConfig, token_budget: float, eval_every: int, eval_n
     params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=True)
 
     def held_out(step: int, generated: int) -> None:
-        trajectories = run_episodes(run.engine, run.tokenizer, run.make_env, tasks, params,
-                                    cfg.env.max_turns, cfg.env.max_total_tokens)
+        trajectories = play_episodes(run.engine, run.tokenizer, run.make_env, tasks, params,
+                                     cfg.env.max_turns, cfg.env.max_total_tokens)
         r = summarize(trajectories)
         last["result"], last["trajectories"] = r, trajectories
         curve.append({**label, "step": step, "generated_tokens": generated,
@@ -52,8 +53,8 @@ def train_to_budget(cfg: RunConfig, token_budget: float, eval_every: int, eval_n
             held_out(version, int(metrics["system/generated_tokens"]))
 
     t0 = time.perf_counter()
-    history, summary = train_async(run, cfg.train.steps, observer=observe,
-                                   stop=lambda m: m["system/generated_tokens"] >= token_budget)
+    history, summary = train(run, cfg.train.steps, observer=observe,
+                             stop=lambda m: m["system/generated_tokens"] >= token_budget)
     wall = time.perf_counter() - t0
     generated = int(history[-1]["system/generated_tokens"])
     if curve[-1]["step"] != len(history):

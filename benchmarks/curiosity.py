@@ -25,8 +25,8 @@ from pathlib import Path
 from common import train_to_budget  # sets up the import path and torch threads
 
 from tiderl.config import load_config
-from tiderl.data import load_kg_setup
-from tiderl.loop import resolve_model_path
+from tiderl.envs.setup import load_setup
+from tiderl.run import resolve_model_path
 
 TASK = [
     "data.hops=[1,2,3]", "env.max_turns=5", "env.max_total_tokens=448",
@@ -48,7 +48,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = load_config("configs/sao.yaml", TASK)
-    model_path = resolve_model_path(base, load_kg_setup(base.data))
+    model_path = resolve_model_path(base, load_setup(base))
     print(f"model {model_path}; budget {budget} generated tokens; {batch} trajectories per step")
 
     rows = []

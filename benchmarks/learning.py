@@ -32,7 +32,7 @@ from pathlib import Path
 from common import train_to_budget  # sets up the import path and torch threads
 
 from tiderl.config import load_config
-from tiderl.loop import resolve_model_path
+from tiderl.run import resolve_model_path
 
 PRESETS = {"sao": "configs/sao.yaml", "grpo": "configs/grpo.yaml", "dapo": "configs/dapo.yaml",
            "ppo": "configs/ppo.yaml"}
@@ -136,9 +136,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     base = load_config(PRESETS["sao"], task_overrides(args.config) + ["log.progress=false"])
-    from tiderl.data import load_kg_setup
+    from tiderl.envs.setup import load_setup
 
-    model_path = resolve_model_path(base, load_kg_setup(base.data))  # built once, shared by every run
+    model_path = resolve_model_path(base, load_setup(base))  # built once, shared by every run
     print(f"model {model_path}; staleness {args.staleness}; {args.batch} trajectories per step; "
           f"budget {args.token_budget} generated tokens; seeds {seeds}")
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tiderl.agent.chat import ChatFormat, TemplateError, chat_format, observation_ids, render_prompt_ids, user_message_ids
-from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, run_episodes
+from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episodes
 from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.models.tiny import IM_END_ID, train_tokenizer
 from tiderl.rollout.base import Completion, SamplingParams
@@ -243,14 +243,14 @@ def test_template_that_is_not_prefix_consistent_is_rejected(tok):
         ChatFormat(Shuffled(), TOOLS)
 
 
-# --- run_episodes with ScriptedEngine ------------------------------------------------------------
+# --- play_episodes with ScriptedEngine ------------------------------------------------------------
 
 
 def test_scripted_episode_is_the_template_rendering_and_masks_only_model_tokens(tok):
     factory = EnvFactory()
     a1, a2 = call("alien"), "ANSWER: Ridley Scott"
     engine = ScriptedEngine(tok, {"Who directed Alien?": [a1, a2]}, version=3)
-    [traj] = run_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=4, max_total_tokens=1000)
+    [traj] = play_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=4, max_total_tokens=1000)
 
     assert (traj.stop_reason, traj.reward, traj.num_turns) == ("answer", 1.0, 2)
     assert traj.reward_parts == {"outcome": 1.0}
@@ -284,7 +284,7 @@ def test_malformed_and_unknown_tool_calls_become_observations_and_loop_continues
     unknown = call("alien", name="delete_everything")
     script = [bad, unknown, call("heat"), "ANSWER: Michael Mann"]
     engine = ScriptedEngine(tok, {"Heat": script})
-    [traj] = run_episodes(engine, tok, factory, [task("heat")], PARAMS, max_turns=6, max_total_tokens=2000)
+    [traj] = play_episodes(engine, tok, factory, [task("heat")], PARAMS, max_turns=6, max_total_tokens=2000)
 
     assert (traj.stop_reason, traj.reward, traj.num_turns) == ("answer", 1.0, 4)
     actions = factory.envs[0].actions
@@ -296,7 +296,7 @@ def test_malformed_and_unknown_tool_calls_become_observations_and_loop_continues
 
 def test_turn_without_observation_gets_continue_message(tok):
     engine = ScriptedEngine(tok, {"Up": ["Let me think.", "ANSWER: Pete Docter"]})
-    [traj] = run_episodes(engine, tok, EnvFactory(), [task("up")], PARAMS, max_turns=3, max_total_tokens=1000)
+    [traj] = play_episodes(engine, tok, EnvFactory(), [task("up")], PARAMS, max_turns=3, max_total_tokens=1000)
     expected = (
         render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Up?"}], TOOLS)
         + sampled_turn(tok, "Let me think.")
@@ -309,7 +309,7 @@ def test_turn_without_observation_gets_continue_message(tok):
 def test_turn_limit_calls_finish_and_ends_on_the_model_turn(tok):
     factory = EnvFactory()
     engine = ScriptedEngine(tok, {"Alien": [call("alien")] * 10})
-    [traj] = run_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=3, max_total_tokens=5000)
+    [traj] = play_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=3, max_total_tokens=5000)
     assert (traj.stop_reason, traj.num_turns, traj.reward) == ("max_turns", 3, 0.0)
     assert factory.envs[0].finished == ["max_turns"] and len(factory.envs[0].actions) == 3
     # No observation after the last turn: the sequence ends on a sampled end-of-turn token.
@@ -324,7 +324,7 @@ def test_token_budget_is_never_exceeded(tok):
     for budget in range(prompt_len + 2, prompt_len + 4 * turn_len + 60):
         factory = EnvFactory()
         engine = ScriptedEngine(tok, {"Alien": [call("alien")] * 50})
-        [traj] = run_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=50, max_total_tokens=budget)
+        [traj] = play_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=50, max_total_tokens=budget)
         assert len(traj.tokens) <= budget
         assert traj.stop_reason == "max_tokens" and factory.envs[0].finished == ["max_tokens"]
         assert traj.tokens[-1] == IM_END_ID  # ends on a (sampled or forced) end-of-turn token
@@ -335,7 +335,7 @@ def test_token_budget_is_never_exceeded(tok):
 def test_engine_ignoring_its_limit_is_cut_to_the_budget(tok):
     engine = FakeEngine(lambda c, i: [5] * 500, ignore_limit=True)
     prompt_len = len(render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}], TOOLS))
-    [traj] = run_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, max_turns=5, max_total_tokens=prompt_len + 20)
+    [traj] = play_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, max_turns=5, max_total_tokens=prompt_len + 20)
     assert len(traj.tokens) <= prompt_len + 20
     assert traj.num_action_tokens <= PARAMS.max_new_tokens
 
@@ -344,7 +344,7 @@ def test_engine_ignoring_its_limit_is_cut_to_the_budget(tok):
 def test_prompt_leaving_no_room_for_a_turn_ends_at_once(tok, room):
     prompt_len = len(render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}], TOOLS))
     engine, factory = FakeEngine(lambda c, i: [IM_END_ID]), EnvFactory()
-    [traj] = run_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=5, max_total_tokens=prompt_len + room)
+    [traj] = play_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=5, max_total_tokens=prompt_len + room)
     assert (traj.stop_reason, traj.tokens, traj.num_turns) == ("max_tokens", [], 0)
     assert traj.env_info["prompt_tokens"] == prompt_len and factory.envs[0].finished == ["max_tokens"]
     assert engine.calls == []
@@ -356,20 +356,20 @@ def test_scripted_turn_cut_by_max_new_tokens_gets_forced_end_of_turn(tok):
     # Room for the call up to its closing tag, which is cut off.
     limit = len(tok.encode(call("alien").removesuffix("</tool_call>"), add_special_tokens=False))
     params = SamplingParams(max_new_tokens=limit)
-    [traj] = run_episodes(engine, tok, factory, [task("alien")], params, max_turns=1, max_total_tokens=1000)
+    [traj] = play_episodes(engine, tok, factory, [task("alien")], params, max_turns=1, max_total_tokens=1000)
     sampled = [i for i, m in enumerate(traj.loss_mask) if m]
     assert len(sampled) == limit and sampled[-1] == len(traj.tokens) - 2
     assert traj.tokens[-1] == IM_END_ID and traj.loss_mask[-1] == 0
     assert factory.envs[0].actions[0].parse_errors[0].startswith("tool call 1: <tool_call> is never closed")
 
 
-# --- run_episodes with FakeEngine ----------------------------------------------------------------
+# --- play_episodes with FakeEngine ----------------------------------------------------------------
 
 
 def test_logprobs_and_versions_copied_and_forced_end_on_length(tok):
     answer = tok.encode("ANSWER: Ridley Scott", add_special_tokens=False)
     engine = FakeEngine(lambda c, i: answer, finish_reason="length")
-    [traj] = run_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, max_turns=2, max_total_tokens=1000)
+    [traj] = play_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, max_turns=2, max_total_tokens=1000)
     n = len(answer)
     assert traj.stop_reason == "answer" and traj.reward == 1.0
     # Sampled tokens carry the engine's numbers as they are ...
@@ -388,7 +388,7 @@ def test_sampled_end_of_turn_is_not_forced_again_and_ends_the_turn(tok):
     answer = tok.encode("ANSWER: Ridley Scott", add_special_tokens=False) + [IM_END_ID]
     # An engine that ignores stop_token_ids and runs on past the end-of-turn token.
     engine = FakeEngine(lambda c, i: answer + [5, 6, IM_END_ID])
-    [traj] = run_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, 2, 1000)
+    [traj] = play_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, 2, 1000)
     assert traj.tokens[-len(answer) :] == answer and traj.loss_mask[-len(answer) :] == [1] * len(answer)
     assert traj.num_action_tokens == len(answer) and traj.stop_reason == "answer"
 
@@ -405,7 +405,7 @@ def test_env_errors_end_only_their_episode_and_order_is_preserved(tok):
     tasks = [task("heat"), task("alien", fail_step=2), task("up"), task("alien", fail_reset=True)]
     tasks[3].task_id = "t-alien-2"
     engine = ScriptedEngine(tok, scripts)
-    out = run_episodes(engine, tok, EnvFactory(), tasks, PARAMS, max_turns=5, max_total_tokens=2000, group_id_fn=lambda t: t.prompt)
+    out = play_episodes(engine, tok, EnvFactory(), tasks, PARAMS, max_turns=5, max_total_tokens=2000, group_ids=[t.prompt for t in tasks])
 
     assert [t.task_id for t in out] == ["t-heat", "t-alien", "t-up", "t-alien-2"]
     assert [t.group_id for t in out] == [t.prompt for t in tasks]
@@ -414,7 +414,7 @@ def test_env_errors_end_only_their_episode_and_order_is_preserved(tok):
     assert "step exploded" in out[1].env_info["error"] and out[1].num_turns == 2
     assert "reset exploded" in out[3].env_info["error"] and out[3].tokens == []
     # The healthy episodes are exactly what they are when run alone.
-    alone = run_episodes(ScriptedEngine(tok, scripts), tok, EnvFactory(), [tasks[0], tasks[2]], PARAMS, 5, 2000)
+    alone = play_episodes(ScriptedEngine(tok, scripts), tok, EnvFactory(), [tasks[0], tasks[2]], PARAMS, 5, 2000)
     assert [out[0].tokens, out[2].tokens] == [t.tokens for t in alone]
 
 
@@ -427,14 +427,16 @@ def test_batch_decodes_in_lock_step(tok):
             calls.append(len(prompts))
             return super().generate(prompts, params)
 
-    out = run_episodes(Counting(tok, scripts), tok, EnvFactory(), [task("up"), task("heat"), task("alien")], PARAMS, 5, 2000)
-    assert calls == [3, 2, 1]  # one call per turn over every episode still running
+    out = play_episodes(Counting(tok, scripts), tok, EnvFactory(), [task("up"), task("heat"), task("alien")], PARAMS, 5, 2000)
+    # The engine client waits until every running episode has asked: one call per turn over every
+    # episode still running, exactly as a lock-step loop would batch them.
+    assert calls == [3, 2, 1]
     assert [t.num_turns for t in out] == [1, 3, 2]
 
 
 def test_shaping_rewards_add_up(tok):
     engine = ScriptedEngine(tok, {"Alien": [call("alien"), call("alien"), "ANSWER: Ridley Scott"]})
-    [traj] = run_episodes(engine, tok, EnvFactory(), [task("alien", shaping=0.25)], PARAMS, 5, 2000)
+    [traj] = play_episodes(engine, tok, EnvFactory(), [task("alien", shaping=0.25)], PARAMS, 5, 2000)
     assert traj.reward == 1.5 and traj.reward_parts == {"outcome": 1.0, "shaping": 0.5}
 
 
@@ -444,19 +446,20 @@ def test_scripted_engine_groups_and_exhausted_scripts(tok):
     scripts = {"Alien": ["ANSWER: Ridley Scott"], "Alien 2": ["ANSWER: James Cameron"], "Up": []}
     tasks = [task("alien"), task("alien"), Task("t-a2", "Who directed Alien 2?", "James Cameron"), task("up")]
     factory = EnvFactory()
-    out = run_episodes(ScriptedEngine(tok, scripts), tok, factory, tasks, PARAMS, max_turns=2, max_total_tokens=2000)
+    out = play_episodes(ScriptedEngine(tok, scripts), tok, factory, tasks, PARAMS, max_turns=2, max_total_tokens=2000)
     assert [t.reward for t in out] == [1.0, 1.0, 1.0, 0.0]
     # An exhausted script emits empty turns (just the end-of-turn token) until the turn limit.
     assert out[3].stop_reason == "max_turns" and [a.text for a in factory.envs[3].actions] == ["", ""]
     with pytest.raises(KeyError, match="no script key"):
-        run_episodes(ScriptedEngine(tok, {"nothing": []}), tok, EnvFactory(), [task("up")], PARAMS, 1, 2000)
+        play_episodes(ScriptedEngine(tok, {"nothing": []}), tok, EnvFactory(), [task("up")], PARAMS, 1, 2000)
 
 
-def test_play_episode_matches_run_episodes_token_for_token(tok):
-    """The asynchronous one-episode coroutine keeps every promise of the lock-step loop."""
+def test_episodes_are_the_same_alone_and_batched(tok):
+    """Batching concurrent episodes into one decode changes no token of any episode."""
     import asyncio
 
     from tiderl.agent.loop import play_episode
+    from tiderl.rollout.client import BatchingEngine
 
     scripts = {
         "Who directed Alien?": ["Let me think.\n" + call("alien"), "ANSWER: Ridley Scott"],
@@ -465,21 +468,21 @@ def test_play_episode_matches_run_episodes_token_for_token(tok):
     }
     tasks = [task("alien"), task("heat"), task("up", shaping=0.25)]
     params = SamplingParams(max_new_tokens=40, stop_token_ids=[IM_END_ID])
-    lockstep = run_episodes(ScriptedEngine(tok, scripts, version=2), tok, EnvFactory(), tasks, params,
+    batched = play_episodes(ScriptedEngine(tok, scripts, version=2), tok, EnvFactory(), tasks, params,
                             max_turns=3, max_total_tokens=400)
 
-    engine = ScriptedEngine(tok, scripts, version=2)
+    async def one_at_a_time():
+        # A client that decodes one request per engine call, episodes interleaving at random.
+        client = BatchingEngine(ScriptedEngine(tok, scripts, version=2), max_batch_size=1)
+        client.start()
+        try:
+            return await asyncio.gather(*(play_episode(client, tok, EnvFactory(), t, params, 3, 400)
+                                          for t in tasks))
+        finally:
+            await client.close()
 
-    async def generate(prompt, p):
-        return engine.generate([prompt], p)[0]
-
-    async def play_all():
-        # Concurrently, so the episodes interleave at the engine.
-        return await asyncio.gather(*(play_episode(generate, tok, EnvFactory(), t, params, 3, 400)
-                                      for t in tasks))
-
-    alone = asyncio.run(play_all())
-    for a, b in zip(lockstep, alone):
+    alone = asyncio.run(one_at_a_time())
+    for a, b in zip(batched, alone):
         assert (a.tokens, a.loss_mask, a.behavior_logprobs, a.policy_version) == \
                (b.tokens, b.loss_mask, b.behavior_logprobs, b.policy_version)
         assert (a.reward, a.reward_parts, a.stop_reason, a.num_turns) == \

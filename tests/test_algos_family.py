@@ -15,24 +15,38 @@ from tiderl.algos.aggregation import (
     sequence_token_counts,
     token_weights,
 )
-from tiderl.algos.group_advantages import (
+from tiderl.algos.advantages import (
+    AdvantageInputs,
     broadcast_to_tokens,
     discounted_returns,
     dr_grpo_advantages,
+    dr_grpo_token_advantages,
+    gae_advantages,
     group_index_of,
     grpo_advantages,
+    grpo_token_advantages,
     reinforce_pp_advantages,
+    reinforce_pp_token_advantages,
     rloo_advantages,
+    rloo_token_advantages,
+    skip_observation_gae,
 )
-from tiderl.algos.losses import dis_policy_loss, ppo_clip_policy_loss
-from tiderl.algos.policy_losses import (
+from tiderl.algos.losses import (
+    PolicyLossInputs,
+    cispo_loss,
     cispo_token_loss,
+    decoupled_ppo_loss,
     decoupled_ppo_token_loss,
+    dis_loss,
     dis_token_loss,
+    gspo_loss,
     gspo_token_loss,
+    ppo_loss,
     ppo_token_loss,
     sequence_ratio,
 )
+from tiderl.config import preset_defaults
+from tiderl.config import AlgoConfig
 from tiderl.algos.regularizers import entropy_from_logits, kl_estimate, kl_reward_penalty
 from tiderl.algos.sampling import informative_groups, overlong_penalty
 
@@ -150,15 +164,6 @@ def test_token_weights_and_sequence_helpers() -> None:
     # sequence_mean: row 0 mean (1 + 2 + 3) / 3 = 2, row 1 (4 + 6) / 2 = 5, on action tokens.
     m = sequence_mean(AGG_LOSS, AGG_MASK)
     assert m.tolist() == [[2, 2, 2, 0], [0, 5, 5, 0], [0, 0, 0, 0]]
-    # The same two sequences packed into one row with explicit seq_ids give the same numbers.
-    packed = torch.tensor([[1.0, 2.0, 3.0, 7.0, 4.0, 6.0]], dtype=F64)
-    pmask = torch.tensor([[1, 1, 1, 0, 1, 1]], dtype=F64)
-    seq = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    assert sequence_mean(packed, pmask, seq).tolist() == [[2, 2, 2, 0, 5, 5]]
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        norm = loss_normalizer(pmask, mode, seq)
-        assert aggregate(packed, pmask, mode, norm, seq).item() == pytest.approx(
-            aggregate(AGG_LOSS, AGG_MASK, mode, loss_normalizer(AGG_MASK, mode)).item())
     with pytest.raises(ValueError, match="norm_length"):
         loss_normalizer(AGG_MASK, "seq-mean-token-sum-norm")
 
@@ -214,20 +219,59 @@ def _random(seed: int, shape: tuple[int, int] = (4, 7)) -> dict[str, torch.Tenso
             "adv": torch.randn(shape, generator=g, dtype=F64)}
 
 
-def test_token_losses_with_token_mean_equal_the_aggregated_sao_losses() -> None:
+def test_loss_adapters_pass_the_config_to_the_token_losses() -> None:
+    # Each registry adapter is its token loss with the config's hyperparameters and the right
+    # log-probs (dis: behaviour; the others: old), metrics named as logged.
     d = _random(0)
-    n = d["mask"].sum().item()
-    for token_fn, agg_fn, eps in ((ppo_token_loss, ppo_clip_policy_loss, (0.2, 0.28)),
-                                  (dis_token_loss, dis_policy_loss, (0.3, 5.0))):
-        a = d["current"].clone().requires_grad_(True)
-        b = d["current"].clone().requires_grad_(True)
-        tl, _ = token_fn(a, d["behavior"], d["adv"], d["mask"], *eps)
-        mine = aggregate(tl, d["mask"], "token-mean", n)
-        theirs, _ = agg_fn(b, d["behavior"], d["adv"], d["mask"], *eps, n)
-        mine.backward()
-        theirs.backward()
-        assert mine.item() == pytest.approx(theirs.item(), abs=1e-12)
-        assert torch.allclose(a.grad, b.grad, atol=1e-12)
+    cfg = AlgoConfig(**{**preset_defaults("decoupled_ppo"), "eps_low": 0.2, "eps_high": 0.28,
+                        "dual_clip_c": 3.0, "behavior_weight_cap": 2.0})
+    inp = PolicyLossInputs(d["current"], d["prox"], d["behavior"], d["adv"], d["mask"])
+    args = (d["current"], d["prox"], d["adv"], d["mask"], 0.2, 0.28)
+    cases = [
+        (dis_loss, dis_token_loss(d["current"], d["behavior"], d["adv"], d["mask"], 0.2, 0.28)),
+        (ppo_loss, ppo_token_loss(*args, 3.0)),
+        (decoupled_ppo_loss, decoupled_ppo_token_loss(
+            d["current"], d["prox"], d["behavior"], d["adv"], d["mask"], 0.2, 0.28, 2.0, 3.0)),
+        (cispo_loss, cispo_token_loss(*args)),
+        (gspo_loss, gspo_token_loss(*args)),
+    ]
+    for adapter, (expected, raw) in cases:
+        loss, metrics = adapter(inp, cfg)
+        assert torch.equal(loss, expected), adapter.__name__
+        prefix = "dis" if adapter is dis_loss else "policy"
+        assert metrics[f"{prefix}/ratio_mean"] == raw["ratio_mean"]
+        assert "num_action_tokens" not in metrics and f"{prefix}/num_action_tokens" not in metrics
+    _, metrics = dis_loss(inp, cfg)
+    assert {"dis/masked_frac", "dis/low_frac", "dis/high_frac", "dis/approx_kl"} <= set(metrics)
+
+
+def test_estimators_read_their_inputs_and_config() -> None:
+    # Two groups over three trajectories, KL-adjusted sequence rewards, one critic.
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1.0]])
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    token_rewards = torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, 0], [0, 0.1, 0, 0.5]])
+    values = torch.tensor([[0, 0.2, 0.4, 0], [0, 0.1, 0, 0], [0, 0.3, 0.3, 0.3]])
+    groups = torch.tensor([0, 0, 1])
+    inp = AdvantageInputs(rewards, token_rewards, mask, mask.sum(1), groups, values)
+    cfg = AlgoConfig(**{**preset_defaults("ppo"), "gamma": 0.9, "adv_eps": 0.5})
+    assert torch.equal(grpo_token_advantages(inp, cfg),
+                       broadcast_to_tokens(grpo_advantages(rewards, groups, 0.5), mask))
+    assert torch.equal(dr_grpo_token_advantages(inp, cfg),
+                       broadcast_to_tokens(dr_grpo_advantages(rewards, groups), mask))
+    assert torch.equal(rloo_token_advantages(inp, cfg),
+                       broadcast_to_tokens(rloo_advantages(rewards, groups), mask))
+    assert torch.equal(reinforce_pp_token_advantages(inp, cfg),
+                       reinforce_pp_advantages(token_rewards, mask, 0.9))
+    # gae: the fixed policy lambda (0.95 in the ppo preset), or SAO's decoupled one,
+    # 1 - 1 / (1.5 n): n = 2, 1, 3 -> 2/3, 1/3, 7/9.
+    fixed = skip_observation_gae(token_rewards, values, mask, 0.9, 0.95)[0]
+    assert torch.equal(gae_advantages(inp, cfg), fixed)
+    sao_lam = AlgoConfig(**{**preset_defaults("sao"), "gamma": 0.9})
+    lam = torch.tensor([2 / 3, 1 / 3, 7 / 9])
+    decoupled = skip_observation_gae(token_rewards, values, mask, 0.9, lam)[0]
+    assert torch.allclose(gae_advantages(inp, sao_lam), decoupled, atol=1e-7)
+    with pytest.raises(ValueError, match="group_index"):
+        grpo_token_advantages(AdvantageInputs(rewards, token_rewards, mask, mask.sum(1)), cfg)
 
 
 def test_decoupled_ppo_by_hand() -> None:

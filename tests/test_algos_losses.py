@@ -7,9 +7,22 @@ import math
 import pytest
 import torch
 
-from tiderl.algos.losses import dis_policy_loss, ppo_clip_policy_loss, value_loss
+from tiderl.algos.aggregation import aggregate
+from tiderl.algos.losses import dis_token_loss, ppo_token_loss, value_loss
 
 EPS_LOW, EPS_HIGH = 0.3, 5.0  # SAO's band for math/tool reasoning: (0.7, 6.0)
+
+
+# The token losses as SAO aggregates them: the sum over action tokens / normalizer (token mean
+# over the whole batch, dropped tokens included in the denominator).
+def dis_token_mean(logprobs, behavior, adv, mask, eps_low, eps_high, normalizer):
+    token_loss, metrics = dis_token_loss(logprobs, behavior, adv, mask, eps_low, eps_high)
+    return aggregate(token_loss, mask, "token-mean", normalizer), metrics
+
+
+def ppo_token_mean(logprobs, old, adv, mask, eps_low, eps_high, normalizer):
+    token_loss, metrics = ppo_token_loss(logprobs, old, adv, mask, eps_low, eps_high)
+    return aggregate(token_loss, mask, "token-mean", normalizer), metrics
 
 
 def _logprobs_for_ratios(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +44,7 @@ def test_dis_paper_example_keeps_0110() -> None:
     logprobs, behavior = _logprobs_for_ratios([1 - EPS_LOW, 0.8, 2.0, 1 + EPS_HIGH])
     adv = torch.ones(1, 4)
     mask = torch.ones(1, 4)
-    loss, metrics = dis_policy_loss(logprobs, behavior, adv, mask, EPS_LOW, EPS_HIGH, normalizer=4)
+    loss, metrics = dis_token_mean(logprobs, behavior, adv, mask, EPS_LOW, EPS_HIGH, normalizer=4)
     loss.backward()
     # Kept tokens: gradient of -sg(r) * A * logp / N is -r * A / N:
     #   r=0.8: -0.8/4 = -0.2;  r=2.0: -2/4 = -0.5;  dropped tokens: exactly 0.
@@ -56,7 +69,7 @@ def test_dis_paper_example_keeps_0110() -> None:
 
 def test_dis_keeps_ratios_just_inside_the_band() -> None:
     logprobs, behavior = _logprobs_for_ratios([0.7 * 1.001, 6.0 * 0.999])
-    _, metrics = dis_policy_loss(
+    _, metrics = dis_token_mean(
         logprobs, behavior, torch.ones(1, 2), torch.ones(1, 2), EPS_LOW, EPS_HIGH, normalizer=2
     )
     assert metrics["dis_masked_frac"] == 0.0
@@ -71,9 +84,9 @@ def test_dis_vs_ppo_gradients_clearly_outside_band(sign: float) -> None:
     adv = torch.full((1, 4), sign)
 
     lp_dis, beh = _logprobs_for_ratios(ratios)
-    dis_policy_loss(lp_dis, beh, adv, mask, EPS_LOW, EPS_HIGH, 4)[0].backward()
+    dis_token_mean(lp_dis, beh, adv, mask, EPS_LOW, EPS_HIGH, 4)[0].backward()
     lp_ppo, old = _logprobs_for_ratios(ratios)
-    ppo_loss, ppo_metrics = ppo_clip_policy_loss(lp_ppo, old, adv, mask, EPS_LOW, EPS_HIGH, 4)
+    ppo_loss, ppo_metrics = ppo_token_mean(lp_ppo, old, adv, mask, EPS_LOW, EPS_HIGH, 4)
     ppo_loss.backward()
     assert lp_dis.grad is not None and lp_ppo.grad is not None
 
@@ -110,9 +123,9 @@ def test_dis_vs_ppo_gradients_on_paper_example() -> None:
     for sign, token, ppo_grad in [(1.0, 0, -0.175), (-1.0, 3, 1.5)]:
         adv = torch.full((1, 4), sign)
         lp_dis, beh = _logprobs_for_ratios(ratios)
-        dis_policy_loss(lp_dis, beh, adv, mask, EPS_LOW, EPS_HIGH, 4)[0].backward()
+        dis_token_mean(lp_dis, beh, adv, mask, EPS_LOW, EPS_HIGH, 4)[0].backward()
         lp_ppo, old = _logprobs_for_ratios(ratios)
-        ppo_clip_policy_loss(lp_ppo, old, adv, mask, EPS_LOW, EPS_HIGH, 4)[0].backward()
+        ppo_token_mean(lp_ppo, old, adv, mask, EPS_LOW, EPS_HIGH, 4)[0].backward()
         assert lp_dis.grad is not None and lp_ppo.grad is not None
         assert lp_dis.grad[0, 0].item() == 0.0 and lp_dis.grad[0, 3].item() == 0.0
         assert lp_ppo.grad[0, token].item() == pytest.approx(ppo_grad, abs=1e-5)
@@ -126,7 +139,7 @@ def test_ppo_clip_frac_with_mixed_signs() -> None:
     # and r=8 (A>0, above it): 2 of 4.
     lp, old = _logprobs_for_ratios([0.5, 0.8, 2.0, 8.0])
     adv = torch.tensor([[-1.0, 1.0, -1.0, 1.0]])
-    _, metrics = ppo_clip_policy_loss(lp, old, adv, torch.ones(1, 4), EPS_LOW, EPS_HIGH, 4)
+    _, metrics = ppo_token_mean(lp, old, adv, torch.ones(1, 4), EPS_LOW, EPS_HIGH, 4)
     assert metrics["clip_frac"] == 0.5
 
 
@@ -135,7 +148,7 @@ def test_padding_with_inf_logprobs_gives_finite_loss_and_zero_grad() -> None:
     behavior = torch.tensor([[-0.1, -0.3, 0.0, -math.inf]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     adv = torch.tensor([[1.0, -1.0, 5.0, 5.0]])
-    for fn in (dis_policy_loss, ppo_clip_policy_loss):
+    for fn in (dis_token_mean, ppo_token_mean):
         logprobs.grad = None
         loss, metrics = fn(logprobs, behavior, adv, mask, EPS_LOW, EPS_HIGH, 2)
         loss.backward()
@@ -164,10 +177,10 @@ def _random_batch(seed: int) -> dict[str, torch.Tensor]:
 
 def _all_losses(d: dict[str, torch.Tensor], rows: slice, normalizer: float) -> torch.Tensor:
     m = d["mask"][rows]
-    dis, metrics = dis_policy_loss(
+    dis, metrics = dis_token_mean(
         d["current"][rows], d["behavior"][rows], d["adv"][rows], m, EPS_LOW, EPS_HIGH, normalizer
     )
-    ppo, _ = ppo_clip_policy_loss(
+    ppo, _ = ppo_token_mean(
         d["current"][rows], d["behavior"][rows], d["adv"][rows], m, 0.2, 0.28, normalizer
     )
     val, _ = value_loss(
@@ -239,6 +252,6 @@ def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match="both old_values and clip_eps"):
         value_loss(x, x, x, 1, old_values=x)
     with pytest.raises(ValueError, match="normalizer"):
-        dis_policy_loss(x, x, x, x, EPS_LOW, EPS_HIGH, normalizer=0)
+        dis_token_mean(x, x, x, x, EPS_LOW, EPS_HIGH, normalizer=0)
     with pytest.raises(ValueError, match="eps_low"):
-        ppo_clip_policy_loss(x, x, x, x, 0.0, EPS_HIGH, normalizer=1)
+        ppo_token_mean(x, x, x, x, 0.0, EPS_HIGH, normalizer=1)

@@ -7,14 +7,18 @@ import itertools
 
 import pytest
 
-from tiderl.algos.presets import (
-    PRESETS,
-    TRAINER_KEYS,
+from tiderl.algos.presets import PRESETS, TRAINER_KEYS
+from tiderl.config import (
+    AlgoConfig,
+    ConfigError,
+    RunConfig,
     algorithm_keys,
+    config_from_dict,
+    load_config,
     preset_defaults,
+    to_dict,
     with_preset,
 )
-from tiderl.config import AlgoConfig, ConfigError, RunConfig, config_from_dict, load_config, to_dict
 
 NAMES = sorted(PRESETS)
 
@@ -23,7 +27,7 @@ def test_every_name_has_a_preset_and_every_preset_validates() -> None:
     choices = dataclasses.fields(AlgoConfig)[0].metadata["choices"]
     assert sorted(choices) == NAMES
     for name in NAMES:
-        cfg = config_from_dict({"algo": with_preset({"name": name})})
+        cfg = config_from_dict({"algo": {"name": name}})
         assert cfg.algo.name == name
 
 
@@ -47,9 +51,9 @@ def test_switching_preset_changes_only_algorithm_options(a: str, b: str) -> None
     # outside algo.*, and the trainer keys inside it, stay identical.
     user = {"train": {"steps": 7, "micro_batch_tokens": 8192}, "rollout": {"batch_size": 64},
             "model": {"device": "cpu"}}
-    algo_user = {"actor_lr": 3e-5, "critic_lr": 2e-4}
-    cfg_a = config_from_dict({**user, "algo": with_preset({"name": a, **algo_user})})
-    cfg_b = config_from_dict({**user, "algo": with_preset({"name": b, **algo_user})})
+    algo_user = {"actor_lr": 3e-5}
+    cfg_a = config_from_dict({**user, "algo": {"name": a, **algo_user}})
+    cfg_b = config_from_dict({**user, "algo": {"name": b, **algo_user}})
     da, db = to_dict(cfg_a), to_dict(cfg_b)
     assert {k: v for k, v in da.items() if k != "algo"} == {
         k: v for k, v in db.items() if k != "algo"}
@@ -83,8 +87,10 @@ def test_preset_values_by_paper() -> None:
 
 
 @pytest.mark.parametrize("overrides, field, fix", [
-    (["algo.kl_coef=0.1"], "algo.kl_coef", "algo.name=ppo"),
-    (["algo.policy_loss=ppo"], "algo.policy_loss", "algo.policy_loss=dis"),
+    # A key that the chosen algorithm does not read is rejected, not silently ignored.
+    (["algo.name=grpo", "algo.critic_lr=1e-3"], "algo.critic_lr", "remove algo.critic_lr"),
+    (["algo.kl_estimator=k1"], "algo.kl_estimator", "remove algo.kl_estimator"),
+    (["algo.advantage=gea"], "algo.advantage", "use one of gae"),
     (["algo.name=grpo", "algo.group_size=1"], "algo.group_size", "use e.g. 8"),
     (["algo.name=dapo", "algo.advantage=reinforce_pp", "algo.group_size=1"], "algo.dynamic_sampling",
      "algo.group_size >= 2"),
@@ -123,7 +129,7 @@ def test_presets_import_without_torch_and_exports_resolve() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tiderl.algos.presets as p; p.with_preset({'name': 'grpo'}); "
+    code = ("import sys, tiderl.config as c; c.with_preset({'name': 'grpo'}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
     import tiderl.algos

@@ -7,7 +7,8 @@ import pytest
 from tiderl.cli import main
 from tiderl.config import ConfigError, RunConfig, describe, dump_yaml, load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def test_configs_exist():
@@ -85,11 +86,34 @@ def test_every_field_is_documented():
 
 
 def test_cli_dry_run_prints_resolved_config(capsys):
-    assert main(["train", "--config", str(CONFIGS[0]), "--dry-run", "algo.critic_lr=7e-6"]) == 0
+    sao = ROOT / "configs" / "sao.yaml"
+    assert main(["train", "--config", str(sao), "--dry-run", "algo.critic_lr=7e-6"]) == 0
     out = capsys.readouterr().out
     assert "critic_lr: 7.0e-06" in out
-    assert load_config(CONFIGS[0], ["algo.critic_lr=7e-6"]) is not None
-    assert dump_yaml(load_config(CONFIGS[0], ["algo.critic_lr=7e-6"])) == out
+    assert dump_yaml(load_config(sao, ["algo.critic_lr=7e-6"])) == out
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["system.ray_workers=4"], "system.ray_workers", "only the Ray backend reads it"),
+    (["system.partial_rollout=restart"], "system.partial_rollout", "max_staleness=0"),
+    (["system.elastic_interval_s=5"], "system.elastic_interval_s", "rollout slots are fixed"),
+    (["env.db_timeout_s=9"], "env.db_timeout_s", "only env.name=db reads it"),
+    (["env.tool_latency_s=0.5"], "env.tool_latency_s", "env.tool_latency=none"),
+    (["algo.name=grpo", "algo.value_clip=0.2"], "algo.value_clip", "trains no critic"),
+])
+def test_keys_that_nothing_reads_are_rejected(overrides, key, reason):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(key) and reason in str(e.value) and "Fix: remove" in str(e.value)
+    # The same key at its default changes nothing and is accepted (resolved configs hold every key).
+    assert load_config(None, [f"{key}={_default(key)}"]) is not None
+
+
+def _default(key):
+    value = load_config(None, [])
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def test_cli_reports_config_errors(capsys):

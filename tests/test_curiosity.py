@@ -15,7 +15,7 @@ import pytest
 
 from tiderl.rewards.curiosity import (
     CuriosityShaper,
-    CuriositySettings,
+    CuriosityConfig,
     anneal_weight,
     batch_metrics,
     curiosity_bonus,
@@ -30,8 +30,8 @@ M1_ACT = "entity_relation:m1|starred_actors"
 P7 = "entity:p7"
 
 
-def settings(**kw) -> CuriositySettings:
-    return CuriositySettings(**{"enabled": True, **kw})
+def settings(**kw) -> CuriosityConfig:
+    return CuriosityConfig(**{"enabled": True, **kw})
 
 
 def traj(units: list[str] | None, success: bool, reward: float | None = None,
@@ -163,7 +163,7 @@ def test_annealed_weight_scales_the_bonus_and_disabled_pays_nothing() -> None:
     # novelty 2.0; w(50) = 0.06 -> 0.12
     bonus, d = curiosity_bonus(cols, True, 50, {}, s, base_reward=1.0)
     assert bonus == pytest.approx(0.12) and d["curiosity/weight"] == pytest.approx(0.06)
-    off = CuriositySettings(enabled=False, scope="episode")
+    off = CuriosityConfig(enabled=False, scope="episode")
     bonus, d = curiosity_bonus(cols, True, 50, {}, off, base_reward=1.0)
     assert bonus == 0.0 and d["curiosity/units"] == 2 and d["curiosity/novel_units"] == 2
 
@@ -210,9 +210,9 @@ def test_gate_float_guard_when_the_headroom_rounds_away() -> None:
     assert r + bonus < 1.0
 
 
-def _random_settings(rng: random.Random) -> CuriositySettings:
+def _random_settings(rng: random.Random) -> CuriosityConfig:
     schedule = rng.choice(["constant", "linear", "cosine"])
-    return CuriositySettings(
+    return CuriosityConfig(
         enabled=True,
         weight=rng.choice([0.0, rng.uniform(0, 0.2), rng.uniform(0, 50)]),
         final_weight=rng.uniform(0, 50),
@@ -398,4 +398,4 @@ def test_state_round_trip_resumes_exactly() -> None:
 )
 def test_bad_settings_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"curiosity.{field}"):
-        CuriositySettings(**kw)
+        CuriosityConfig(**kw)

@@ -388,7 +388,7 @@ def test_oracle_turns_replay_to_success(backend):
 
 def test_oracle_through_the_agent_loop(backend):
     pytest.importorskip("transformers")
-    from tiderl.agent.loop import ScriptedEngine, run_episodes
+    from tiderl.agent.loop import ScriptedEngine, play_episodes
     from tiderl.models.tiny import train_tokenizer
     from tiderl.rollout.base import SamplingParams
 
@@ -398,8 +398,8 @@ def test_oracle_through_the_agent_loop(backend):
     corpus = [env.system_prompt(), json.dumps(env.tool_schemas())] + [t.prompt for t in tasks]
     corpus += [turn for turns in scripts.values() for turn in turns]
     tokenizer = train_tokenizer(corpus * 2, vocab_size=400)
-    out = run_episodes(ScriptedEngine(tokenizer, scripts), tokenizer, lambda: DBEnv(backend), tasks,
-                       SamplingParams(max_new_tokens=400), max_turns=4, max_total_tokens=6000)
+    out = play_episodes(ScriptedEngine(tokenizer, scripts), tokenizer, lambda: DBEnv(backend), tasks,
+                        SamplingParams(max_new_tokens=400), max_turns=4, max_total_tokens=6000)
     assert [t.stop_reason for t in out] == ["answer", "answer"]
     assert [t.reward for t in out] == [1.0, 1.0]
     assert out[0].env_info["knowledge_units"] == [col("Date moved"), TABLE_UNIT]

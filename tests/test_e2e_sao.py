@@ -5,8 +5,11 @@ import json
 import pytest
 import torch
 
+from tiderl.agent.loop import play_episodes
 from tiderl.config import load_config
-from tiderl.loop import build_run, rollout, train
+from tiderl.recipe import train
+from tiderl.rollout.base import sampling_params
+from tiderl.run import build_run
 from tiderl.train.batching import collate
 from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
 from tiderl.train.forward import token_logprobs
@@ -35,6 +38,13 @@ def cache(tmp_path_factory):
 def small_config(cache, run_dir, *more):
     return load_config("configs/kg_sao_tiny.yaml",
                        SMALL + [f"model.cache_dir={cache}", f"run_dir={run_dir}", *more])
+
+
+def rollout(run, tasks):
+    """One sampled episode per task with the run's engine."""
+    params = sampling_params(run.cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
+    return play_episodes(run.engine, run.tokenizer, run.make_env, tasks, params, run.cfg.env.max_turns,
+                         run.cfg.env.max_total_tokens)
 
 
 def params_of(module):
@@ -70,8 +80,17 @@ def test_sao_steps_end_to_end(cache, tmp_path):
         run.critic.model.head.bias.fill_(0.5)
     actor_before = params_of(run.actor.model)
     critic_before = params_of(run.critic.model)
-    history = train(run)
+    trained_versions = []  # (trainer version, sampled versions of every trained token)
+
+    def observer(version, metrics, batch):
+        trained_versions.append((version - 1, {v for t in batch for v, m in zip(t.policy_version, t.loss_mask) if m}))
+
+    history, summary = train(run, observer=observer)
     assert len(history) == 3 and run.step == 3 and run.engine.version == 3
+    # system.max_staleness=0 (the default) is on-policy: every trained token was sampled by the
+    # very weights the step trains, and nothing was dropped as stale.
+    assert trained_versions == [(0, {0}), (1, {1}), (2, {2})]
+    assert summary["ledger"]["trained"] == 24 and summary["ledger"]["dropped_stale"] == 0
 
     # Step 1 is the critic-only warm-up: the actor has no policy metrics there.
     assert "policy/loss" not in history[0] and "policy/loss" in history[1]
@@ -149,13 +168,13 @@ def test_demo_and_eval_commands(cache, tmp_path, capsys):
 def test_embedded_build_is_deterministic_and_reloads(tmp_path):
     from safetensors.torch import load_file
 
-    from tiderl.data import load_kg_setup
+    from tiderl.envs.setup import load_setup
     from tiderl.models.embedded import build_embedded_model
     from tiderl.models.loading import load_model, load_tokenizer
 
     cfg = small_config(tmp_path, tmp_path / "run", "model.warmstart.steps=5",
                        "model.warmstart.num_traces=60")
-    setup = load_kg_setup(cfg.data)
+    setup = load_setup(cfg)
     a = build_embedded_model(cfg, setup, tmp_path / "a", log=lambda _: None)
     b = build_embedded_model(cfg, setup, tmp_path / "b", log=lambda _: None)
     assert a["sft_loss_last"] == b["sft_loss_last"]

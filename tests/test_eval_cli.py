@@ -14,7 +14,7 @@ import pytest
 from tiderl.agent.loop import ScriptedEngine
 from tiderl.cli import main
 from tiderl.config import RolloutConfig, load_config
-from tiderl.data import data_root
+from tiderl.envs.setup import data_root
 from tiderl.evaluate import (
     evaluate,
     markdown_table,
@@ -31,7 +31,7 @@ from tiderl.types import Trajectory
 
 
 def _data_or_skip(folder: str, file: str):
-    root = data_root(load_config(None, []).data)
+    root = data_root()
     if not (root / folder / file).is_file():
         pytest.skip(f"{folder}/{file} not found under {root}: set TIDERL_DATA_DIR to the folder holding {folder}/")
     return root
@@ -293,13 +293,13 @@ def test_oracle_on_agentbench_kg_over_a_sparql_endpoint(tmp_path):
     serves the question's synthetic trace graph (no Freebase here): the gold trace solves it."""
     pytest.importorskip("pyoxigraph", reason="pyoxigraph serves the loopback SPARQL endpoint")
     from test_kg_backends import sparql_server
-    from tiderl.data import load_setup
+    from tiderl.envs.setup import load_setup
     from tiderl.envs.kg.agentbench import trace_graph
     from tiderl.envs.kg.rdf import FREEBASE, to_ntriples
 
     _data_or_skip("agentbench_kg", "dev.json")
     overrides = ["data.eval_size=1", "data.seed=3"]
-    (task,) = load_setup(load_config(None, ["data.source=agentbench_kg", "env.sparql_endpoint=x", *overrides]).data).eval_tasks
+    (task,) = load_setup(load_config(None, ["data.source=agentbench_kg", "env.sparql_endpoint=x", *overrides])).eval_tasks
     out = tmp_path / "kg.json"
     with sparql_server(to_ntriples(trace_graph(task), FREEBASE)) as (url, _):
         assert main(["eval", "--data", "agentbench_kg", "--oracle", f"env.sparql_endpoint={url}", *overrides,

@@ -4,7 +4,6 @@ critic's values against the local one's."""
 
 import asyncio
 import copy
-import functools
 import json
 import sys
 import threading
@@ -16,10 +15,11 @@ import torch
 ray = pytest.importorskip("ray")
 
 from tiderl.config import load_config  # noqa: E402
-from tiderl.loop import build_run, train  # noqa: E402
-from tiderl.rollout.torch_engine import weights_checksum  # noqa: E402
-from tiderl.system import local as local_backend  # noqa: E402
+from tiderl.recipe import train  # noqa: E402
+from tiderl.rollout.weights import weights_checksum  # noqa: E402
+from tiderl.run import build_run  # noqa: E402
 from tiderl.system import ray_backend as rb  # noqa: E402
+from tiderl.train.annotate import CriticSnapshot  # noqa: E402
 from tiderl.types import NO_VERSION  # noqa: E402
 
 SMALL = [
@@ -79,7 +79,7 @@ def assert_ledger_balances(summary):
 
 
 @pytest.mark.slow
-def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path, monkeypatch):
+def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path):
     cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
                        "system.max_staleness=1", "system.ray_workers=2")
     run = build_run(cfg)
@@ -88,9 +88,7 @@ def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path, monkeypatch
     def observer(version, metrics, batch):  # called after the step that made `version`
         batches.append((version - 1, [sampled_versions(t) for t in batch]))
 
-    monkeypatch.setattr(rb, "train_async", functools.partial(local_backend.train_async, observer=observer))
-
-    history = train(run)  # raises if any worker's checksum differed from the trainer's
+    history, _ = train(run, observer=observer)  # raises if any worker's checksum differed from the trainer's
 
     assert len(history) == 3 and run.step == 3
     assert [h["policy_version"] for h in history] == [1, 2, 3]
@@ -107,12 +105,12 @@ def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path, monkeypatch
     assert summary["ledger"]["trained"] == 3 * cfg.rollout.batch_size
     assert summary["ledger"]["failed"] == 0
     assert_ledger_balances(summary)
-    assert summary["worker_restarts"] == 0
-    stats = summary["ray"]["worker_stats"]
+    assert summary["backend"]["worker_restarts"] == 0
+    stats = summary["backend"]["worker_stats"]
     assert sorted(s["serial"] for s in stats) == [0, 1]
     # Least-loaded routing used both workers, and each ended on the last weights.
     assert all(s["episodes"] > 0 and s["version"] == 3 for s in stats), stats
-    assert summary["ray"]["critic_refreshes"] is None  # the critic ran in the driver
+    assert summary["backend"]["critic_refreshes"] is None  # the critic ran in the driver
 
     # The driver's own engine follows the trained weights (evaluation after training uses it).
     assert run.engine.version == 3
@@ -126,15 +124,14 @@ def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeyp
     # Simulated tool latency makes episodes long enough to be killed in flight.
     cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
                        "system.max_staleness=1", "system.ray_workers=2",
-                       "env.tool_latency=fixed", "env.tool_latency_s=0.3")
-    # Also run the critic in its own actor (train_ray reads this flag when the config has it).
-    cfg.system.ray_remote_critic = True
+                       "env.tool_latency=fixed", "env.tool_latency_s=0.3",
+                       "system.ray_remote_critic=true")  # also run the critic in its own actor
     run = build_run(cfg)
     rollouts = []
     from_run = rb.RayRollout.from_run
 
-    def capturing_from_run(run, **options):
-        rollouts.append(from_run(run, **options))
+    def capturing_from_run(run, preparations=None, **options):
+        rollouts.append(from_run(run, preparations, **options))
         return rollouts[-1]
 
     monkeypatch.setattr(rb.RayRollout, "from_run", capturing_from_run)
@@ -157,7 +154,7 @@ def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeyp
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    history = train(run)
+    history, _ = train(run)
     thread.join(timeout=5)
 
     assert killed, "the worker pool never had an episode in flight"
@@ -167,11 +164,11 @@ def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeyp
     assert ledger["retried"] >= 1 and ledger["failed"] == 0, ledger
     assert ledger["trained"] == 3 * cfg.rollout.batch_size
     assert_ledger_balances(summary)
-    assert summary["worker_restarts"] >= 1
-    lost = [e for e in summary["ray"]["events"] if e["event"] == "lost"]
+    assert summary["backend"]["worker_restarts"] >= 1
+    lost = [e for e in summary["backend"]["events"] if e["event"] == "lost"]
     assert [e["worker"] for e in lost] == [killed[0][0]]
-    print("ray summary:", json.dumps(summary["ray"]), "ledger:", ledger)
-    assert summary["ray"]["critic_refreshes"] == 3
+    print("ray summary:", json.dumps(summary["backend"]), "ledger:", ledger)
+    assert summary["backend"]["critic_refreshes"] == 3
 
 
 # ------------------------------------------------------------------ the pool, step by step
@@ -256,9 +253,9 @@ def test_worker_pool_routes_syncs_and_replaces(slow_tool_run):
 def test_remote_critic_matches_the_local_critic(slow_tool_run):
     run = slow_tool_run
     cfg = run.cfg
-    from tiderl.loop import rollout as play
+    from tests.test_e2e_sao import rollout as play
 
-    # Short episodes with the driver's engine (no tool latency there: run_episodes ignores it).
+    # Short episodes with the driver's engine (no tool latency there: only training episodes wait).
     trajectories = play(run, run.tasks.take(3))
 
     def values(preparation):
@@ -278,7 +275,7 @@ def test_remote_critic_matches_the_local_critic(slow_tool_run):
             head.bias.fill_(0.3)
         critic = rb.RemoteCritic.from_run(run)
         await critic.start()
-        local = local_backend.CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
+        local = CriticSnapshot(run.critic.model, run.tokenizer.pad_token_id,
                                              cfg.train.micro_batch_tokens, cfg.model.device)
         try:
             before = values(critic)

@@ -12,11 +12,11 @@ import statistics
 import pytest
 import torch
 
-from tiderl.algos.sao import sao_step
 from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.rollout.base import Completion, SamplingParams
-from tiderl.system.engine_client import BatchingEngine
+from tiderl.rollout.client import BatchingEngine
 from tiderl.system.latency import LatencyEnv, draw_latency, with_latency
+from tiderl.train.step import train_step
 
 # --- simulated latency ----------------------------------------------------------------------------
 
@@ -157,8 +157,9 @@ def small_config(cache, run_dir, *more):
 
 @pytest.mark.slow
 def test_precomputed_critic_values_give_the_same_step(cache, tmp_path):
-    from tiderl.loop import build_run, rollout
-    from tiderl.system.local import CriticSnapshot
+    from tests.test_e2e_sao import rollout
+    from tiderl.run import build_run
+    from tiderl.train.annotate import CriticSnapshot
 
     cfg = small_config(cache, tmp_path / "run")
     run = build_run(cfg)
@@ -170,8 +171,8 @@ def test_precomputed_critic_values_give_the_same_step(cache, tmp_path):
 
     def grads_after(batch):
         run2 = build_run(cfg)
-        m = sao_step(batch, run2.actor, run2.critic, cfg.algo, run2.tokenizer.pad_token_id, 512,
-                     train_actor=True)
+        m = train_step(batch, run2.actor, run2.critic, None, cfg.algo, run2.tokenizer.pad_token_id,
+                       512, train_actor=True)
         return m, {k: v.detach().clone() for k, v in run2.actor.model.state_dict().items()}
 
     m_plain, w_plain = grads_after(trajectories)
@@ -185,15 +186,15 @@ def test_precomputed_critic_values_give_the_same_step(cache, tmp_path):
 
 @pytest.mark.slow
 def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_path):
-    from tiderl.loop import build_run, train
-    from tiderl.system.local import train_async
+    from tiderl.recipe import train
+    from tiderl.run import build_run
 
     cfg = small_config(cache, tmp_path / "run", "system.backend=local", "system.max_staleness=2",
                        "rollout.batch_size=4", "train.steps=5", "env.tool_latency=fixed",
                        "env.tool_latency_s=0.05", "log.tensorboard=false")
     run = build_run(cfg)
     seen = []
-    history, summary = train_async(run, 5, observer=lambda v, m, b: seen.append((v, m, b)))
+    history, summary = train(run, observer=lambda v, m, b: seen.append((v, m, b)))
     assert [v for v, _, _ in seen] == [1, 2, 3, 4, 5] and run.step == 5
     assert run.engine.version == 5
     for version, metrics, batch in seen:
@@ -211,27 +212,31 @@ def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_pa
     assert 0 <= summary["trainer_idle_frac"] <= 1 and summary["goodput_trajectories_per_s"] > 0
     assert summary["staleness_histogram"]
 
-    # The same through the loop's entry point: system.json holds the run's totals.
-    cfg2 = small_config(cache, tmp_path / "run2", "system.backend=local", "system.max_staleness=1",
-                        "rollout.batch_size=4", "train.steps=2", "log.tensorboard=false")
-    run2 = build_run(cfg2)
-    assert len(train(run2)) == 2
-    saved = json.loads((tmp_path / "run2" / "system.json").read_text())
-    assert saved["ledger"]["trained"] == 8
+    # system.json holds the run's totals, and the decode batches of the local backend.
+    saved = json.loads((tmp_path / "run" / "system.json").read_text())
+    assert saved["ledger"]["trained"] == 20 and saved["backend"]["decode_batches"] > 0
 
 
 @pytest.mark.slow
-def test_group_sampling_and_curiosity_in_the_lock_step_loop(cache, tmp_path):
+def test_group_sampling_and_curiosity_on_the_one_path(cache, tmp_path):
     from collections import Counter
 
-    from tiderl.loop import build_run, sample_batch, train
+    from tiderl.recipe import train
+    from tiderl.run import build_run
 
-    cfg = small_config(cache, tmp_path / "run", "algo.name=grpo", "algo.group_size=4", "algo.critic_warmup_steps=0",
-                       "rollout.batch_size=8", "train.steps=1", "curiosity.enabled=true",
-                       "curiosity.scope=episode", "log.tensorboard=false")
+    from tests.test_e2e_sao import SMALL
+    from tiderl.config import load_config
+
+    # The GRPO preset file: the SAO file's critic settings would be rejected (GRPO has no critic).
+    small = [o for o in SMALL if not o.startswith(("algo.critic", "algo.normalize"))]
+    cfg = load_config("configs/grpo.yaml", small + [
+        f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}", "algo.group_size=4", "rollout.batch_size=8",
+        "train.steps=1", "curiosity.enabled=true", "curiosity.scope=episode", "log.tensorboard=false"])
     run = build_run(cfg)
     assert run.critic is None and run.ref is not None  # GRPO: no critic, a KL reference
-    batch, _ = sample_batch(run)
+    batches = []
+    history, _ = train(run, observer=lambda v, m, b: batches.append(b))
+    [batch] = batches
     groups = Counter(t.group_id for t in batch)
     assert len(batch) == 8 and sorted(groups.values()) == [4, 4]
     for ids in groups:
@@ -241,8 +246,7 @@ def test_group_sampling_and_curiosity_in_the_lock_step_loop(cache, tmp_path):
         assert t.reward_parts["curiosity"] == pytest.approx(t.env_info["curiosity/bonus"])
         assert t.reward == pytest.approx(t.reward_parts["outcome"] + t.reward_parts["curiosity"])
         assert (t.reward_parts["curiosity"] > 0) == bool(units)
-    history = train(run)
     assert len(history) == 1 and "curiosity/novel_units" in history[0]
-    # The lock-step loop computes the reference log-probs inside the step (no buffer ahead of it).
-    assert "kl/ref_precomputed" not in history[0]
+    # The reference log-probs were computed ahead of the step, in the buffer.
+    assert history[0]["kl/ref_precomputed"] == 1.0
     assert math.isfinite(history[0]["kl/ref_kl_mean"])

@@ -1,4 +1,4 @@
-"""Trainer parts: batching, micro-batch packing, forward alignment, the critic, the learner."""
+"""Trainer parts: batching, micro-batches, forward alignment, the critic, the learner."""
 
 import pytest
 import torch
@@ -62,7 +62,10 @@ def test_token_logprobs_align_with_tokens(model):
     expected = torch.log_softmax(logits, -1)[torch.arange(3), ids[0, 1:]]
     assert lp[0, 0] == 0
     assert torch.allclose(lp[0, 1:], expected, atol=1e-5)
-    assert (ent[0, 1:] > 0).all()
+    assert (ent[0, 1:] > 0).all() and not ent.requires_grad
+    # entropy_grad: the same entropies, differentiable (an entropy bonus trains through them).
+    _, ent_grad = token_logprobs(model, ids, torch.ones_like(ids), entropy_grad=True)
+    assert ent_grad.requires_grad and torch.allclose(ent_grad, ent)
 
 
 def test_right_padding_does_not_change_logprobs(model):
@@ -132,7 +135,7 @@ def test_learner_micro_batches_match_one_batch(model):
 def test_weight_sync_is_verified(model):
     from types import SimpleNamespace
 
-    from tiderl.loop import sync_weights
+    from tiderl.run import sync_weights
     from tiderl.rollout.torch_engine import TorchEngine
 
     actor = Learner(init_tiny_model(model.config, seed=1), lr=1e-3)

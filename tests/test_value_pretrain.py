@@ -38,7 +38,7 @@ def test_pretrain_value_cli_fits_returns_and_writes_a_loadable_critic(tmp_path):
     from tests.test_e2e_sao import SMALL
     from tiderl.cli import main
     from tiderl.config import load_config
-    from tiderl.loop import build_run
+    from tiderl.run import build_run
 
     common = SMALL + [f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}",
                       "algo.critic_lr=2e-3", "algo.normalize_advantages=false",

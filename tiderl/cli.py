@@ -1,4 +1,4 @@
-"""`tiderl train | eval | demo | build-model | config`.
+"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | config`.
 
 Every command takes `--config FILE` plus dotted overrides (`algo.critic_lr=5e-6`) and accepts
 `--dry-run` to print the resolved config and exit.
@@ -13,7 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiderl import registry
 from tiderl.config import ConfigError, RunConfig, describe, dump_yaml, load_config
+
+
+# The built-in environment each data source needs, for the eval shortcuts.
+_ENV_OF_DATA = {source: env for env, sources in registry.DATA_SOURCES.items() for source in sources}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,13 +33,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.critic_lr=5e-6")
         return p
 
-    add("train", "train a policy with SAO")
+    add("train", "train a policy with the configured algorithm (default SAO)")
     ev = add("eval", "evaluate a policy (or the scripted oracle) on held-out tasks")
     ev.add_argument("--model", help="model dir or checkpoint's actor/ dir (default: model.path)")
     ev.add_argument("--json", help="also write the results to this JSON file")
-    ev.add_argument("--env", choices=("kg", "db"),
-                    help="shortcut for env.name=...; default: the one --data needs")
-    ev.add_argument("--data", choices=("embedded", "metaqa", "agentbench_db", "agentbench_kg"),
+    ev.add_argument("--env", help="shortcut for env.name=...; default: the one --data needs")
+    ev.add_argument("--data", choices=_ENV_OF_DATA,
                     help="shortcut for data.source=...; with --env db alone, agentbench_db")
     ev.add_argument("--hops", help="shortcut for data.hops=[...], e.g. 1,2,3")
     ev.add_argument("--split", help="shortcut for data.split=... (AgentBench: dev, standard, std)")
@@ -48,12 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     pv.add_argument("--out", help="critic dir to write (default: <run_dir>/value_init)")
     add("demo", "build the embedded model, evaluate, train with SAO, evaluate again")
     add("build-model", "build (or find) the cached embedded default model and print its path")
+    ce = add("check-env", "run the environment contract checks on an environment (yours or built-in)")
+    ce.add_argument("env", help="an env.name: kg, db, or your own module:Object")
+    ce.add_argument("--episodes", type=int, default=4, help="episodes to play with scripted turns")
     sub.add_parser("config", help="print every config key with its default and meaning")
     return parser
-
-
-# The environment each data source needs, for the eval shortcuts.
-_ENV_OF_DATA = {"embedded": "kg", "metaqa": "kg", "agentbench_kg": "kg", "agentbench_db": "db"}
 
 
 def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
@@ -108,24 +111,25 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_demo(cfg)
     if args.command == "pretrain-value":
         return cmd_pretrain_value(cfg, args.trajectories, args.episodes, args.epochs, args.out)
-    if args.command == "build-model":
-        from tiderl.data import load_kg_setup
-        from tiderl.loop import resolve_model_path
+    if args.command == "check-env":
+        from tiderl.envs.check import check_environment
 
-        print(resolve_model_path(cfg, load_kg_setup(cfg.data)))
+        report = check_environment(cfg, episodes=args.episodes)
+        print(report.text())
+        return 0 if report.ok else 1
+    if args.command == "build-model":
+        from tiderl.envs.setup import load_setup
+        from tiderl.run import resolve_model_path
+
+        print(resolve_model_path(cfg, load_setup(cfg)))
         return 0
     return 1
 
 
 def cmd_train(cfg: RunConfig) -> int:
-    from tiderl.loop import build_run, train
-    from tiderl.train.checkpoint import save_checkpoint
+    from tiderl.recipe import main as train_main
 
-    run = build_run(cfg)
-    train(run)
-    path = save_checkpoint(Path(cfg.run_dir) / "checkpoints" / "final", run.step, run.actor,
-                           run.critic, run.tokenizer)
-    print(f"checkpoint: {path}")
+    print(f"checkpoint: {train_main(cfg)}")
     return 0
 
 
@@ -145,24 +149,17 @@ def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
     return out
 
 
-def _eval_chunk_size(cfg: RunConfig, setup: Any) -> int:
-    """Tasks per batch of episodes: one at a time on a SQLAlchemy database (a backend there
-    serves one session at a time), else all at once (0)."""
-    return 1 if setup.env_name == "db" and "://" in cfg.env.db_backend else 0
-
-
 def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
                  chunk_size: int) -> tuple[dict[str, Any], str]:
-    """The scripted oracle through `evaluate` (greedy only: a script is deterministic).
-    Tokenizer: the one of `--model` or `model.path`, else one trained here on the oracle's
-    own texts (the embedded model's, being KG-only and slow to build, is not used)."""
-    from tiderl.data import db_backend
-    from tiderl.evaluate import (evaluate, oracle_engine, oracle_limits, oracle_texts,
-                                 oracle_turns_for)
+    """The scripted oracle (`Setup.oracle`) through `evaluate` (greedy only: a script is
+    deterministic). Tokenizer: the one of `--model` or `model.path`, else one trained here on
+    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used)."""
+    from tiderl.evaluate import evaluate, oracle_engine, oracle_limits, oracle_texts
 
     tasks = setup.eval_tasks
-    backend = db_backend(cfg.env, setup) if setup.env_name == "db" else None
-    scripts = {t.task_id: oracle_turns_for(t, backend) for t in tasks}
+    if setup.oracle is None:
+        raise ValueError(f"env.name={cfg.env.name}: its Setup has no oracle, so --oracle has nothing to play")
+    scripts = {t.task_id: setup.oracle(t) for t in tasks}
     path = model or (cfg.model.path if cfg.model.path != "tiny" else "")
     if path:
         from tiderl.models.loading import load_tokenizer
@@ -184,13 +181,12 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
              oracle: bool = False) -> int:
     """Evaluate `model` (or model.path, or with `oracle` the scripted oracle) on the held-out
     tasks; print a Markdown table, write the results to `json_path` (else print them)."""
-    from tiderl.data import env_factory, load_setup
+    from tiderl.envs.setup import load_setup
     from tiderl.evaluate import markdown_table, result_rows
 
     t0 = time.perf_counter()
-    setup = load_setup(cfg.data)
-    make_env = env_factory(cfg.env, setup)
-    chunk_size = _eval_chunk_size(cfg, setup)
+    setup = load_setup(cfg)
+    make_env, chunk_size = setup.make_env, setup.eval_chunk_size
     if oracle:
         results, tokenizer_source = _oracle_eval(cfg, setup, make_env, model, chunk_size)
         what, label = "oracle", (lambda mode: "oracle")
@@ -202,16 +198,15 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
             return 2
         import torch
 
-        from tiderl.loop import resolve_model_path
         from tiderl.models.loading import load_model, load_tokenizer
-        from tiderl.rollout.torch_engine import TorchEngine
+        from tiderl.rollout import make_engine
+        from tiderl.run import resolve_model_path
 
         torch.manual_seed(cfg.seed)
         path = model or resolve_model_path(cfg, setup)
         tokenizer = load_tokenizer(path)
-        engine = TorchEngine(load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
-                             device=cfg.model.device, seed=cfg.seed,
-                             max_batch_size=cfg.rollout.engine_batch_size)
+        engine = make_engine(cfg, load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
+                             seed=cfg.seed)
         results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
@@ -222,7 +217,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
     payload = {**results, "eval": {
         "model": what, "data": setup.name, "split": setup.split, "env": cfg.env.name,
         "hops": list(cfg.data.hops) if setup.name in ("embedded", "metaqa") else None,
-        "db_backend": cfg.env.db_backend if setup.env_name == "db" else None,
+        "db_backend": cfg.env.db_backend if cfg.env.name == "db" else None,
         "n_tasks": len(setup.eval_tasks), "pass_k": cfg.eval.pass_k, "oracle": oracle,
         "tokenizer": tokenizer_source, "wall_s": time.perf_counter() - t0,
     }}
@@ -240,7 +235,9 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
     Monte-Carlo returns, save it where `algo.value_init` can load it, print the fit."""
     import dataclasses
 
-    from tiderl.loop import build_run, rollout
+    from tiderl.agent.loop import play_episodes
+    from tiderl.rollout.base import sampling_params
+    from tiderl.run import build_run
     from tiderl.train.critic import ValueModel, freeze_matching
     from tiderl.train.learner import Learner
     from tiderl.train.value_pretrain import load_trajectories, pretrain_value, save_trajectories
@@ -251,9 +248,12 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
     if trajectories_path:
         data = load_trajectories(trajectories_path)
     else:
+        params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
         data = []
         while len(data) < episodes:
-            data.extend(rollout(run, run.tasks.take(min(cfg.rollout.batch_size, episodes - len(data)))))
+            tasks = run.tasks.take(min(cfg.rollout.batch_size, episodes - len(data)))
+            data.extend(play_episodes(run.engine, run.tokenizer, run.make_env, tasks, params, cfg.env.max_turns,
+                                      cfg.env.max_total_tokens, max_batch_size=cfg.rollout.engine_batch_size))
         save_trajectories(data, out_dir / "trajectories.jsonl")
     critic_model = ValueModel.from_policy(run.actor.model).to(cfg.model.device)
     if cfg.algo.freeze_critic_attention:
@@ -275,10 +275,10 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
 
 
 def cmd_demo(cfg: RunConfig) -> int:
-    """Evaluate the warm-started policy, train it with SAO, evaluate again, write summary.json."""
+    """Evaluate the warm-started policy, train it, evaluate again, write summary.json."""
     from tiderl.evaluate import format_table
-    from tiderl.loop import build_run, train
-    from tiderl.train.checkpoint import save_checkpoint
+    from tiderl.recipe import train
+    from tiderl.run import build_run, save_run_checkpoint
 
     t0 = time.perf_counter()
     run = build_run(cfg)
@@ -289,11 +289,10 @@ def cmd_demo(cfg: RunConfig) -> int:
     before = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
     print(format_table([(f"before {m}", r) for m, r in before.items()]))
     t_train = time.perf_counter()
-    history = train(run)
+    history, _ = train(run)
     train_s = time.perf_counter() - t_train
     after = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
-    ckpt = save_checkpoint(run_dir / "checkpoints" / "final", run.step, run.actor, run.critic,
-                           run.tokenizer)
+    ckpt = save_run_checkpoint(run, run_dir / "checkpoints" / "final")
     wall = time.perf_counter() - t0
     primary = "greedy" if "greedy" in before else "sampled"
     generated = sum(h["episode/action_tokens"] * cfg.rollout.batch_size for h in history)

@@ -18,6 +18,11 @@ from typing import Any
 
 import yaml
 
+from tiderl import registry
+from tiderl.algos import registry as algo_registry
+from tiderl.algos.presets import PRESETS, TRAINER_KEYS
+from tiderl.rewards.curiosity import CuriosityConfig
+
 
 class ConfigError(ValueError):
     """A config value or key is wrong. The message names the field and the fix."""
@@ -88,11 +93,11 @@ class DataConfig:
 
     source: str = opt(
         "embedded",
-        "'embedded': a knowledge graph and questions that tiderl generates; 'metaqa': train on "
-        "tiderl's template questions over MetaQA's kb.txt, evaluate on MetaQA's test questions; "
-        "'agentbench_db': AgentBench DB tasks (env.name=db); 'agentbench_kg': AgentBench KG "
-        "questions (need env.sparql_endpoint, a Freebase SPARQL endpoint).",
-        ("embedded", "metaqa", "agentbench_db", "agentbench_kg"),
+        "Where the environment's tasks come from. env.name=kg: 'embedded' (a knowledge graph and "
+        "questions that tiderl generates), 'metaqa' (train on tiderl's template questions over "
+        "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
+        "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
+        "'agentbench_db'. A user's environment reads it as it likes.",
     )
     split: str = opt("", "AgentBench split to evaluate on ('' = dev; DB: dev/standard, KG: dev/std).")
     data_dir: str = opt(
@@ -112,7 +117,9 @@ class DataConfig:
 class EnvConfig:
     """The environment and the episode limits."""
 
-    name: str = opt("kg", "Environment: knowledge graph tools or SQL database tools.", ("kg", "db"))
+    name: str = opt(
+        "kg", "Environment: 'kg' (knowledge-graph tools), 'db' (SQL database tools), or a user's "
+        "'module:Object' whose setup(cfg) returns a tiderl.envs.setup.Setup (docs/extending.md).")
     max_turns: int = opt(4, "Model turns per episode (AgentBench uses 15).")
     max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
     max_listed: int = opt(0, "KG: list entity names in observations of sets up to this size.")
@@ -142,15 +149,17 @@ class RolloutConfig:
     max_new_tokens: int = opt(64, "Tokens per model turn.")
     batch_size: int = opt(32, "Trajectories per optimizer step (one rollout per prompt for SAO).")
     engine_batch_size: int = opt(64, "Largest batch the engine decodes at once.")
+    engine: str = opt(
+        "torch", "Inference engine: 'torch' (batched KV-cache sampling with any Hugging Face causal "
+        "LM, CPU or GPU) or a user's 'module:Class' implementing tiderl.rollout.base.Engine.")
 
 
 @dataclass
 class AlgoConfig:
     """The RL algorithm. Pure functions live in tiderl/algos; docs/algorithms.md has every formula.
 
-    `name` picks a preset (`tiderl.algos.presets.preset_defaults`): "sao" runs the SAO step
-    (papers.md §SAO), every other name runs the generic step (`tiderl.algos.step.algo_step`),
-    which reads only the option fields below, never the name.
+    `name` picks a preset (`tiderl.algos.presets.preset_defaults`) that fills in the options
+    below; the trainer (`tiderl.train.step.train_step`) reads only those options, never the name.
     """
 
     name: str = opt(
@@ -158,8 +167,7 @@ class AlgoConfig:
         "Algorithm preset: sao (single rollout, critic, DIS), ppo, grpo, dr_grpo, dapo, gspo, "
         "rloo, reinforce_pp, decoupled_ppo, cispo. The preset sets the defaults of the algorithm "
         "options below; keys you set yourself win.",
-        ("sao", "ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp",
-         "decoupled_ppo", "cispo"),
+        tuple(PRESETS),
     )
     eps_low: float = opt(
         0.3, "Lower ratio bound 1 - eps_low: DIS drops tokens at or below it; ppo/gspo clip "
@@ -187,13 +195,12 @@ class AlgoConfig:
     value_clip: float = opt(0.0, "Clip the value loss around the old values (0 = off).")
     normalize_advantages: bool = opt(False, "Whiten advantages over the batch's action tokens.")
     value_init: str = opt("", "Directory of a pretrained critic to start from ('' = the policy).")
-    # ---- generic step (every name but sao): advantage estimator
+    # ---- advantage estimator (tiderl.algos.registry)
     advantage: str = opt(
         "gae",
         "Advantage estimator: gae (critic, skip-observation GAE), grpo ((r - group mean) / "
         "(group std + adv_eps)), dr_grpo (r - group mean), rloo (leave-one-out group mean), "
-        "reinforce_pp (discounted returns whitened over the batch).",
-        ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"),
+        "reinforce_pp (discounted returns whitened over the batch), or a 'module:function'.",
     )
     decoupled_lambda: bool = opt(
         True, "gae: SAO's per-trajectory policy lambda 1 - 1/(lambda_alpha * action tokens); "
@@ -208,8 +215,8 @@ class AlgoConfig:
         "dis",
         "Policy loss: dis (SAO's double-sided band), ppo (clip, clip-higher, dual clip), "
         "decoupled_ppo (clip around recomputed proximal log-probs, times pi_prox/pi_behav), "
-        "cispo (clipped stop-gradient IS weight x log-prob), gspo (sequence-level ratio and clip).",
-        ("dis", "ppo", "decoupled_ppo", "cispo", "gspo"),
+        "cispo (clipped stop-gradient IS weight x log-prob), gspo (sequence-level ratio and clip), "
+        "or a 'module:function'.",
     )
     old_logprobs: str = opt(
         "behavior",
@@ -271,7 +278,6 @@ class TrainConfig:
 class EvalConfig:
     """Held-out evaluation."""
 
-    every: int = opt(0, "Evaluate during training every N steps (0 = before and after only).")
     greedy: bool = opt(True, "Report greedy decoding.")
     sampled: bool = opt(True, "Report sampling at the rollout temperature.")
     pass_k: int = opt(1, "Also report pass@k from k samples per task (1 = off).")
@@ -282,10 +288,9 @@ class SystemConfig:
     """How rollout and training are scheduled (see docs/architecture.md, "System")."""
 
     backend: str = opt(
-        "inline",
-        "inline: the lock-step loop (rollout a batch, train, sync); local: asynchronous in one "
-        "process; ray: asynchronous with rollout workers as Ray actors.",
-        ("inline", "local", "ray"),
+        "local",
+        "Where rollouts run (training is the same scheduler for all): local (in this process) or "
+        "ray (rollout workers as Ray actors), or a user's 'module:Class'.",
     )
     max_staleness: int = opt(
         0, "Policy versions a trained token may lag the trainer (0 = on-policy, synchronous)."
@@ -307,27 +312,6 @@ class SystemConfig:
     ray_address: str = opt("", "Ray cluster to join ('' = start a local one).")
     ray_workers: int = opt(1, "Ray backend: rollout worker actors (each runs its own engine).")
     ray_remote_critic: bool = opt(False, "Ray backend: compute critic values in a Ray actor instead of the driver.")
-
-
-@dataclass
-class CuriosityConfig:
-    """The curiosity-shaped reward (docs/curiosity.md): a bonus for knowledge units reached."""
-
-    enabled: bool = opt(False, "Add the curiosity bonus to training rewards.")
-    weight: float = opt(0.05, "Bonus per unit of novelty (before annealing).")
-    episode_cap: float = opt(6.0, "Most novelty one episode can count (in units, before the weight).")
-    scope: str = opt("global", "Novelty per episode, across training (1/sqrt(1+seen)), or their mean.",
-                     ("episode", "global", "both"))
-    kind_weights: dict[str, float] = opt(
-        {"entity": 0.5, "entity_relation": 1.0, "table": 0.5, "column": 1.0},
-        "Weight of each unit kind (the prefix before ':').")
-    default_kind_weight: float = opt(1.0, "Weight of unit kinds not in kind_weights.")
-    schedule: str = opt("constant", "Annealing of the weight.", ("constant", "linear", "cosine"))
-    final_weight: float = opt(0.0, "Weight at the end of annealing.")
-    anneal_steps: int = opt(0, "Steps over which the weight anneals (>= 1 for linear/cosine).")
-    pay_on_success: bool = opt(True, "Also pay the bonus on successful episodes.")
-    success_reward: float = opt(1.0, "The reward of a solved episode (the gate's reference).")
-    gate_fraction: float = opt(0.5, "A failed episode's bonus stays below this share of the gap to success.")
 
 
 @dataclass
@@ -451,7 +435,10 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
                 raise ConfigError(
                     f"{path}: {kwargs[key]!r} is not one of {', '.join(map(repr, choices))}."
                 )
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a section that checks its own values (CuriosityConfig)
+        raise ConfigError(str(exc)) from None
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -482,14 +469,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def algorithm_keys() -> tuple[str, ...]:
+    """The AlgoConfig fields a preset sets: all of them but `name` and the trainer keys."""
+    return tuple(f.name for f in dataclasses.fields(AlgoConfig) if f.name not in TRAINER_KEYS and f.name != "name")
+
+
+def preset_defaults(name: str) -> dict[str, Any]:
+    """Every algorithm option's value under preset `name` (plus "name" itself): the AlgoConfig
+    defaults (which are SAO's) overridden by the preset's entries in `algos.presets.PRESETS`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown algorithm preset {name!r}; use one of {', '.join(PRESETS)}")
+    base = AlgoConfig()
+    return {"name": name, **{key: getattr(base, key) for key in algorithm_keys()}, **PRESETS[name]}
+
+
+def with_preset(user_algo: dict[str, Any]) -> dict[str, Any]:
+    """The `algo:` mapping with its preset's values filled in; the keys the user set win
+    (`user_algo` may be empty: name = "sao")."""
+    return {**preset_defaults(user_algo.get("name", "sao")), **user_algo}
+
+
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from a nested dict.
 
-    The `algo` mapping is filled in from its preset first (`algos.presets.with_preset`): the
-    keys a config sets win, every other algorithm option takes the preset's value.
+    The `algo` mapping is filled in from its preset first (`with_preset`): the keys a config
+    sets win, every other algorithm option takes the preset's value.
     """
-    from tiderl.algos.presets import with_preset
-
     algo = data.get("algo", {})
     if not isinstance(algo, dict):
         raise ConfigError(f"algo: expected a mapping of keys, got {algo!r}.")
@@ -497,11 +502,79 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     try:
         algo = with_preset(algo)
     except ValueError:
-        choices = ", ".join(dataclasses.fields(AlgoConfig)[0].metadata["choices"] or ())
-        raise ConfigError(f"algo.name: unknown algorithm {name!r}. Fix: use one of {choices}.") from None
+        raise ConfigError(f"algo.name: unknown algorithm {name!r}. Fix: use one of {', '.join(PRESETS)}.") from None
     cfg = _build(RunConfig, {**data, "algo": algo}, "")
     validate(cfg)
+    reject_ignored(cfg, _leaf_keys(data))
     return cfg
+
+
+def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of every value written in `tree` (a mapping value counts as a leaf only
+    when it is not a config section, e.g. curiosity.kind_weights)."""
+    out: set[str] = set()
+    for key, value in tree.items():
+        if isinstance(value, dict) and key not in ("kind_weights",):
+            out |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            out.add(f"{prefix}{key}")
+    return out
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
+    """(keys, used, why they are not): every key that some choice of backend, environment or
+    algorithm does not read."""
+    a, s, e = cfg.algo, cfg.system, cfg.env
+    critic = algo_registry.needs_critic(a)
+    elastic = (s.min_slots or s.slots) != (s.max_slots or s.slots)
+    return [
+        (("system.ray_address", "system.ray_workers", "system.ray_remote_critic"), s.backend != "local",
+         "only the Ray backend reads it and system.backend=local"),
+        (("system.elastic_interval_s",), elastic,
+         "the rollout slots are fixed (system.min_slots and system.max_slots give no range)"),
+        (("system.partial_rollout",), s.max_staleness > 0,
+         "at system.max_staleness=0 every episode of a step ends before the weights change"),
+        (("algo.critic_lr", "algo.critic_updates", "algo.critic_warmup_steps", "algo.critic_lambda",
+          "algo.value_clip", "algo.value_init", "algo.freeze_critic_attention", "algo.critic_freeze_pattern",
+          "algo.advantage_values", "algo.decoupled_lambda"), critic,
+         f"algo.advantage={a.advantage} trains no critic"),
+        (("algo.lambda_alpha",), critic and a.decoupled_lambda,
+         "only the decoupled policy lambda reads it (algo.advantage=gae, algo.decoupled_lambda=true)"),
+        (("algo.policy_lambda",), critic and not a.decoupled_lambda,
+         "only GAE with a fixed lambda reads it (algo.advantage=gae, algo.decoupled_lambda=false)"),
+        (("algo.adv_eps",), a.advantage == "grpo", "only algo.advantage=grpo reads it"),
+        (("algo.behavior_weight_cap",), a.policy_loss == "decoupled_ppo",
+         "only algo.policy_loss=decoupled_ppo reads it"),
+        (("algo.kl_estimator", "algo.kl_in_reward"), a.kl_coef > 0, "algo.kl_coef=0 turns the KL term off"),
+        (("algo.overlong_max_tokens", "algo.overlong_penalty"), a.overlong_buffer > 0,
+         "algo.overlong_buffer=0 turns the overlong penalty off"),
+        (("env.db_backend", "env.db_timeout_s"), e.name != "kg", "only env.name=db reads it"),
+        (("env.max_listed", "env.sparql_endpoint"), e.name != "db", "only env.name=kg reads it"),
+        (("env.tool_latency_s", "env.tool_latency_max_s"), e.tool_latency != "none",
+         "env.tool_latency=none adds no latency"),
+        (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
+         f"env.tool_latency={e.tool_latency} has no spread"),
+    ]
+
+
+def reject_ignored(cfg: RunConfig, written: set[str]) -> None:
+    """Raise ConfigError for a key the config sets to a value of its own although nothing reads
+    it under the config's other choices (a silently ignored key would make a run look
+    configured when it is not)."""
+    # A written key that holds its default (the preset's value for algorithm options) changes
+    # nothing: resolved configs (run_dir/config.yaml) write every key and must load again.
+    defaults = RunConfig(algo=AlgoConfig(**preset_defaults(cfg.algo.name)))
+    for keys, used, why in _ignored_keys(cfg):
+        for key in keys:
+            if not used and key in written and _get(cfg, key) != _get(defaults, key):
+                raise ConfigError(f"{key}: set to {_get(cfg, key)!r}, but {why}, so it would be ignored. "
+                                  f"Fix: remove {key}, or change the choice it depends on.")
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -569,17 +642,12 @@ def validate(cfg: RunConfig) -> None:
          "learning rates must be > 0", "use e.g. 1e-6 / 5e-6")
     # algo.* checks of the algorithm family (GRPO variants, PPO, decoupled PPO, CISPO, GSPO).
     a = cfg.algo
-    # The SAO step ignores these options, so any other value would be silently lost.
-    sao_fixed = {"advantage": "gae", "decoupled_lambda": True, "policy_loss": "dis",
-                 "old_logprobs": "behavior", "loss_agg": "token-mean", "actor_updates": 1,
-                 "kl_coef": 0.0, "entropy_coef": 0.0, "dynamic_sampling": False,
-                 "overlong_buffer": 0, "dual_clip_c": 0.0, "behavior_weight_cap": 0.0}
-    if a.name == "sao":
-        for key, value in sao_fixed.items():
-            need(getattr(a, key) == value, f"algo.{key}",
-                 f"{getattr(a, key)!r} is not used by algo.name=sao (its step needs {value!r})",
-                 f"set algo.{key}={value} or pick a generic preset such as algo.name=ppo")
-    group_estimator = a.advantage in ("grpo", "dr_grpo", "rloo")
+    for key, table in (("advantage", algo_registry.ADVANTAGE_ESTIMATORS), ("policy_loss", algo_registry.POLICY_LOSSES)):
+        value = getattr(a, key)
+        need(value in table or registry.is_import_path(value), f"algo.{key}",
+             f"{value!r} is neither one of {', '.join(table)} nor a 'module:function' path",
+             f"use one of {', '.join(table)}")
+    group_estimator = algo_registry.uses_groups(a) and not a.dynamic_sampling
     need(a.group_size >= 1, "algo.group_size", "must be >= 1", "use 1 (one rollout per prompt)")
     need(not group_estimator or a.group_size >= 2, "algo.group_size",
          f"is {a.group_size}, but algo.advantage={a.advantage} compares rollouts of one prompt "
@@ -652,25 +720,24 @@ def validate(cfg: RunConfig) -> None:
     need(sysc.elastic_interval_s > 0, "system.elastic_interval_s", "must be > 0", "use 2.0")
     need(sysc.max_task_retries >= 0, "system.max_task_retries", "must be >= 0", "use 2")
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
-    has_critic = cfg.algo.name == "sao" or cfg.algo.advantage == "gae"  # = algos.step.needs_critic
+    has_critic = algo_registry.needs_critic(cfg.algo)
     need(has_critic or cfg.algo.critic_warmup_steps == 0, "algo.critic_warmup_steps",
          f"is {cfg.algo.critic_warmup_steps} but algo.name={cfg.algo.name} has no critic, so the actor "
          "would not train for those steps", "set algo.critic_warmup_steps=0")
     need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
     need(cfg.env.max_items >= 1, "env.max_items", "must be >= 1", "use 100")
     need(cfg.env.max_observation_chars >= 100, "env.max_observation_chars", "must be >= 100", "use 4000")
-    need((cfg.env.name == "db") == (cfg.data.source == "agentbench_db"), "env.name",
-         f"env.name={cfg.env.name!r} does not fit data.source={cfg.data.source!r}",
+    for key, table in (("env.name", registry.ENVIRONMENTS), ("rollout.engine", registry.ENGINES),
+                       ("system.backend", registry.BACKENDS)):
+        problem = registry.check_name(table, _get(cfg, key))
+        need(not problem, key, problem, f"use one of {', '.join(table)}")
+    sources = registry.DATA_SOURCES.get(cfg.env.name)
+    need(sources is None or cfg.data.source in sources, "data.source",
+         f"env.name={cfg.env.name!r} reads {', '.join(sources or ())}, not {cfg.data.source!r}",
          "use env.name=db with data.source=agentbench_db, env.name=kg with the KG sources")
     need(cfg.data.source != "agentbench_kg" or bool(cfg.env.sparql_endpoint), "env.sparql_endpoint",
          "AgentBench KG questions need a Freebase SPARQL endpoint",
          "set env.sparql_endpoint=http://host:port/sparql")
-    cur = cfg.curiosity
-    need(cur.weight >= 0 and cur.final_weight >= 0, "curiosity.weight", "must be >= 0", "use 0.05")
-    need(cur.episode_cap > 0, "curiosity.episode_cap", "must be > 0", "use 6.0")
-    need(0 <= cur.gate_fraction < 1, "curiosity.gate_fraction", "must be in [0, 1)", "use 0.5")
-    need(cur.schedule == "constant" or cur.anneal_steps >= 1, "curiosity.anneal_steps",
-         f"must be >= 1 with schedule={cur.schedule!r}", "set e.g. curiosity.anneal_steps=100")
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")

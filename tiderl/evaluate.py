@@ -1,12 +1,12 @@
 """Held-out evaluation: run a policy (or the scripted oracle) on tasks it never trained on.
 
-`evaluate` plays every task through the agent loop (`run_episodes`) and summarises the
+`evaluate` plays every task through the agent loop (`play_episodes`) and summarises the
 episodes: success with its standard error, F1 (KG), turns, tokens, tool errors, the stop
 reasons, pass@k when several samples per task are drawn, and the same per number of hops (KG)
 and per answer type (`Task.meta["answer_type"]`: AgentBench DB's INSERT, UPDATE, counting, ...).
 `markdown_table` prints the results; docs/evaluation.md defines every number.
 
-The oracle (`oracle_turns_for`, `oracle_engine`) replays each task's scripted solution through
+The oracle (`Setup.oracle`, `oracle_engine`) replays each task's scripted solution through
 a `ScriptedEngine`, through the very same `evaluate`, so its success is the ceiling of the
 environment with these labels.
 """
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import random
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from tiderl.agent.loop import ScriptedEngine, run_episodes
+from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import EnvConfig, RolloutConfig
 from tiderl.envs.protocol import Env, Task
-from tiderl.rollout.base import Engine, SamplingParams
+from tiderl.metrics.summary import pass_at_k, summarize, summarize_samples  # noqa: F401 - re-exported
+from tiderl.rollout.base import Engine, SamplingParams, sampling_params
 from tiderl.types import Trajectory
 
 # A function that returns a fresh engine for one chunk of tasks (a scripted oracle recognises
@@ -31,93 +30,6 @@ EngineFor = Callable[[list[Task]], Engine]
 
 # Token limits for the oracle: a script has no context limit, and a cut turn would be a wrong one.
 ORACLE_TOKEN_LIMIT = 10**9
-
-
-def sampling_params(rollout: RolloutConfig, eos_id: int, greedy: bool) -> SamplingParams:
-    """Rollout sampling (or greedy decoding), stopping at the end-of-turn token."""
-    return SamplingParams(
-        temperature=0.0 if greedy else rollout.temperature,
-        top_p=1.0 if greedy else rollout.top_p,
-        max_new_tokens=rollout.max_new_tokens,
-        stop_token_ids=[eos_id],
-    )
-
-
-def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
-    """Success (with its standard error), F1, turns, tokens and tool errors of a set of episodes.
-
-    The standard error is the binomial one, sqrt(p (1 - p) / n).
-    """
-    n = len(trajectories)
-    if n == 0:
-        return {"n": 0}
-    success = [float(t.env_info.get("success", 0.0)) for t in trajectories]
-    p = sum(success) / n
-    out: dict[str, Any] = {
-        "n": n,
-        "success": p,
-        "stderr": math.sqrt(p * (1 - p) / n),
-        "f1": sum(float(t.env_info.get("f1", 0.0)) for t in trajectories) / n,
-        "reward": sum(t.reward for t in trajectories) / n,
-        "turns": sum(t.num_turns for t in trajectories) / n,
-        "tokens": sum(len(t.tokens) for t in trajectories) / n,
-        "action_tokens": sum(t.num_action_tokens for t in trajectories) / n,
-        "tool_errors": sum(float(t.env_info.get("tool_errors", 0)) for t in trajectories) / n,
-        "stop_reasons": _counts(t.stop_reason for t in trajectories),
-    }
-    return out
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimate of one task from `n` samples of which `c` succeeded:
-    1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement from the n
-    hold at least one success. With n = k it is 1 when any sample succeeded, else 0."""
-    if not 1 <= k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def summarize_samples(groups: Sequence[Sequence[Trajectory]], k: int = 1) -> dict[str, Any]:
-    """`summarize` over every episode of `groups` (one group of samples per task), with:
-
-    - n: the number of tasks; episodes: the number of episodes; samples_per_task;
-    - success: the mean over all episodes (with one sample per task, the fraction of tasks
-      solved; with more, the unbiased pass@1);
-    - stderr: the standard error of that mean over tasks, sqrt(mean_i (s_i - p)^2 / n) with s_i
-      task i's success rate (the binomial sqrt(p (1 - p) / n) with one sample per task), so
-      samples of one task are not counted as independent evidence;
-    - f1: None when no episode reports one (the DB environment scores no F1);
-    - when k > 1: pass_k = k, pass_at_k = the mean over tasks of `pass_at_k(n_i, c_i, k)` and
-      pass_at_k_stderr, its standard error over tasks (same formula as stderr).
-    Every group must hold at least k episodes.
-    """
-    groups = [list(g) for g in groups if g]
-    episodes = [t for g in groups for t in g]
-    out = summarize(episodes)
-    if not episodes:
-        return out
-    rates = [sum(float(t.env_info.get("success", 0.0)) for t in g) / len(g) for g in groups]
-    out.update(n=len(groups), episodes=len(episodes), samples_per_task=max(len(g) for g in groups),
-               stderr=_stderr(rates))
-    if not any("f1" in t.env_info for t in episodes):
-        out["f1"] = None
-    if k > 1:
-        values = []
-        for g in groups:
-            if len(g) < k:
-                raise ValueError(f"pass@{k} needs at least {k} samples per task; task {g[0].task_id!r} has {len(g)}")
-            values.append(pass_at_k(len(g), sum(bool(t.env_info.get("success")) for t in g), k))
-        out.update(pass_k=k, pass_at_k=sum(values) / len(values), pass_at_k_stderr=_stderr(values))
-    return out
-
-
-def _stderr(values: Sequence[float]) -> float:
-    """Standard error of the mean of per-task values: sqrt(mean (v - mean)^2 / n)."""
-    n = len(values)
-    mean = sum(values) / n
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / n / n)
 
 
 def _chunks(tasks: list[Task], size: int, distinct_prompts: bool) -> list[list[Task]]:
@@ -146,7 +58,7 @@ def run_samples(
     chunk_size: int = 0,
 ) -> list[list[Trajectory]]:
     """`samples_per_task` episodes of every task (group_id = task_id), one list per task in
-    task order. Tasks run in chunks of `chunk_size` (0 = all at once, one `run_episodes`
+    task order. Tasks run in chunks of `chunk_size` (0 = all at once, one `play_episodes`
     call). `engine` is an Engine, or an `EngineFor` giving a fresh engine per chunk, in which
     case a chunk also never holds two tasks with the same prompt."""
     if samples_per_task < 1:
@@ -155,11 +67,10 @@ def run_samples(
     groups: list[list[Trajectory]] = []
     for chunk in _chunks(tasks, chunk_size, distinct_prompts=per_chunk):
         chunk_engine = engine(chunk) if per_chunk else engine
-        copies = [dataclasses.replace(t) for t in chunk for _ in range(samples_per_task)]
-        trajectories = run_episodes(chunk_engine, tokenizer, make_env, copies, params,
-                                    max_turns=env_cfg.max_turns,
-                                    max_total_tokens=env_cfg.max_total_tokens,
-                                    group_id_fn=lambda t: t.task_id)
+        copies = [t for t in chunk for _ in range(samples_per_task)]
+        trajectories = play_episodes(chunk_engine, tokenizer, make_env, copies, params,
+                                     max_turns=env_cfg.max_turns, max_total_tokens=env_cfg.max_total_tokens,
+                                     max_batch_size=getattr(chunk_engine, "max_batch_size", len(copies)))
         groups += [trajectories[i:i + samples_per_task]
                    for i in range(0, len(trajectories), samples_per_task)]
     return groups
@@ -200,43 +111,7 @@ def evaluate(
     return result
 
 
-def _counts(items: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts
-
-
 # -- the oracle ----------------------------------------------------------------------------
-
-
-def oracle_turns_for(task: Task, db_backend: Any = None) -> list[str]:
-    """The scripted solution of `task`, as assistant turns in the Hermes tool-call format:
-
-    - DB tasks (`meta["tables"]`): `tiderl.envs.db.oracle_turns` (the record's SQL, then the
-      commit; `db_backend` must be the backend the environment runs on);
-    - AgentBench KG tasks (`meta["actions"]`): the gold trace (`agentbench.gold_turns`); a
-      trace that creates no variable gives no turns (the episode fails);
-    - MetaQA and embedded KG tasks (`meta["path"]`): one `get_neighbors` per hop, then
-      `Final Answer: #k` (`tiderl.envs.kg.tasks.oracle_turns`, no relation noise).
-    Raises ValueError for a task none of these fits.
-    """
-    if "tables" in task.meta:
-        from tiderl.envs.db.oracle import oracle_turns as db_oracle_turns
-
-        return db_oracle_turns(task, db_backend)
-    if "actions" in task.meta:
-        from tiderl.envs.kg.agentbench import gold_turns
-
-        try:
-            return gold_turns(task)
-        except ValueError:
-            return []
-    if "path" in task.meta:
-        from tiderl.envs.kg.tasks import oracle_turns as kg_oracle_turns
-
-        return kg_oracle_turns(task, random.Random(0))
-    raise ValueError(f"task {task.task_id}: no oracle for it (its meta has no 'tables', 'actions' or 'path')")
 
 
 def oracle_engine(tokenizer: Any, scripts: dict[str, list[str]]) -> EngineFor:

@@ -2,7 +2,7 @@
 
 - `tool_parser`: Hermes/Qwen `<tool_call>` blocks in a turn's text -> `Action`.
 - `chat`: prompt and observation tokens from a tokenizer's own chat template.
-- `loop`: `run_episodes` (batched, lock-step by turn) and `ScriptedEngine`.
+- `loop`: `play_episode` (the one episode runner), `play_episodes` and `ScriptedEngine`.
 """
 
 from tiderl.agent.chat import (
@@ -13,7 +13,7 @@ from tiderl.agent.chat import (
     render_prompt_ids,
     user_message_ids,
 )
-from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, run_episodes
+from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episode, play_episodes
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "observation_ids",
     "parse_hermes_tool_calls",
     "render_prompt_ids",
-    "run_episodes",
+    "play_episode",
+    "play_episodes",
     "user_message_ids",
 ]

@@ -1,10 +1,11 @@
 """The multi-turn agent loop: episodes of (model turn -> tool calls -> environment answer).
 
-`run_episodes` plays a batch of tasks in lock-step by turn: every turn, one `engine.generate`
-call over all episodes still running, so the whole batch decodes together. It owns the tokens:
-the prompt and the environment's answers are rendered with the tokenizer's chat template
-(`chat.py`, loss_mask 0), the model's turns are the engine's own sampled ids (loss_mask 1),
-never re-tokenized.
+`play_episode` is the one episode runner: a coroutine that plays one task at its own pace,
+asking a `BatchingEngine` for each model turn (concurrent episodes decode together).
+`play_episodes` runs a list of tasks through it from plain code. It owns the tokens: the prompt
+and the environment's answers are rendered with the tokenizer's chat template (`chat.py`,
+loss_mask 0), the model's turns are the engine's own sampled ids (loss_mask 1), never
+re-tokenized.
 
 `ScriptedEngine` is an `Engine` that replays given assistant texts; it builds supervised
 warm-start data and drives the tests.
@@ -15,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from tiderl.agent.chat import ChatFormat, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.envs.protocol import Action, Env, StepResult, Task
 from tiderl.rollout.base import Completion, Engine, SamplingParams
+from tiderl.rollout.client import BatchingEngine
 from tiderl.types import NO_VERSION, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -104,81 +107,6 @@ class _Episode:
         self.close_with(result, reason)
 
 
-def run_episodes(
-    engine: Engine,
-    tokenizer: Any,
-    make_env: Callable[[], Env],
-    tasks: list[Task],
-    params: SamplingParams,
-    max_turns: int,
-    max_total_tokens: int,
-    group_id_fn: Callable[[Task], str] | None = None,
-    continue_message: str = CONTINUE_MESSAGE,
-) -> list[Trajectory]:
-    """Play one episode per task, all in lock-step by turn, and return their Trajectories.
-
-    Per episode: `env = make_env()`, the first user message from `env.reset(task)`, the system
-    message from `env.system_prompt()`, the tools from `env.tool_schemas()`; the prompt is the
-    tokenizer's chat template rendering of them. Each turn the engine samples a completion
-    (loss_mask 1, its log-probs and per-token versions kept as they are). The turn text (the kept
-    sampled ids decoded; `Completion.text` is not used, so a cut turn reads as what was kept) is
-    parsed into an Action (`parse_hermes_tool_calls`) and given to `env.step`; its observations
-    are appended as tool messages rendered by the template (loss_mask 0). An environment that
-    returns no observation for a non-final turn gets `continue_message` as a user turn instead.
-
-    Promises:
-    - output order is the order of `tasks`;
-    - every turn ends with the end-of-turn token: when a completion stops without it (hit its
-      token limit, or a stop string), the token is appended as a *forced* token (loss_mask 0,
-      log-prob 0.0, version NO_VERSION), so the sequence stays a well-formed conversation and
-      the trainer never learns to emit a token the policy did not sample;
-    - `len(tokens) <= max_total_tokens` always: each turn may sample at most
-      min(params.max_new_tokens, budget left - 1) tokens (one is kept for a forced
-      end-of-turn), and an observation that would not leave room for another turn is not
-      appended: the episode stops there with stop_reason "max_tokens";
-    - at most `max_turns` model turns, then stop_reason "max_turns"; on either limit
-      `env.finish(reason)` scores the episode;
-    - an answer (`done`) ends with stop_reason "answer"; reward = the final reward plus any
-      shaping rewards of earlier (non-final) steps; reward_parts = the final info's
-      "reward_parts", or {"outcome": final reward} without it, plus "shaping" when there was
-      any; env_info = the final info plus "turns" (the same on a limit, from `env.finish`);
-    - an exception in `make_env` or any environment method ends only that episode:
-      stop_reason "error", reward 0, env_info["error"] = repr(exception) (and "error_in"),
-      logged as a warning; its tokens so far are kept. Engine and template errors propagate;
-    - a prompt that leaves no room for a turn (fewer than 2 tokens of budget) ends the episode
-      at once through `env.finish("max_tokens")`: stop_reason "max_tokens", no tokens at all,
-      env_info["prompt_tokens"] = the prompt's length;
-    - group_id = group_id_fn(task) or task.task_id.
-    """
-    if max_turns < 1:
-        raise ValueError(f"max_turns={max_turns}: an episode needs at least one model turn; use max_turns >= 1")
-    if max_total_tokens < 2:
-        raise ValueError(f"max_total_tokens={max_total_tokens} leaves no room for a turn; use a larger budget")
-    episodes = [_Episode(task=task, group_id=group_id_fn(task) if group_id_fn else task.task_id) for task in tasks]
-    for episode in episodes:
-        _start(episode, tokenizer, make_env, max_total_tokens)
-
-    while True:
-        active = [e for e in episodes if e.trajectory is None]
-        if not active:
-            break
-        # Keep one token of budget for a forced end-of-turn.
-        limits = [min(params.max_new_tokens, max_total_tokens - len(e.tokens) - 1) for e in active]
-        # One call for the batch with the largest limit; episodes with a smaller budget keep
-        # only their first `limit` tokens, which is exactly a sample stopped at that length.
-        call_params = dataclasses.replace(
-            params,
-            max_new_tokens=max(limits),
-            stop_token_ids=_with_end_of_turn(params.stop_token_ids, [e.fmt.end_of_turn_id for e in active]),
-        )
-        completions = engine.generate([list(e.tokens) for e in active], call_params)
-        if len(completions) != len(active):
-            raise RuntimeError(f"engine returned {len(completions)} completions for {len(active)} prompts")
-        for episode, completion, limit in zip(active, completions, limits):
-            _play_turn(episode, completion, limit, tokenizer, max_turns, max_total_tokens, continue_message)
-    return [e.trajectory for e in episodes]
-
-
 def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_total_tokens: int) -> None:
     """Create the environment, reset it and render the prompt (or close the episode)."""
     try:
@@ -200,25 +128,6 @@ def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_t
         episode.trajectory.env_info["prompt_tokens"] = len(prompt)
         return
     episode.append_forced(prompt)
-
-
-def _play_turn(
-    episode: _Episode,
-    completion: Completion,
-    limit: int,
-    tokenizer: Any,
-    max_turns: int,
-    max_total_tokens: int,
-    continue_message: str,
-) -> None:
-    """Append one sampled turn, let the environment act on it, and append its answer."""
-    action = _append_turn(episode, completion, limit, tokenizer)
-    try:
-        result = episode.env.step(action)
-    except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
-        episode.fail(exc, "env.step")
-        return
-    _apply_result(episode, result, max_turns, max_total_tokens, continue_message)
 
 
 def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenizer: Any) -> Action:
@@ -272,7 +181,7 @@ def _apply_result(
 
 
 async def play_episode(
-    generate: Callable[[list[int], SamplingParams], Awaitable[Completion]],
+    client: BatchingEngine,
     tokenizer: Any,
     make_env: Callable[[], Env],
     task: Task,
@@ -282,43 +191,122 @@ async def play_episode(
     group_id: str | None = None,
     continue_message: str = CONTINUE_MESSAGE,
 ) -> Trajectory:
-    """Play one episode on its own, turn after turn, and return its Trajectory.
+    """Play one episode, turn after turn, at its own pace, and return its Trajectory.
 
-    The asynchronous counterpart of `run_episodes`, with the same promises for one task (token
-    layout, limits, forced end-of-turn, rewards, errors): `run_episodes` holds a batch in
-    lock-step, this coroutine lets every episode move at its own pace, which is what continuous
-    task batching needs. `generate(prompt_ids, params)` is awaited for each model turn (a
-    batching engine client gathers concurrent requests into one decode). The environment's
-    `step` runs in a worker thread, so a slow tool blocks only its own episode; an environment
-    that defines a coroutine `astep(action)` is awaited directly instead.
+    This is tiderl's one episode runner: training (every backend), evaluation, demonstrations
+    and value pretraining all play episodes through it. Each model turn awaits
+    `client.generate` (the client batches concurrent episodes into one decode); each
+    environment call runs in a worker thread, so a slow tool blocks only its own episode (an
+    environment that defines a coroutine `astep(action)` is awaited directly instead).
+
+    Per episode: `env = make_env()`, the first user message from `env.reset(task)`, the system
+    message from `env.system_prompt()`, the tools from `env.tool_schemas()`; the prompt is the
+    tokenizer's chat template rendering of them. Each turn the engine samples a completion
+    (loss_mask 1, its log-probs and per-token versions kept as they are). The turn text (the kept
+    sampled ids decoded; `Completion.text` is not used, so a cut turn reads as what was kept) is
+    parsed into an Action (`parse_hermes_tool_calls`) and given to `env.step`; its observations
+    are appended as tool messages rendered by the template (loss_mask 0). An environment that
+    returns no observation for a non-final turn gets `continue_message` as a user turn instead.
+
+    Promises:
+    - every turn ends with the end-of-turn token: when a completion stops without it (hit its
+      token limit, or a stop string), the token is appended as a *forced* token (loss_mask 0,
+      log-prob 0.0, version NO_VERSION), so the sequence stays a well-formed conversation and
+      the trainer never learns to emit a token the policy did not sample;
+    - `len(tokens) <= max_total_tokens` always: each turn may sample at most
+      min(params.max_new_tokens, budget left - 1) tokens (one is kept for a forced
+      end-of-turn), and an observation that would not leave room for another turn is not
+      appended: the episode stops there with stop_reason "max_tokens";
+    - at most `max_turns` model turns, then stop_reason "max_turns"; on either limit
+      `env.finish(reason)` scores the episode;
+    - an answer (`done`) ends with stop_reason "answer"; reward = the final reward plus any
+      shaping rewards of earlier (non-final) steps; reward_parts = the final info's
+      "reward_parts", or {"outcome": final reward} without it, plus "shaping" when there was
+      any; env_info = the final info plus "turns" (the same on a limit, from `env.finish`);
+    - an exception in `make_env` or any environment method ends only that episode:
+      stop_reason "error", reward 0, env_info["error"] = repr(exception) (and "error_in"),
+      logged as a warning; its tokens so far are kept. Engine and template errors propagate;
+    - a prompt that leaves no room for a turn (fewer than 2 tokens of budget) ends the episode
+      at once through `env.finish("max_tokens")`: stop_reason "max_tokens", no tokens at all,
+      env_info["prompt_tokens"] = the prompt's length;
+    - group_id = `group_id` or task.task_id.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: an episode needs at least one model turn; use max_turns >= 1")
     if max_total_tokens < 2:
         raise ValueError(f"max_total_tokens={max_total_tokens} leaves no room for a turn; use a larger budget")
     episode = _Episode(task=task, group_id=group_id or task.task_id)
-    _start(episode, tokenizer, make_env, max_total_tokens)
-    while episode.trajectory is None:
-        assert episode.fmt is not None and episode.env is not None
-        limit = min(params.max_new_tokens, max_total_tokens - len(episode.tokens) - 1)
-        call_params = dataclasses.replace(
-            params,
-            max_new_tokens=limit,
-            stop_token_ids=_with_end_of_turn(params.stop_token_ids, [episode.fmt.end_of_turn_id]),
-        )
-        completion = await generate(list(episode.tokens), call_params)
-        action = _append_turn(episode, completion, limit, tokenizer)
-        try:
-            astep = getattr(episode.env, "astep", None)
-            if astep is not None:
-                result = await astep(action)
-            else:
-                result = await asyncio.to_thread(episode.env.step, action)
-        except Exception as exc:  # noqa: BLE001 - one environment's failure ends only its episode
-            episode.fail(exc, "env.step")
-            break
-        _apply_result(episode, result, max_turns, max_total_tokens, continue_message)
+    with client.episode():
+        with client.in_env():
+            await asyncio.to_thread(_start, episode, tokenizer, make_env, max_total_tokens)
+        while episode.trajectory is None:
+            assert episode.fmt is not None and episode.env is not None
+            limit = min(params.max_new_tokens, max_total_tokens - len(episode.tokens) - 1)
+            call_params = dataclasses.replace(
+                params,
+                max_new_tokens=limit,
+                stop_token_ids=_with_end_of_turn(params.stop_token_ids, [episode.fmt.end_of_turn_id]),
+            )
+            completion = await client.generate(list(episode.tokens), call_params)
+            action = _append_turn(episode, completion, limit, tokenizer)
+            with client.in_env():
+                try:
+                    astep = getattr(episode.env, "astep", None)
+                    if astep is not None:
+                        result = await astep(action)
+                    else:
+                        result = await asyncio.to_thread(episode.env.step, action)
+                except Exception as exc:  # noqa: BLE001 - one environment's failure ends only its episode
+                    episode.fail(exc, "env.step")
+                    break
+                _apply_result(episode, result, max_turns, max_total_tokens, continue_message)
+    assert episode.trajectory is not None
     return episode.trajectory
+
+
+def play_episodes(
+    engine: Engine,
+    tokenizer: Any,
+    make_env: Callable[[], Env],
+    tasks: list[Task],
+    params: SamplingParams,
+    max_turns: int,
+    max_total_tokens: int,
+    group_ids: list[str] | None = None,
+    max_batch_size: int = 64,
+    continue_message: str = CONTINUE_MESSAGE,
+) -> list[Trajectory]:
+    """Play one episode per task concurrently (`play_episode`) on `engine`; blocking.
+
+    Returns the trajectories in the order of `tasks`; `group_ids[i]` (default: the task id)
+    becomes trajectory i's group_id. Runs its own event loop; called from inside a running one
+    (a training observer, say) it blocks that loop until its episodes are done.
+    """
+    if group_ids is not None and len(group_ids) != len(tasks):
+        raise ValueError(f"{len(group_ids)} group ids for {len(tasks)} tasks: give one per task")
+
+    async def main() -> list[Trajectory]:
+        loop = asyncio.get_running_loop()
+        # One thread per episode for environment calls, so no episode waits for a free thread.
+        loop.set_default_executor(ThreadPoolExecutor(max(4, min(len(tasks), 256)), thread_name_prefix="tiderl-env"))
+        client = BatchingEngine(engine, max_batch_size)
+        client.start()
+        try:
+            return list(await asyncio.gather(*(
+                play_episode(client, tokenizer, make_env, task, params, max_turns, max_total_tokens,
+                             group_id=group_ids[i] if group_ids else None, continue_message=continue_message)
+                for i, task in enumerate(tasks))))
+        finally:
+            await client.close()
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    # Called from inside an event loop (e.g. a training observer): run on a helper thread with its
+    # own loop; the caller's loop waits until the episodes are done.
+    with ThreadPoolExecutor(1, thread_name_prefix="tiderl-episodes") as pool:
+        return pool.submit(asyncio.run, main()).result()
 
 
 def _with_end_of_turn(stop_token_ids: list[int], end_ids: list[int]) -> list[int]:

@@ -1,4 +1,5 @@
-"""Advantage estimation for SAO (and any critic-based algorithm) as pure tensor functions.
+"""Advantage estimators as pure tensor functions: skip-observation GAE (SAO), group baselines
+(GRPO, Dr.GRPO, RLOO) and REINFORCE++.
 
 Every batch tensor is right-padded `[B, T]` and aligned with `Trajectory.tokens`: position `t`
 holds token `t`. `action_mask[b, t]` is 1.0 where the policy sampled token `t` (the trajectory's
@@ -6,23 +7,58 @@ holds token `t`. `action_mask[b, t]` is 1.0 where the policy sampled token `t` (
 `values[b, t]` is the critic's estimate V_t of the state in which action token `t` was sampled
 (the trainer aligns it; these functions only read it at action positions).
 
-Source: SAO, "Single-rollout Asynchronous Optimization" (arXiv 2607.07508), components 3 and 4
+The estimators the config names (`algo.advantage`, `tiderl.algos.registry`) all have one
+signature, `fn(AdvantageInputs, AlgoConfig) -> advantages [B, T]`; they are thin wrappers at the
+end of this module over the functions with explicit arguments above them.
+
+Sources: SAO, "Single-rollout Asynchronous Optimization" (arXiv 2607.07508), components 3 and 4
 as summarised in `shared/papers.md`: skip-observation token-level GAE, outcome reward on the
-last model-generated token, decoupled lambda for the policy, gamma = 1.
+last model-generated token, decoupled lambda for the policy, gamma = 1. GRPO, Shao et al. 2024
+(DeepSeekMath, arXiv 2402.03300); Dr.GRPO, Liu et al. 2025 (arXiv 2503.20783); RLOO, Ahmadian
+et al. 2024 (arXiv 2402.14740); REINFORCE++, Hu 2025 (arXiv 2501.03262).
+
+Group statistics over group g with n_g members (population mean, Bessel-corrected std):
+
+    mean_g = (1 / n_g) sum_{j in g} r_j
+    std_g  = sqrt( sum_{j in g} (r_j - mean_g)^2 / (n_g - 1) ),   std_g = 0 when n_g = 1
+
+A group of one (or a group whose rewards are all equal) has no relative signal: every group
+estimator gives it advantage 0, which is exactly what its formula says for n_g = 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from tiderl.config import AlgoConfig
+
 __all__ = [
-    "outcome_token_rewards",
+    "AdvantageInputs",
+    "broadcast_to_tokens",
     "decoupled_policy_lambda",
-    "skip_observation_gae",
+    "discounted_returns",
+    "dr_grpo_advantages",
+    "dr_grpo_token_advantages",
+    "explained_variance",
+    "gae_advantages",
+    "group_index_of",
+    "group_stats",
+    "grpo_advantages",
+    "grpo_token_advantages",
     "masked_mean",
     "masked_var",
     "masked_whiten",
-    "explained_variance",
+    "outcome_token_rewards",
+    "reinforce_pp_advantages",
+    "reinforce_pp_token_advantages",
+    "rloo_advantages",
+    "rloo_token_advantages",
+    "skip_observation_gae",
 ]
 
 
@@ -206,3 +242,169 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_returns <= 1e-12:
         return 0.0
     return 1.0 - masked_var(r - v, mask).item() / var_returns
+
+
+# --------------------------------------------------------------------------------------------
+# Group baselines and REINFORCE++: one scalar reward per trajectory, rollouts of one prompt
+# grouped by `group_index[B]` (long, 0..G-1; `group_index_of` turns Trajectory.group_id into it).
+
+
+def group_index_of(group_ids: Sequence[Hashable]) -> torch.Tensor:
+    """Dense group indices in order of first appearance: ["b", "a", "b"] -> [0, 1, 0]."""
+    seen: dict[Hashable, int] = {}
+    return torch.tensor([seen.setdefault(g, len(seen)) for g in group_ids], dtype=torch.long)
+
+
+def _check(rewards: torch.Tensor, group_index: torch.Tensor) -> None:
+    if rewards.dim() != 1 or group_index.shape != rewards.shape:
+        raise ValueError(f"rewards and group_index must both be [B]; got {tuple(rewards.shape)} "
+                         f"and {tuple(group_index.shape)}")
+
+
+def group_stats(rewards: torch.Tensor, group_index: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per trajectory: (mean_g, std_g, n_g) of its group, as defined in the module docstring.
+
+    Computed in float64 so that a group of equal rewards has std exactly 0.
+    """
+    _check(rewards, group_index)
+    r = rewards.detach().double()
+    n_groups = int(group_index.max().item()) + 1 if rewards.numel() else 0
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add(
+        0, group_index, torch.ones_like(r))
+    total = torch.zeros_like(count).index_add(0, group_index, r)
+    mean = total / count.clamp(min=1)
+    centred = r - mean[group_index]
+    sq = torch.zeros_like(count).index_add(0, group_index, centred * centred)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
+    return mean[group_index], std[group_index], count[group_index]
+
+
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
+                    ) -> torch.Tensor:
+    """GRPO (outcome supervision): A_i = (r_i - mean_g) / (std_g + eps).
+
+    eps keeps a zero-variance group finite (its numerators are all 0, so its advantages are 0).
+    Returns float32 [B].
+    """
+    mean, std, _ = group_stats(rewards, group_index)
+    return ((rewards.double() - mean) / (std + eps)).float()
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO: A_i = r_i - mean_g (no division by the group std, which biases towards groups
+    that are nearly all right or all wrong). Returns float32 [B]."""
+    mean, _, _ = group_stats(rewards, group_index)
+    return (rewards.double() - mean).float()
+
+
+def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """RLOO: A_i = r_i - (1 / (n_g - 1)) sum_{j in g, j != i} r_j = n_g / (n_g - 1) (r_i - mean_g).
+
+    The baseline of each sample is the mean of the OTHER samples of its group, so it is
+    independent of the sample itself (unbiased). n_g = 1 has no other sample: A_i = 0.
+    Returns float32 [B].
+    """
+    mean, _, count = group_stats(rewards, group_index)
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
+    return (scale * (rewards.double() - mean)).float()
+
+
+def broadcast_to_tokens(seq_advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """A[b, t] = seq_advantages[b] on action tokens, 0 elsewhere (float32 [B, T])."""
+    if seq_advantages.shape != (action_mask.shape[0],):
+        raise ValueError(f"seq_advantages must be [B] = ({action_mask.shape[0]},); got "
+                         f"{tuple(seq_advantages.shape)}")
+    adv = seq_advantages.float().unsqueeze(1).expand(action_mask.shape)
+    return torch.where(action_mask > 0, adv, torch.zeros_like(adv))
+
+
+def discounted_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float
+                       ) -> torch.Tensor:
+    """G_i = r_i + gamma * G_j over action tokens (j = the next action token of the row, G = 0
+    past the last one); observation and padding tokens are skipped and get 0.
+
+    This is skip-observation GAE with V = 0 and lambda = 1, so it is computed by that function.
+    """
+    zeros = torch.zeros_like(token_rewards)
+    returns, _ = skip_observation_gae(token_rewards, zeros, action_mask, gamma, 1.0)
+    return returns
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor,
+                            gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++: returns G (see `discounted_returns`), whitened over the whole batch's action
+    tokens: A = (G - mu) / sqrt(var + 1e-8), mu and var (population) over all action tokens.
+
+    Token rewards usually hold the outcome reward on the last action token and, with
+    `algo.kl_in_reward`, minus kl_coef * KL_t on every action token (`kl_reward_penalty`).
+    Pass the WHOLE optimizer batch: the whitening statistics are global, not per micro-batch.
+    """
+    return masked_whiten(discounted_returns(token_rewards, action_mask, gamma), action_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# The estimators `algo.advantage` names (tiderl.algos.registry), with one signature.
+
+
+@dataclass
+class AdvantageInputs:
+    """What an advantage estimator may read, for the WHOLE optimizer batch (N trajectories).
+
+    rewards: [N] sequence rewards (shaped), minus kl_coef times the trajectory's summed KL
+        penalty when `algo.kl_in_reward` is on.
+    token_rewards: [N, T] the shaped reward on each trajectory's last action token, minus
+        kl_coef * KL_t on every action token when `algo.kl_in_reward` is on.
+    action_mask: [N, T], 1 on sampled tokens.
+    num_action_tokens: [N] action tokens per trajectory (action_mask.sum(1)).
+    group_index: [N] long group of each trajectory (`group_index_of`), or None when the
+        algorithm does not group rollouts (`registry.uses_groups`).
+    values: [N, T] critic values before (or after, `algo.advantage_values`) this step's critic
+        update, or None without a critic (`registry.needs_critic`).
+    """
+
+    rewards: torch.Tensor
+    token_rewards: torch.Tensor
+    action_mask: torch.Tensor
+    num_action_tokens: torch.Tensor
+    group_index: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+def _groups(inp: AdvantageInputs) -> torch.Tensor:
+    if inp.group_index is None:
+        raise ValueError("this advantage estimator compares rollouts of one prompt and needs "
+                         "AdvantageInputs.group_index (set needs_groups on it in the registry)")
+    return inp.group_index
+
+
+def gae_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> torch.Tensor:
+    """Skip-observation GAE with the critic's values; lambda = SAO's per-trajectory
+    `decoupled_policy_lambda` if `cfg.decoupled_lambda`, else `cfg.policy_lambda`."""
+    if inp.values is None:
+        raise ValueError("gae needs critic values (AdvantageInputs.values)")
+    lam: float | torch.Tensor = (
+        decoupled_policy_lambda(inp.num_action_tokens, cfg.lambda_alpha)
+        if cfg.decoupled_lambda else cfg.policy_lambda)
+    return skip_observation_gae(inp.token_rewards, inp.values, inp.action_mask, cfg.gamma, lam)[0]
+
+
+def grpo_token_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> torch.Tensor:
+    """`grpo_advantages` (std epsilon `cfg.adv_eps`) on every action token."""
+    return broadcast_to_tokens(grpo_advantages(inp.rewards, _groups(inp), cfg.adv_eps),
+                               inp.action_mask)
+
+
+def dr_grpo_token_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> torch.Tensor:
+    """`dr_grpo_advantages` on every action token."""
+    return broadcast_to_tokens(dr_grpo_advantages(inp.rewards, _groups(inp)), inp.action_mask)
+
+
+def rloo_token_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> torch.Tensor:
+    """`rloo_advantages` on every action token."""
+    return broadcast_to_tokens(rloo_advantages(inp.rewards, _groups(inp)), inp.action_mask)
+
+
+def reinforce_pp_token_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> torch.Tensor:
+    """`reinforce_pp_advantages` of the token rewards with discount `cfg.gamma`."""
+    return reinforce_pp_advantages(inp.token_rewards, inp.action_mask, cfg.gamma)

@@ -1,12 +1,10 @@
 """Algorithm presets: what `algo.name` means, as defaults for the algorithm options.
 
-`preset_defaults(name)` returns a value for EVERY key in `algorithm_keys()`, so switching from one
-preset to another resets all of them and leaves nothing of the previous algorithm behind. It
-never returns a trainer option (learning rates, critic initialisation and freezing, or anything
-outside `algo.`): a preset changes what is optimised, not how the optimiser runs.
-
-Applying a preset (the config loader does this): the preset's values are defaults, the keys the
-user wrote win, i.e. `with_preset(user_algo) = {**preset_defaults(user_algo["name"]), **user_algo}`.
+Each preset lists only what differs from SAO (the AlgoConfig defaults). The config loader applies
+them (`tiderl.config.preset_defaults` / `with_preset`): a preset gives a value to EVERY algorithm
+option, so switching from one preset to another leaves nothing of the previous algorithm behind;
+it never sets a trainer option (TRAINER_KEYS: learning rates, critic initialisation and freezing):
+a preset changes what is optimised, not how the optimiser runs. The keys a user writes win.
 
 Values come from each algorithm's paper where we know them (docs/algorithms.md gives the sources)
 and are marked "ours" there where the paper is silent or its value does not fit (e.g. group
@@ -15,25 +13,16 @@ sizes are chosen to divide the default 32-trajectory batch).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-# No module-level import of tiderl.config: config.py may import this module (to apply presets)
-# without a cycle, and neither imports torch.
+# Plain tables: the config loader imports them, so nothing here imports tiderl.config or torch.
 
-__all__ = ["PRESETS", "TRAINER_KEYS", "algorithm_keys", "preset_defaults", "with_preset"]
+__all__ = ["PRESETS", "TRAINER_KEYS"]
 
 # AlgoConfig fields that are trainer options: presets never touch them.
 TRAINER_KEYS = ("actor_lr", "critic_lr", "value_init", "freeze_critic_attention",
                 "critic_freeze_pattern")
 
-
-def algorithm_keys() -> tuple[str, ...]:
-    """The AlgoConfig fields a preset sets: all of them but `name` and TRAINER_KEYS."""
-    from tiderl.config import AlgoConfig
-
-    return tuple(f.name for f in dataclasses.fields(AlgoConfig)
-                 if f.name not in TRAINER_KEYS and f.name != "name")
 
 _CRITIC_FREE = {"critic_warmup_steps": 0}  # no critic to warm up: train the actor from step 0
 
@@ -81,29 +70,3 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": {**_CRITIC_FREE, "advantage": "grpo", "group_size": 8, "policy_loss": "cispo",
               "eps_low": 1.0, "eps_high": 2.0, "loss_agg": "token-mean"},
 }
-
-
-def preset_defaults(name: str) -> dict[str, Any]:
-    """Every algorithm option's value under preset `name` (plus "name" itself).
-
-    = the AlgoConfig defaults (which are SAO's) for all of algorithm_keys(), overridden by the
-    preset's own entries in PRESETS.
-    """
-    from tiderl.config import AlgoConfig
-
-    if name not in PRESETS:
-        raise ValueError(f"unknown algorithm preset {name!r}; use one of {', '.join(PRESETS)}")
-    base = AlgoConfig()
-    out: dict[str, Any] = {"name": name}
-    out.update({key: getattr(base, key) for key in algorithm_keys()})
-    out.update(PRESETS[name])
-    return out
-
-
-def with_preset(user_algo: dict[str, Any]) -> dict[str, Any]:
-    """The `algo:` mapping with the preset's defaults filled in; keys the user set win.
-
-    `user_algo` is the raw mapping from YAML and overrides (it may be empty: name = "sao").
-    """
-    name = user_algo.get("name", "sao")
-    return {**preset_defaults(name), **user_algo}

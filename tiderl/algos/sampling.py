@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tiderl.algos.group_advantages import group_stats
+from tiderl.algos.advantages import group_stats
 
 __all__ = ["informative_groups", "overlong_penalty"]
 

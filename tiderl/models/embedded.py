@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from tiderl.agent.loop import ScriptedEngine, run_episodes
+from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
-from tiderl.data import KGSetup, env_factory
 from tiderl.envs.kg.store import TripleStore
 from tiderl.envs.kg.tasks import tool_call_text
 from tiderl.envs.protocol import Env, Task
+from tiderl.envs.setup import Setup
 from tiderl.models.loading import save_model_dir
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
@@ -80,7 +80,7 @@ def embedded_model_dir(cfg: RunConfig) -> Path:
     return cache_root(cfg) / "models" / f"kg-tiny-{cfg.data.source}-{build_key(cfg)}"
 
 
-def ensure_embedded_model(cfg: RunConfig, setup: KGSetup, log=_log) -> Path:
+def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
     """Return the cached embedded model dir, building it first if it is missing."""
     path = embedded_model_dir(cfg)
     if (path / "tiderl_build.json").is_file():
@@ -153,7 +153,7 @@ def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]]) -> list[
     return texts
 
 
-def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=_log) -> dict:
+def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) -> dict:
     """Build tokenizer and model, warm-start them, save to `out_dir`. Returns a build report."""
     t_start = time.perf_counter()
     ws, tiny = cfg.model.warmstart, cfg.model.tiny
@@ -162,7 +162,7 @@ def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=_log
     table = confusion_table(setup.store, relations, ws.relation_noise, cfg.seed)
     tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
     scripts = [oracle_script(t, table, rng) for t in tasks]
-    env = env_factory(cfg.env, setup)()
+    env = setup.make_env()
 
     tokenizer = train_tokenizer(corpus_texts(env, tasks, scripts), vocab_size=tiny.vocab_size)
     config = tiny_qwen2_config(len(tokenizer), hidden_size=tiny.hidden_size,
@@ -195,7 +195,7 @@ def build_embedded_model(cfg: RunConfig, setup: KGSetup, out_dir: Path, log=_log
     }
 
 
-def scripted_traces(tokenizer, setup: KGSetup, tasks: list[Task], scripts: list[list[str]],
+def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[list[str]],
                     cfg: RunConfig) -> list[Trajectory]:
     """Play the scripts through the agent loop, so demonstrations have the RL token layout.
 
@@ -215,9 +215,9 @@ def scripted_traces(tokenizer, setup: KGSetup, tasks: list[Task], scripts: list[
     traces: list[Trajectory] = []
     for chunk in chunks:
         engine = ScriptedEngine(tokenizer, {tasks[i].prompt: scripts[i] for i in chunk})
-        traces += run_episodes(engine, tokenizer, env_factory(cfg.env, setup),
-                               [tasks[i] for i in chunk], params, max_turns=cfg.env.max_turns,
-                               max_total_tokens=cfg.env.max_total_tokens)
+        traces += play_episodes(engine, tokenizer, setup.make_env, [tasks[i] for i in chunk], params,
+                                max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+                                max_batch_size=len(chunk))
     return traces
 
 

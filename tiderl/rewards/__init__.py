@@ -2,7 +2,7 @@
 
 from tiderl.rewards.curiosity import (
     CuriosityShaper,
-    CuriositySettings,
+    CuriosityConfig,
     anneal_weight,
     batch_metrics,
     curiosity_bonus,
@@ -10,7 +10,7 @@ from tiderl.rewards.curiosity import (
 
 __all__ = [
     "CuriosityShaper",
-    "CuriositySettings",
+    "CuriosityConfig",
     "anneal_weight",
     "batch_metrics",
     "curiosity_bonus",

@@ -60,8 +60,8 @@ STATE_VERSION = 1
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A field with its documentation, shaped like tiderl.config's fields so the lead can mirror
-    the settings into the config tree by copying them."""
+    """A field with its documentation, declared like tiderl.config's fields: this class IS the
+    config's `curiosity:` section (config.py imports it; this module cannot import config.py)."""
     meta = {"help": help, "choices": choices}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -69,8 +69,9 @@ def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any
 
 
 @dataclass
-class CuriositySettings:
-    """Settings of the curiosity bonus; `docs/curiosity.md` states the formula in full."""
+class CuriosityConfig:
+    """The `curiosity:` config section; `docs/curiosity.md` states the formula in full. Values are
+    checked on construction (ValueError naming `curiosity.<field>` and the fix)."""
 
     enabled: bool = _opt(
         False,
@@ -164,7 +165,7 @@ def unit_kind(unit: str) -> str:
     return kind if sep else ""
 
 
-def unit_weight(unit: str, settings: CuriositySettings) -> float:
+def unit_weight(unit: str, settings: CuriosityConfig) -> float:
     """kind_weights[kind(unit)], or default_kind_weight for a kind not listed."""
     return settings.kind_weights.get(unit_kind(unit), settings.default_kind_weight)
 
@@ -183,7 +184,7 @@ def unit_novelty(n_seen: int, scope: str) -> float:
     raise ValueError(f"unknown curiosity scope {scope!r}; use one of {SCOPES}")
 
 
-def anneal_weight(settings: CuriositySettings, step: int) -> float:
+def anneal_weight(settings: CuriosityConfig, step: int) -> float:
     """weight(t), with p = min(max(t, 0) / anneal_steps, 1), w0 = weight, w1 = final_weight:
 
     constant: w0;  linear: w0 + (w1 - w0) * p;  cosine: w1 + (w0 - w1) * (1 + cos(pi p)) / 2.
@@ -200,7 +201,7 @@ def anneal_weight(settings: CuriositySettings, step: int) -> float:
     return w1 + (w0 - w1) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def gate_limit(success: bool, base_reward: float, settings: CuriositySettings) -> float:
+def gate_limit(success: bool, base_reward: float, settings: CuriosityConfig) -> float:
     """The most bonus an episode may receive: inf for a successful episode (0 when
     pay_on_success is false), gate_fraction * max(0, success_reward - r) for a failed one."""
     if success:
@@ -227,7 +228,7 @@ def curiosity_bonus(
     success: bool,
     step: int,
     counts: Mapping[str, int],
-    settings: CuriositySettings,
+    settings: CuriosityConfig,
     base_reward: float = 0.0,
 ) -> tuple[float, dict[str, float]]:
     """The bonus of one episode and its details; pure (reads `counts`, changes nothing).
@@ -310,8 +311,8 @@ class CuriosityShaper:
     episodes shaped before it, and a unit is "novel" in exactly one episode.
     """
 
-    def __init__(self, settings: CuriositySettings | None = None) -> None:
-        self.settings = settings or CuriositySettings()
+    def __init__(self, settings: CuriosityConfig | None = None) -> None:
+        self.settings = settings or CuriosityConfig()
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._episodes = 0

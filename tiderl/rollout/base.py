@@ -57,3 +57,18 @@ class Engine(Protocol):
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Load new policy weights; subsequent tokens carry `version`."""
         ...
+
+    def state_checksum(self) -> float:
+        """`tiderl.rollout.weights.weights_checksum` of the weights it samples with: the trainer
+        compares it with the checksum of what it sent after every sync."""
+        ...
+
+
+def sampling_params(rollout: Any, eos_id: int, greedy: bool) -> SamplingParams:
+    """The sampling of a `RolloutConfig` (or greedy decoding), stopping at the end-of-turn token."""
+    return SamplingParams(
+        temperature=0.0 if greedy else rollout.temperature,
+        top_p=1.0 if greedy else rollout.top_p,
+        max_new_tokens=rollout.max_new_tokens,
+        stop_token_ids=[eos_id],
+    )

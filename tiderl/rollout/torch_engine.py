@@ -20,26 +20,14 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from tiderl.rollout.base import Completion, SamplingParams
-
-
-def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
-    """A cheap fingerprint of a set of weights: sum over tensors of sum(x) + sum(x**2) in float64.
-
-    Keys are visited in sorted order so the float sum is reproducible. Trainer and engine can
-    each compute it on their side to check a weight sync; the squares make a sign flip visible.
-    """
-    total = 0.0
-    for name in sorted(state_dict):
-        values = state_dict[name].detach().to(torch.float64)
-        total += float(values.sum()) + float(values.square().sum())
-    return total
+from tiderl.rollout.weights import weights_checksum
 
 
 class TorchEngine:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from tiderl.system.aio import cancel_and_wait
+from tiderl.aio import cancel_and_wait
 from tiderl.types import Trajectory
 
 # A preparation annotates a list of trajectories in place (e.g. puts per-token critic values in

@@ -109,3 +109,11 @@ def with_latency(make_env: Callable[[], Env], kind: str, mean_s: float, spread: 
         return LatencyEnv(make_env(), lambda: draw_latency(kind, mean_s, spread, max_s, rng))
 
     return make
+
+
+def training_env_factory(cfg: Any, make_env: Callable[[], Env], seed: int | None = None) -> Callable[[], Env]:
+    """`make_env` with the simulated tool latency `cfg.env` configures (training episodes only),
+    drawn from a generator seeded by `seed` (default `cfg.seed`)."""
+    e = cfg.env
+    return with_latency(make_env, e.tool_latency, e.tool_latency_s, e.tool_latency_spread,
+                        e.tool_latency_max_s, seed=cfg.seed if seed is None else seed)

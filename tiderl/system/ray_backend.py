@@ -13,14 +13,15 @@ live workers), and a fresh actor is started in the background with the latest we
 version; it joins the pool only after its weight checksum matches the trainer's. Every wait on a
 Ray reference is bounded by `system.wait_timeout_s`.
 
-`train_ray(run, steps)` is what `tiderl.loop` calls for `system.backend=ray`. See docs/ray.md.
+`RayRollout.from_run(run, preparations)` is how the recipe builds it for `system.backend=ray`
+(with `system.ray_remote_critic`, the critic-values preparation becomes a `RemoteCritic` actor).
+See docs/ray.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import itertools
 import logging
 import os
@@ -42,17 +43,19 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from tiderl.agent.loop import play_episode
 from tiderl.config import RunConfig
-from tiderl.data import KGSetup, env_factory
 from tiderl.envs.protocol import Task
-from tiderl.evaluate import sampling_params
-from tiderl.rollout.torch_engine import TorchEngine, weights_checksum
-from tiderl.system.engine_client import BatchingEngine
-from tiderl.system.local import (CriticSnapshot, default_preparations, scheduler_settings, train_async,
-                                 training_env_factory)
+from tiderl.envs.setup import Setup
+from tiderl.rollout import make_engine
+from tiderl.rollout.base import sampling_params
+from tiderl.rollout.client import BatchingEngine
+from tiderl.rollout.weights import weights_checksum
+from tiderl.system.latency import training_env_factory
+from tiderl.system.scheduler import SchedulerSettings
+from tiderl.train.annotate import CriticSnapshot
 from tiderl.types import Trajectory
 
 if TYPE_CHECKING:
-    from tiderl.loop import Run
+    from tiderl.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ class WorkerBundle:
     model: torch.nn.Module  # the policy with the weights of `version`, on the CPU
     version: int
     tokenizer: Any
-    setup: KGSetup
+    setup: Setup  # its make_env builds environments in the worker (backends are not shipped)
 
 
 class RolloutWorker:
@@ -158,19 +161,18 @@ class RolloutWorker:
         self.serial = serial
         seed = worker_seed(cfg.seed, serial)
         torch.manual_seed(seed)
-        self.engine = TorchEngine(bundle.model, bundle.tokenizer, device=cfg.model.device, seed=seed,
-                                  max_batch_size=cfg.rollout.engine_batch_size)
+        self.engine = make_engine(cfg, bundle.model, bundle.tokenizer, seed=seed)
         # The bundle's model already holds the weights of `bundle.version`.
         self.engine.version = bundle.version
         if state is not None:
             self.engine.update_weights(state, bundle.version if version is None else version)
         self.tokenizer = bundle.tokenizer
-        self.make_env = training_env_factory(dataclasses.replace(cfg, seed=seed),
-                                             env_factory(cfg.env, bundle.setup))
+        self.make_env = training_env_factory(cfg, bundle.setup.make_env, seed=seed)
         self.params = sampling_params(cfg.rollout, bundle.tokenizer.eos_token_id, greedy=False)
         self.max_turns = cfg.env.max_turns
         self.max_total_tokens = cfg.env.max_total_tokens
         self.max_concurrency = max_concurrency
+        self.max_batch_size = cfg.rollout.engine_batch_size
         self._client: BatchingEngine | None = None
         self.episodes = 0
         self.cancelled = 0
@@ -183,7 +185,7 @@ class RolloutWorker:
             loop = asyncio.get_running_loop()
             # Environments without `astep` step on the default executor: a thread per episode.
             loop.set_default_executor(ThreadPoolExecutor(self.max_concurrency + 4, thread_name_prefix="tiderl-env"))
-            self._client = BatchingEngine(self.engine, self.engine.max_batch_size)
+            self._client = BatchingEngine(self.engine, self.max_batch_size)
             self._client.start()
         return self._client
 
@@ -191,7 +193,7 @@ class RolloutWorker:
         """Play one episode (`play_episode`) with this worker's engine and environments."""
         client = self._ensure_client()
         try:
-            trajectory = await play_episode(client.generate, self.tokenizer, self.make_env, task, self.params,
+            trajectory = await play_episode(client, self.tokenizer, self.make_env, task, self.params,
                                             self.max_turns, self.max_total_tokens, group_id=group_id)
         except asyncio.CancelledError:  # the driver cancelled it (restart mode, shutdown, timeout)
             self.cancelled += 1
@@ -277,7 +279,7 @@ class RayRollout:
     trainer's critic at every weight update (the trainer is idle then).
     """
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, setup: KGSetup,
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, setup: Setup,
                  start_version: int = 0, *, workers: int | None = None,
                  worker_options: dict[str, Any] | None = None, critic: "RemoteCritic | None" = None,
                  worker_cls: type = RolloutWorker):
@@ -286,10 +288,9 @@ class RayRollout:
         if self.num_workers < 1:
             raise ValueError(f"system.ray_workers={self.num_workers}: the Ray backend needs at least one worker")
         self.timeout_s = cfg.system.wait_timeout_s
-        settings = scheduler_settings(cfg)
         # Every slot may land on one worker when the others are down; the extra calls are the
         # weight updates, checksums and pings that run beside the episodes.
-        self.max_concurrency = max(settings.initial_slots(), settings.max_slots) + 8
+        self.max_concurrency = SchedulerSettings.from_config(cfg).most_slots() + 8
         self.worker_options: dict[str, Any] = {"max_concurrency": self.max_concurrency}
         if cfg.model.device.startswith("cuda"):
             self.worker_options["num_gpus"] = 1
@@ -312,9 +313,16 @@ class RayRollout:
         self.worker_stats: list[dict[str, Any]] = []
 
     @classmethod
-    def from_run(cls, run: "Run", **options: Any) -> "RayRollout":
-        """A RayRollout for `run`: its config, current policy, tokenizer and tasks."""
-        return cls(run.cfg, run.actor.model, run.tokenizer, run.setup, run.step, **options)
+    def from_run(cls, run: "Run", preparations: list[Any] | None = None, **options: Any) -> "RayRollout":
+        """A RayRollout for `run`: its config, current policy, tokenizer and tasks. With
+        `system.ray_remote_critic`, the `CriticSnapshot` in `preparations` is replaced (in place)
+        by a `RemoteCritic`, so critic values are computed in an actor, not in the driver."""
+        critic = None
+        if run.cfg.system.ray_remote_critic and run.critic is not None and preparations is not None:
+            for i, p in enumerate(preparations):
+                if isinstance(p, CriticSnapshot):
+                    critic = preparations[i] = RemoteCritic.from_run(run)
+        return cls(run.cfg, run.actor.model, run.tokenizer, run.setup, run.step, critic=critic, **options)
 
     # ------------------------------------------------------------------ RolloutBackend
 
@@ -358,7 +366,7 @@ class RayRollout:
 
     async def close(self) -> None:
         """Stop replacing, stop each worker and collect its counters (`worker_stats`), kill the
-        actors."""
+        actors, and disconnect from Ray if `start()` connected."""
         self._closing = True
         for task in list(self._replacing):
             task.cancel()
@@ -372,6 +380,7 @@ class RayRollout:
         self._workers.clear()
         if self.critic is not None:
             self.critic.close()
+        self.shutdown()
 
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
         """Play `task` on the least-loaded live worker. Raises WorkerLost when that worker dies,
@@ -596,8 +605,8 @@ class RemoteCritic:
 
     `start()` creates the actor with the trainer critic's current weights; `refresh_async()`
     (awaited by `RayRollout.update_weights`, i.e. right after each trainer step) ships the
-    trainer critic's new weights and checks them by checksum. `refresh(critic)` is the same,
-    blocking, with the signature of `CriticSnapshot.refresh`.
+    trainer critic's new weights and checks them by checksum. (It has no blocking `refresh`: the
+    Ray backend refreshes it while the trainer is idle, not the trainer itself.)
     """
 
     def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
@@ -650,47 +659,7 @@ class RemoteCritic:
         held = await _await_ref(self._handle.load.remote(ref), self.timeout_s, "critic weight refresh")
         self._check(held, sent)
 
-    def refresh(self, critic: torch.nn.Module) -> None:
-        ref, sent = self._ship(critic)
-        self._check(ray.get(self._handle.load.remote(ref), timeout=self.timeout_s), sent)
-
     def close(self) -> None:
         if self._handle is not None:
             _kill(self._handle)
             self._handle = None
-
-
-# ---------------------------------------------------------------------------------- the run
-
-
-def train_ray(run: "Run", steps: int, *, workers: int | None = None, worker_options: dict[str, Any] | None = None,
-              remote_critic: bool | None = None) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Train `steps` optimizer steps with rollout workers on Ray; returns (history, summary).
-
-    The summary is `train_async`'s plus `worker_restarts` and `ray` (`RayRollout.report()`).
-    `remote_critic` (default: `system.ray_remote_critic` when the config has it, else False)
-    computes critic values in a `RemoteCritic` actor instead of the driver's prep thread (for
-    algorithms with a critic; the other preparations, e.g. reference log-probs, stay local).
-    Afterwards the driver's own engine (`run.engine`) is synced to the trained weights, so
-    evaluation after training samples what was trained. Ray is shut down only if this call
-    started (or connected) it.
-    """
-    if remote_critic is None:
-        remote_critic = bool(getattr(run.cfg.system, "ray_remote_critic", False))
-    critic, preparations = None, None
-    if remote_critic:
-        defaults, snapshot = default_preparations(run)
-        if snapshot is not None:  # the algorithm has a critic: its forward moves to an actor
-            critic = RemoteCritic.from_run(run)
-            preparations = [critic if p is snapshot else p for p in defaults]
-    rollout = RayRollout.from_run(run, workers=workers, worker_options=worker_options, critic=critic)
-    try:
-        history, summary = train_async(run, steps, rollout=rollout, preparations=preparations)
-    finally:
-        rollout.shutdown()
-    summary["worker_restarts"] = rollout.worker_restarts
-    summary["ray"] = rollout.report()
-    from tiderl.loop import sync_weights
-
-    sync_weights(run)
-    return history, summary

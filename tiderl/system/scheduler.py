@@ -64,6 +64,10 @@ class RolloutBackend(Protocol):
         """Load weights `version`; returns the checksum of what the workers now hold."""
         ...
 
+    def report(self) -> dict[str, Any]:
+        """The backend's part of the run summary (`system.json`)."""
+        ...
+
 
 class TrainerSide(Protocol):
     """The learning side, as the scheduler sees it."""
@@ -96,6 +100,20 @@ class SchedulerSettings:
 
     def initial_slots(self) -> int:
         return self.slots or (self.max_staleness + 1) * self.batch_size
+
+    def most_slots(self) -> int:
+        """The largest number of episodes that may ever run at once."""
+        return max(self.initial_slots(), self.max_slots)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "SchedulerSettings":
+        """The settings a RunConfig gives (`system.*`, the batch size, the algorithm's group size)."""
+        s = cfg.system
+        return cls(batch_size=cfg.rollout.batch_size, max_staleness=s.max_staleness,
+                   partial_rollout=s.partial_rollout, slots=s.slots, min_slots=s.min_slots,
+                   max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
+                   max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
+                   group_size=cfg.algo.group_size)
 
 
 @dataclass

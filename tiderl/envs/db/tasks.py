@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from tiderl.envs.db.backend import TableSpec
 from tiderl.envs.protocol import Task
+from tiderl.envs.setup import data_root
 
 DBBENCH_DIR = "agentbench_dbbench"
 SPLITS = ("dev", "standard")
@@ -39,18 +39,10 @@ ORDERED_TYPES: frozenset[str] = frozenset()
 _WRITE_TYPES = ("INSERT", "UPDATE", "DELETE")
 
 
-def default_data_root() -> Path:
-    """$TIDERL_DATA_DIR, else ../shared/data next to the repository (the same rule as
-    `tiderl.data.data_root` without a configured `data.data_dir`)."""
-    if os.environ.get("TIDERL_DATA_DIR"):
-        return Path(os.environ["TIDERL_DATA_DIR"])
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
-
-
 def dbbench_dir(data_dir: str | Path | None = None) -> Path:
     """The folder holding dev.jsonl / standard.jsonl: `data_dir/agentbench_dbbench`, or
-    `data_dir` itself when it holds the files directly; `default_data_root()` when None."""
-    root = Path(data_dir) if data_dir is not None else default_data_root()
+    `data_dir` itself when it holds the files directly; `tiderl.envs.setup.data_root()` when None."""
+    root = Path(data_dir) if data_dir is not None else data_root()
     if (root / DBBENCH_DIR).is_dir():
         return root / DBBENCH_DIR
     return root
@@ -102,7 +94,7 @@ def load_dbbench_tasks(data_dir: str | Path | None = None, split: str = "dev",
     """The tasks of one dbbench split, in file order.
 
     data_dir: the data root holding `agentbench_dbbench/` (or that folder itself); None means
-        `default_data_root()`.
+        `tiderl.envs.setup.data_root()`.
     types: keep only these answer types (e.g. {"INSERT", "UPDATE"}); None keeps all.
     limit: keep at most this many (after filtering).
     Raises FileNotFoundError naming the path and the fix when the split file is missing.

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from tiderl.envs.kg.agentbench import SPLITS, gold_turns, load_agentbench_kg_tasks
 from tiderl.envs.kg.env import KGEnv
-from tiderl.envs.kg.oracle import default_data_root, metaqa_ceiling, oracle_ceiling, synthetic_trace_env
+from tiderl.envs.kg.oracle import metaqa_ceiling, oracle_ceiling, synthetic_trace_env
 from tiderl.envs.kg.rdf import FREEBASE
+from tiderl.envs.setup import data_root
 from tiderl.envs.kg.sparql import sparql_backend
 from tiderl.envs.kg.store import load_metaqa_kb
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", default=None, help="agentbench: Freebase SPARQL endpoint URL")
     parser.add_argument("--show-failed", action="store_true", help="list the task ids the oracle fails")
     args = parser.parse_args(argv)
-    root = Path(args.data_dir) if args.data_dir else default_data_root()
+    root = data_root(args.data_dir or "")
 
     if args.dataset == "metaqa":
         store = load_metaqa_kb(root / "metaqa" / "kb.txt")

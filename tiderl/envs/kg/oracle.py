@@ -12,7 +12,6 @@ solves is the environment's ceiling: what a perfect policy could score through t
 
 from __future__ import annotations
 
-import os
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -24,13 +23,6 @@ from tiderl.envs.kg.rdf import FREEBASE, RdfSchema, parse_rdf, to_ntriples
 from tiderl.envs.kg.store import TripleStore
 from tiderl.envs.kg.tasks import load_metaqa_questions, oracle_turns
 from tiderl.envs.protocol import Action, StepResult, Task
-
-
-def default_data_root() -> Path:
-    """$TIDERL_DATA_DIR, else ../shared/data next to the repository (as `tiderl.data` does)."""
-    if os.environ.get("TIDERL_DATA_DIR"):
-        return Path(os.environ["TIDERL_DATA_DIR"])
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 
 def replay_turns(env: KGEnv, task: Task, turns: Sequence[str],

@@ -1,4 +1,4 @@
-"""asyncio helpers shared by the system's background loops."""
+"""asyncio helpers shared by background loops (engine client, buffer, scheduler)."""
 
 from __future__ import annotations
 

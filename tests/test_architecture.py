@@ -1,0 +1,122 @@
+"""Architecture rules that the code must keep (docs/architecture.md): no import cycle anywhere in
+tiderl/, nothing below the recipe imports it back, the recipe stays short, and every extension
+point is a table entry rather than an if-chain."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "tiderl"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the tiderl modules it imports anywhere (top level, in functions, or for type
+    checking): an import inside a function to dodge a cycle still counts as the cycle."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target.startswith("tiderl") and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules ([] when there is none)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = find_cycle(import_graph())
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_nothing_imports_the_recipe_and_it_is_short():
+    graph = import_graph()
+    importers = sorted(m for m, edges in graph.items() if "tiderl.recipe" in edges and m != "tiderl.cli")
+    assert importers == [], importers
+    assert len((ROOT / "recipe.py").read_text().splitlines()) < 150
+
+
+@pytest.mark.parametrize("layer, forbidden", [
+    ("tiderl.algos", ("tiderl.train", "tiderl.system", "tiderl.run", "tiderl.recipe", "tiderl.rollout")),
+    ("tiderl.envs", ("tiderl.train", "tiderl.system", "tiderl.run", "tiderl.recipe", "tiderl.rollout")),
+    ("tiderl.rollout", ("tiderl.train", "tiderl.system", "tiderl.run", "tiderl.recipe", "tiderl.agent")),
+    ("tiderl.system", ("tiderl.recipe",)),
+    ("tiderl.train", ("tiderl.system", "tiderl.run", "tiderl.recipe")),
+])
+def test_layers_import_only_downwards(layer, forbidden):
+    bad = sorted((m, e) for m, edges in import_graph().items() if m.startswith(layer)
+                 for e in edges if e.startswith(forbidden))
+    assert bad == [], bad
+
+
+def test_no_module_branches_on_the_algorithm_name():
+    """The trainer reads algorithm options, never `algo.name` (a preset's label)."""
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name":
+                value = node.left.value
+                if isinstance(value, ast.Attribute) and value.attr == "algo" or \
+                        isinstance(value, ast.Name) and value.id in ("algo", "a"):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == [], offenders
+
+
+def test_config_loading_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; import tiderl.config as c; c.load_config('configs/kg_sao_tiny.yaml'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
+    assert out.stdout.strip() == "False"

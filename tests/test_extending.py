@@ -1,0 +1,69 @@
+"""The one-file extension points: an environment, an advantage estimator and a policy loss that
+live outside tiderl, named in the config, trained through `tiderl train` with no edit inside
+tiderl (docs/extending.md walks through the same code)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiderl.cli import main
+from tiderl.envs.check import assert_environment, check_environment
+from tiderl.config import load_config
+from tiderl.models.loading import save_model_dir
+from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+
+import user_env  # tests/user_env.py: on sys.path when pytest runs (rootdir-relative import)
+
+
+@pytest.fixture(scope="module")
+def parity_model(tmp_path_factory):
+    """A tiny untrained model whose tokenizer knows the parity environment's texts."""
+    tokenizer = train_tokenizer(user_env.corpus(), vocab_size=300)
+    model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1,
+                                              num_heads=2, num_kv_heads=1, max_position_embeddings=512), seed=0)
+    return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("parity") / "model")
+
+
+def test_user_environment_passes_the_contract():
+    report = assert_environment("user_env:ParityEnv")
+    assert len(report.checks) >= 10
+
+
+def test_contract_check_reports_a_broken_environment():
+    class Broken(user_env.ParityEnv):
+        def step(self, action):
+            raise RuntimeError("boom")  # bad model output must become an observation, not a crash
+
+    user_env.Broken = Broken
+    try:
+        report = check_environment(load_config(None, ["env.name=user_env:Broken"]))
+    finally:
+        del user_env.Broken
+    assert not report.ok
+    assert any(name.startswith("step on") and not passed and "boom" in detail
+               for name, passed, detail in report.checks), report.text()
+
+
+def test_unknown_environment_is_a_config_error_naming_the_fix(capsys):
+    assert main(["train", "env.name=no such env"]) == 2
+    assert "env.name" in capsys.readouterr().err
+
+
+def test_user_environment_and_engine_train_through_tiderl_train(parity_model, tmp_path):
+    before, prompts_before = user_env.ParityEnv.steps_taken, user_env.CountingEngine.prompts
+    code = main(["train", "env.name=user_env:ParityEnv", "data.source=parity", f"model.path={parity_model}",
+                 "rollout.engine=user_env:CountingEngine",
+                 f"run_dir={tmp_path}", "algo.name=grpo", "algo.group_size=4", "rollout.batch_size=8",
+                 "train.steps=2", "env.max_turns=2", "env.max_total_tokens=200", "rollout.max_new_tokens=24",
+                 "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false"])
+    assert code == 0
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["policy_version"] == s["step"] for s in steps)
+    assert user_env.ParityEnv.steps_taken > before  # the episodes ran in the user's environment
+    assert user_env.CountingEngine.prompts >= 16 + prompts_before  # ... on the user's engine
+    assert (tmp_path / "checkpoints" / "final" / "actor" / "config.json").is_file()
+    ledger = json.loads((tmp_path / "system.json").read_text())["ledger"]
+    assert ledger["trained"] == 16 and ledger["failed"] == 0

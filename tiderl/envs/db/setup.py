@@ -1,0 +1,67 @@
+"""The SQL database environment's setup (`data.source: agentbench_db`).
+
+AgentBench's DB task has no training split: the setup trains on the split it does not evaluate
+on (`standard` when evaluating on `dev` and the reverse), so train and eval tasks never
+overlap. At most `data.eval_size` eval tasks are kept (a fixed-seed sample).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tiderl.envs.db.env import DBEnv, make_backend
+from tiderl.envs.db.oracle import oracle_turns
+from tiderl.envs.db.tasks import DBBENCH_DIR, dbbench_dir, load_dbbench_tasks
+from tiderl.envs.db.tools import Limits
+from tiderl.envs.setup import Setup, data_root, sample_tasks
+
+if TYPE_CHECKING:
+    from tiderl.config import RunConfig
+
+DB_SPLITS = ("dev", "standard")
+
+
+def setup(cfg: "RunConfig") -> Setup:
+    """AgentBench DB tasks and a factory of `DBEnv`s on the `env.db_backend` backend (sqlite,
+    duckdb or a SQLAlchemy URL) with `Limits(max_rows=max_items, timeout_s=db_timeout_s,
+    max_observation_chars)`; the backend holds every episode's database and gold hashes."""
+    data = cfg.data
+    if data.source != "agentbench_db":
+        raise ValueError(f"data.source={data.source!r} is not a database source. Fix: use "
+                         "data.source=agentbench_db with env.name=db.")
+    split = data.split or "dev"
+    if split not in DB_SPLITS:
+        raise ValueError(f"data.split {split!r} is not an AgentBench DB split. Fix: use one of "
+                         f"{', '.join(DB_SPLITS)} (or '' for dev).")
+    folder = dbbench_dir(data_root(data.data_dir))
+    if not (folder / f"{split}.jsonl").is_file():
+        raise FileNotFoundError(
+            f"AgentBench DB data not found at {folder} (no {split}.jsonl). Fix: set data.data_dir "
+            f"to the folder that holds {DBBENCH_DIR}/, or the TIDERL_DATA_DIR environment variable.")
+    held_out = sample_tasks(load_dbbench_tasks(folder, split), data.eval_size, data.seed)
+    other = next(s for s in DB_SPLITS if s != split)
+    train = load_dbbench_tasks(folder, other) if (folder / f"{other}.jsonl").is_file() else []
+    out = Setup(train, held_out, DBEnv, "agentbench_db", split=split)
+    env = cfg.env
+    limits = Limits(max_rows=env.max_items, timeout_s=env.db_timeout_s,
+                    max_observation_chars=env.max_observation_chars)
+    out.make_env = _DBFactory(out, env.db_backend, limits, env.system_prompt or None)
+    out.oracle = lambda task: oracle_turns(task, db_backend(out, env.db_backend))
+    # A SQLAlchemy server backend serves one session at a time: evaluate task by task.
+    out.eval_chunk_size = 1 if "://" in env.db_backend else 0
+    return out
+
+
+def db_backend(setup: Setup, name: str) -> Any:
+    """The setup's database backend `name` (built once per setup and process)."""
+    return setup.backend(("db", name), lambda: make_backend(name))
+
+
+class _DBFactory:
+    """`make_env` of a DB setup: a `DBEnv` on the setup's backend (built on first use)."""
+
+    def __init__(self, setup: Setup, backend: str, limits: Limits, system_prompt: str | None):
+        self.setup, self.backend, self.limits, self.system_prompt = setup, backend, limits, system_prompt
+
+    def __call__(self) -> DBEnv:
+        return DBEnv(db_backend(self.setup, self.backend), limits=self.limits, system_prompt=self.system_prompt)

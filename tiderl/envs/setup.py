@@ -1,0 +1,96 @@
+"""What a run trains and evaluates on: a `Setup` (tasks + an environment factory), built by the
+environment that `env.name` names.
+
+`load_setup(cfg)` resolves `env.name` through `tiderl.registry.ENVIRONMENTS` (built-ins `kg`
+and `db`) or as a user's import path, and calls it: a function `setup(cfg) -> Setup`, or a
+class with such a classmethod. That is the whole contract of a new environment:
+
+    class CountEnv:                          # implements tiderl.envs.protocol.Env
+        @classmethod
+        def setup(cls, cfg) -> Setup:
+            tasks = [...]
+            return Setup(train_tasks=tasks[:-20], eval_tasks=tasks[-20:], make_env=cls)
+
+`tiderl check-env mypkg.myenv:CountEnv` runs the contract checks on it (`tiderl.envs.check`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiderl.envs.protocol import Env, Task
+from tiderl.registry import ENVIRONMENTS, resolve
+
+if TYPE_CHECKING:
+    from tiderl.config import RunConfig
+
+
+@dataclass
+class Setup:
+    """The tasks to train on, the held-out tasks to evaluate on, and one fresh environment per
+    episode (`make_env()`).
+
+    name: the data source (for logs and tables); split: the eval split ("" when there is one).
+    oracle: the scripted solution of a task as assistant turns (`tiderl eval --oracle` plays
+        them to measure the environment's ceiling); None when the environment has none.
+    eval_chunk_size: tasks evaluated at once (0 = all; 1 for a backend that serves one
+        session at a time).
+    store: the knowledge graph of the in-memory KG setups (the embedded model is built from it).
+    backends: resources shared by every environment of the setup (a DB backend, a SPARQL
+        client), built on first use by `make_env`; they stay in the process that built them
+        (a Setup sent to a Ray worker builds its own).
+    """
+
+    train_tasks: list[Task]
+    eval_tasks: list[Task]
+    make_env: Callable[[], Env]
+    name: str = ""
+    split: str = ""
+    oracle: Callable[[Task], list[str]] | None = None
+    eval_chunk_size: int = 0
+    store: Any = None
+    backends: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["backends"] = {}  # connections and caches do not travel between processes
+        return state
+
+    def backend(self, key: Any, build: Callable[[], Any]) -> Any:
+        """The shared resource under `key`, built by `build()` on first use."""
+        if key not in self.backends:
+            self.backends[key] = build()
+        return self.backends[key]
+
+
+def load_setup(cfg: "RunConfig") -> Setup:
+    """The Setup of the environment `env.name` names, for this config."""
+    entry = resolve(ENVIRONMENTS, cfg.env.name, "env.name")
+    build = getattr(entry, "setup", entry)
+    setup = build(cfg)
+    if not isinstance(setup, Setup):
+        raise TypeError(f"env.name={cfg.env.name!r}: its setup returned {type(setup).__name__}, not a "
+                        "tiderl.envs.setup.Setup. Fix: return Setup(train_tasks, eval_tasks, make_env).")
+    return setup
+
+
+def data_root(data_dir: str = "") -> Path:
+    """`data.data_dir`, else $TIDERL_DATA_DIR, else ../shared/data next to the repository."""
+    if data_dir:
+        return Path(data_dir)
+    if os.environ.get("TIDERL_DATA_DIR"):
+        return Path(os.environ["TIDERL_DATA_DIR"])
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def sample_tasks(tasks: list[Task], size: int, seed: int) -> list[Task]:
+    """At most `size` tasks: a fixed-seed sample kept in the original order."""
+    if len(tasks) <= size:
+        return tasks
+    keep = sorted(random.Random(seed).sample(range(len(tasks)), size))
+    return [tasks[i] for i in keep]

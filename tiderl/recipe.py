@@ -1,0 +1,105 @@
+"""The RL recipe, top to bottom: build the run, let the scheduler train it, save what it learned.
+
+There is one training path. The scheduler (`tiderl.system.scheduler`) keeps rollout slots busy
+and trains each batch of ready trajectories as soon as the staleness bound allows;
+`system.max_staleness=0` is synchronous on-policy training (every trained token was sampled by
+the weights it trains), larger bounds let rollout run ahead. The backend (`system.backend`)
+only decides where episodes run: `local` in this process, `ray` in Ray actors.
+
+    run = build_run(cfg)              # tasks, model, engine, critic, reference (tiderl.run)
+    history, summary = train(run)     # the scheduler, until train.steps
+    save_run_checkpoint(run, ...)     # a Hugging Face actor dir, critic, optimizers
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tiderl.algos.sampling import has_signal
+from tiderl.config import RunConfig, dump_yaml
+from tiderl.metrics.logger import MetricsLogger
+from tiderl.metrics.summary import rollout_metrics
+from tiderl.registry import BACKENDS, resolve
+from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
+from tiderl.run import Run, Trainer, build_run, preparations_for, save_run_checkpoint, sync_weights
+from tiderl.system.buffer import ReadyBuffer
+from tiderl.system.scheduler import Scheduler, SchedulerSettings
+from tiderl.types import Trajectory
+
+Observer = Callable[[int, dict[str, float], list[Trajectory]], None]
+
+
+def main(cfg: RunConfig) -> Path:
+    """`tiderl train`: build, train for `train.steps`, save the final checkpoint; returns its path."""
+    run = build_run(cfg)
+    train(run)
+    return save_run_checkpoint(run, Path(cfg.run_dir) / "checkpoints" / "final")
+
+
+def train(run: Run, steps: int | None = None, observer: Observer | None = None,
+          stop: Callable[[dict[str, float]], bool] | None = None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Train from `run.step` up to `train.steps` (or `steps` more); returns (history, summary).
+
+    `observer(version, metrics, batch)` sees every step (tests, benchmarks); `stop(metrics)` may
+    end the run early (e.g. at a token budget). Metrics go to `run_dir/metrics.jsonl` (and
+    TensorBoard), the run's totals (ledger, staleness histogram, slot changes, backend report)
+    to `run_dir/system.json`. Afterwards `run.engine` holds the trained weights.
+    """
+    cfg = run.cfg
+    steps = cfg.train.steps - run.step if steps is None else steps
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    settings = SchedulerSettings.from_config(cfg)
+    preparations = preparations_for(run)  # critic values / reference log-probs, ahead of the step
+    rollout = resolve(BACKENDS, cfg.system.backend, "system.backend").from_run(run, preparations)
+    trainer = Trainer(run, preparations)
+    logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
+
+    def on_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> None:
+        metrics.update(rollout_metrics(batch))
+        metrics.update(curiosity_metrics(batch))
+        run.step = version
+        logger.log(version, metrics)
+        if observer is not None:
+            observer(version, metrics, batch)
+        every = cfg.train.checkpoint_every
+        if every > 0 and version % every == 0:  # between steps: the trainer thread is idle
+            save_run_checkpoint(run, run_dir / "checkpoints" / f"step_{version}")
+
+    def informative(group: list[Trajectory]) -> bool:  # dynamic sampling: equal rewards teach nothing
+        return has_signal([t.reward for t in group])
+
+    async def schedule() -> tuple[list[dict[str, float]], dict[str, Any]]:
+        # Environments without `astep` step on the default executor: a thread per slot, so slow
+        # tools do not queue behind each other.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.most_slots() + 4))
+        buffer = ReadyBuffer(preparations, group_size=settings.group_size,
+                             accept_group=informative if cfg.algo.dynamic_sampling else None)
+        scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer,
+                              on_step=on_step, start_version=run.step, shape=run.shape)
+        await rollout.start()
+        try:
+            history = await scheduler.run(steps, stop)
+        finally:
+            await rollout.close()
+        return history, {**scheduler.summary(), "backend": rollout.report()}
+
+    try:
+        history, summary = asyncio.run(schedule())
+    finally:
+        logger.close()
+        for p in preparations:
+            getattr(p, "close", lambda: None)()
+    if run.engine.version != run.step:  # rollouts ran elsewhere (Ray): evaluation samples here
+        sync_weights(run)
+    (run_dir / "system.json").write_text(json.dumps(summary, indent=2))
+    return history, summary
+
+
+__all__ = ["Observer", "build_run", "main", "train"]

@@ -1,0 +1,88 @@
+"""Preparations: per-token passes that make a finished trajectory ready to train, computed ahead
+of the step by the asynchronous buffer (`tiderl.system.buffer.ReadyBuffer`), overlapped with
+training: critic values from a snapshot of the critic, and reference log-probs.
+
+A preparation is a callable that annotates a list of trajectories in place
+(`Trajectory.annotations[key]`, one float per token). One that holds a copy of trained weights
+also has `refresh(model)`, which the trainer calls after every optimizer step, and may have
+`close()`. `train_step` uses the annotations when every trajectory of the batch carries them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tiderl.train.batching import collate, micro_batch_indices, slice_batch
+from tiderl.train.forward import token_logprobs, token_values
+from tiderl.types import Trajectory
+
+# A preparation annotates trajectories in place.
+Preparation = Callable[[list[Trajectory]], None]
+
+
+@torch.no_grad()
+def annotate_per_token(trajectories: list[Trajectory], key: str, forward: Callable[[Any], torch.Tensor],
+                       pad_id: int, micro_batch_tokens: int, device: str) -> None:
+    """Run `forward(micro_batch) -> [b, t]` over the trajectories (right-padded, in micro-batches
+    of at most `micro_batch_tokens`) and store each row's first len(tokens) entries as
+    `annotations[key]`."""
+    batch = collate(trajectories, pad_id)
+    lengths = [len(t.tokens) for t in trajectories]
+    for rows in micro_batch_indices(lengths, micro_batch_tokens):
+        out = forward(slice_batch(batch, rows).to(device)).float().cpu()
+        for i, row in enumerate(rows):
+            trajectories[row].annotations[key] = out[i, : lengths[row]].tolist()
+
+
+class CriticSnapshot:
+    """A copy of the critic for the preparation thread, refreshed after every trainer step, so
+    values are computed while the trainer updates the live critic (ref/critic pipelining). The
+    values therefore lag the live critic by the steps between a trajectory's arrival and its
+    training step."""
+
+    key = "values"
+
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+        self.model = copy.deepcopy(critic).eval().requires_grad_(False)
+        self.pad_id = pad_id
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = device
+        self.lock = threading.Lock()
+
+    def refresh(self, critic: torch.nn.Module) -> None:
+        with self.lock:
+            self.model.load_state_dict(critic.state_dict())
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        """Put `annotations["values"]` (one critic value per token) on each trajectory."""
+
+        def values(mb: Any) -> torch.Tensor:
+            with self.lock:
+                return token_values(self.model, mb.input_ids, mb.attention_mask)
+
+        annotate_per_token(trajectories, "values", values, self.pad_id, self.micro_batch_tokens, self.device)
+
+
+class RefLogprobs:
+    """Reference-model log-probs of every token (`annotations["ref_logprobs"]`, 0 on forced
+    tokens): the reference is frozen, so its forward pass can run any time before the step."""
+
+    key = "ref_logprobs"
+
+    def __init__(self, ref: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+        self.ref = ref
+        self.pad_id = pad_id
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = device
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        def logprobs(mb: Any) -> torch.Tensor:
+            return token_logprobs(self.ref, mb.input_ids, mb.attention_mask)[0] * mb.action_mask
+
+        annotate_per_token(trajectories, "ref_logprobs", logprobs, self.pad_id, self.micro_batch_tokens,
+                           self.device)

@@ -1,0 +1,308 @@
+"""One optimizer step of any algorithm: the trainer's side of `tiderl.algos`.
+
+`train_step` reads the options of `AlgoConfig` and looks the advantage estimator and the policy
+loss up in `tiderl.algos.registry`; it never branches on `algo.name`, which is only the preset
+that filled in the options (SAO is the preset `sao`). In order:
+
+1. rewards: the trajectory's reward plus DAPO's overlong penalty (`algo.overlong_*`); dynamic
+   sampling drops groups whose rewards are all equal (`algo.dynamic_sampling`);
+2. one right-padded batch of all trajectories (`collate`), split into micro-batches by padded
+   tokens; batch-wide per-token quantities live in `[N, T]` tensors on the CPU;
+3. no-grad passes: recomputed old log-probs (`registry.recomputes_old_logprobs`), reference
+   log-probs (`registry.needs_ref`), critic values (`registry.needs_critic`). Reference
+   log-probs and critic values that the asynchronous buffer computed ahead
+   (`Trajectory.annotations["ref_logprobs"]` / `["values"]`, one float per token) replace the
+   forward pass when every trajectory carries them;
+4. the KL penalty in the reward (`algo.kl_in_reward`); with a critic, `algo.critic_updates`
+   critic steps towards skip-observation GAE targets (`algo.critic_lambda`); then the
+   advantages of the whole batch from the configured estimator (`AdvantageInputs`), whitened
+   with `masked_whiten` when `algo.normalize_advantages`;
+5. unless `train_actor` is False (the critic-only warm-up), `algo.actor_updates` actor steps:
+   the configured policy loss (`PolicyLossInputs`) aggregated with `algo.loss_agg`, plus
+   kl_coef * the KL term (KL in the loss), minus entropy_coef * the entropy term.
+
+Every loss is normalised over the whole batch (`aggregation.loss_normalizer`) and a trajectory
+never straddles micro-batches, so the micro-batch split changes neither loss nor gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from tiderl.algos import registry
+from tiderl.algos.advantages import (
+    AdvantageInputs,
+    explained_variance,
+    group_index_of,
+    masked_whiten,
+    outcome_token_rewards,
+    skip_observation_gae,
+)
+from tiderl.algos.aggregation import aggregate, loss_normalizer
+from tiderl.algos.losses import PolicyLossInputs, value_loss
+from tiderl.algos.regularizers import kl_estimate, kl_reward_penalty
+from tiderl.algos.sampling import informative_groups, overlong_penalty
+from tiderl.train.batching import Batch, collate, micro_batch_indices, slice_batch
+from tiderl.train.forward import token_logprobs, token_values
+from tiderl.train.learner import Learner
+from tiderl.types import Trajectory
+
+if TYPE_CHECKING:
+    from tiderl.config import AlgoConfig
+
+__all__ = ["train_step"]
+
+
+@dataclass
+class _Micro:
+    """One micro-batch: its rows of the batch, and their tensors on the device, trimmed to the
+    longest of them."""
+
+    rows: torch.Tensor
+    batch: Batch
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's part of a batch-wide [N, T] tensor, on its device."""
+        return full[self.rows, : self.batch.input_ids.shape[1]].to(self.batch.input_ids.device)
+
+
+@torch.no_grad()
+def _forward_all(micros: list[_Micro], shape: torch.Size,
+                 fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+    """`fn` on every micro-batch, gathered into one [N, T] CPU tensor (0 on padding)."""
+    full = torch.zeros(shape, dtype=torch.float32)
+    for m in micros:
+        out = fn(m.batch)
+        out = torch.where(m.batch.attention_mask > 0, out, torch.zeros_like(out))
+        full[m.rows, : out.shape[1]] = out.float().cpu()
+    return full
+
+
+def _annotated(trajectories: list[Trajectory], key: str, shape: torch.Size
+               ) -> torch.Tensor | None:
+    """The trajectories' `annotations[key]` as one [N, T] tensor, or None unless all have it."""
+    if not all(key in t.annotations for t in trajectories):
+        return None
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        values = t.annotations[key]
+        if len(values) != len(t.tokens):
+            raise ValueError(f"trajectory {i} has {len(values)} precomputed {key!r} for "
+                             f"{len(t.tokens)} tokens (one per token is needed)")
+        out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def train_step(
+    trajectories: list[Trajectory],
+    actor: Learner,
+    critic: Learner | None,
+    ref: torch.nn.Module | Learner | None,
+    cfg: AlgoConfig,
+    pad_id: int,
+    micro_batch_tokens: int,
+    train_actor: bool,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """One optimizer step of the algorithm `cfg` describes; returns its metrics (docs/metrics.md,
+    docs/algorithms.md).
+
+    critic: needed iff `registry.needs_critic(cfg)`; ref: a frozen model (or a Learner holding
+    one), needed iff `registry.needs_ref(cfg)` unless every trajectory carries
+    `annotations["ref_logprobs"]`. Micro-batches hold at most `micro_batch_tokens` padded tokens
+    (a longer trajectory gets one of its own). train_actor=False trains only the critic.
+    """
+    if not trajectories:
+        raise ValueError("train_step() got no trajectories")
+    if registry.needs_critic(cfg) and critic is None:
+        raise ValueError(f"algo.advantage={cfg.advantage} needs a critic; build one when "
+                         "needs_critic(cfg) is True")
+    if (registry.needs_ref(cfg) and ref is None
+            and not all("ref_logprobs" in t.annotations for t in trajectories)):
+        raise ValueError(f"algo.kl_coef={cfg.kl_coef} needs a reference model; build one when "
+                         "needs_ref(cfg) is True")
+    metrics: dict[str, float] = {}
+
+    # 1. Rewards and the sampling-side filters.
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    if cfg.overlong_buffer > 0:
+        lengths = torch.tensor([t.num_action_tokens for t in trajectories], dtype=torch.float32)
+        penalty = overlong_penalty(lengths, cfg.overlong_max_tokens, cfg.overlong_buffer,
+                                   cfg.overlong_penalty)
+        rewards = rewards + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        metrics["reward/overlong_frac"] = float((penalty < 0).float().mean())
+    groups = None
+    if registry.uses_groups(cfg):
+        ids = [t.group_id for t in trajectories]
+        if any(g == "" for g in ids):
+            raise ValueError(
+                f"algo.advantage={cfg.advantage} / dynamic_sampling groups rollouts by "
+                "Trajectory.group_id, but some trajectories have an empty group_id. Fix: the "
+                "loop must give the group_size rollouts of one prompt the same group_id")
+        groups = group_index_of(ids)
+        metrics["algo/groups"] = float(int(groups.max()) + 1)
+        metrics["algo/group_size_mean"] = len(ids) / metrics["algo/groups"]
+    if cfg.dynamic_sampling:
+        assert groups is not None
+        keep = informative_groups(rewards, groups)
+        metrics["sampling/kept_frac"] = float(keep.float().mean())
+        if not bool(keep.any()):
+            metrics["skipped_no_signal"] = 1.0
+            return metrics
+        idx = keep.nonzero().squeeze(1)
+        trajectories = [trajectories[i] for i in idx.tolist()]
+        rewards = rewards[idx]
+        groups = group_index_of(groups[idx].tolist())
+    metrics["reward/shaped_mean"] = float(rewards.mean())
+
+    # 2. The batch and its micro-batches.
+    full = collate(trajectories, pad_id)
+    mask, shape = full.action_mask, full.action_mask.shape
+    n_tokens = float(mask.sum())
+    if n_tokens == 0:
+        metrics["skipped_no_action_tokens"] = 1.0
+        return metrics
+    micros = [_Micro(torch.tensor(rows), slice_batch(full, rows).to(device))
+              for rows in micro_batch_indices(full.attention_mask.sum(dim=1).tolist(),
+                                              micro_batch_tokens)]
+
+    # 3. No-grad passes.
+    old = full.behavior_logprobs
+    if registry.recomputes_old_logprobs(cfg):
+        actor.model.eval()
+        old = _forward_all(micros, shape, lambda b: token_logprobs(
+            actor.model, b.input_ids, b.attention_mask)[0])
+        metrics["policy/behavior_gap"] = float(
+            ((old - full.behavior_logprobs).abs() * mask).sum() / n_tokens)
+    ref_lp = None
+    if registry.needs_ref(cfg):
+        ref_lp = _annotated(trajectories, "ref_logprobs", shape)
+        if ref_lp is not None:
+            metrics["kl/ref_precomputed"] = 1.0
+        else:
+            ref_model = ref.model if isinstance(ref, Learner) else ref
+            assert ref_model is not None
+            ref_model.eval()
+            ref_lp = _forward_all(micros, shape, lambda b: token_logprobs(
+                ref_model, b.input_ids, b.attention_mask)[0])
+
+    # 4. Rewards per token, the critic, the advantages of the whole batch.
+    token_rewards = outcome_token_rewards(rewards, mask)
+    if ref_lp is not None and cfg.kl_in_reward:
+        # The penalty is for the policy that sampled the data: behaviour (or recomputed) log-probs.
+        token_rewards, kl = kl_reward_penalty(token_rewards, old, ref_lp, mask, cfg.kl_coef,
+                                              cfg.kl_estimator)
+        rewards = rewards - cfg.kl_coef * kl.sum(dim=1)
+        metrics["kl/reward_kl_mean"] = float(kl.sum() / n_tokens)
+    values = None
+    if critic is not None and registry.needs_critic(cfg):
+        critic_model = critic.model
+
+        def critic_forward(b: Batch) -> torch.Tensor:
+            return token_values(critic_model, b.input_ids, b.attention_mask)
+
+        values = _annotated(trajectories, "values", shape)
+        metrics["value/precomputed"] = float(values is not None)
+        if values is None:
+            critic_model.eval()
+            values = _forward_all(micros, shape, critic_forward)
+        _, returns = skip_observation_gae(token_rewards, values, mask, cfg.gamma,
+                                          cfg.critic_lambda)
+        metrics.update(_train_critic(critic, micros, cfg, values, returns, mask, n_tokens))
+        if cfg.advantage_values == "after":
+            critic_model.eval()
+            values = _forward_all(micros, shape, critic_forward)
+    inputs = AdvantageInputs(rewards, token_rewards, mask, full.num_action_tokens, groups, values)
+    advantages = registry.advantage_fn(cfg.advantage)(inputs, cfg)
+    if advantages.shape != shape:
+        raise ValueError(f"algo.advantage={cfg.advantage} returned shape {tuple(advantages.shape)}; "
+                         f"an estimator returns one advantage per token, [N, T] = {tuple(shape)}")
+    if cfg.normalize_advantages:
+        advantages = masked_whiten(advantages, mask)
+    adv_flat = advantages[mask > 0]
+    metrics["policy/advantage_mean"] = float(adv_flat.mean())
+    metrics["policy/advantage_abs_mean"] = float(adv_flat.abs().mean())
+
+    # 5. The actor.
+    if train_actor:
+        normalizer = loss_normalizer(mask, cfg.loss_agg, norm_length=cfg.loss_agg_length)
+        metrics.update(_train_actor(actor, micros, cfg, old, ref_lp, advantages, normalizer))
+    metrics["micro_batches"] = float(len(micros))
+    return metrics
+
+
+def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values: torch.Tensor,
+                  returns: torch.Tensor, mask: torch.Tensor, n_tokens: float) -> dict[str, float]:
+    """`cfg.critic_updates` critic optimizer steps towards `returns` (token-mean value loss)."""
+    on = mask > 0
+    metrics = {
+        "value/explained_variance": explained_variance(values[on], returns[on],
+                                                       torch.ones_like(values[on])),
+        "value/mean": float(values[on].mean()),
+        "value/return_mean": float(returns[on].mean()),
+    }
+    clip = cfg.value_clip if cfg.value_clip > 0 else None
+
+    def loss_fn(m: _Micro) -> tuple[torch.Tensor, dict[str, float]]:
+        v = token_values(critic.model, m.batch.input_ids, m.batch.attention_mask)
+        return value_loss(v, m.take(returns), m.batch.action_mask, n_tokens,
+                          old_values=m.take(values) if clip else None, clip_eps=clip)
+
+    for k in range(cfg.critic_updates):
+        cm = critic.step(micros, loss_fn)
+        if k == 0:
+            metrics["value/loss_first"] = cm["loss"]
+        metrics["value/loss"] = cm["loss"]
+        metrics["value/grad_norm"] = cm["grad_norm"]
+    return metrics
+
+
+def _train_actor(actor: Learner, micros: list[_Micro], cfg: AlgoConfig, old: torch.Tensor,
+                 ref_lp: torch.Tensor | None, advantages: torch.Tensor, normalizer: float
+                 ) -> dict[str, float]:
+    """`cfg.actor_updates` actor optimizer steps on the batch."""
+    policy_loss = registry.policy_loss_fn(cfg.policy_loss)
+    kl_in_loss = ref_lp is not None and not cfg.kl_in_reward
+
+    def loss_fn(m: _Micro) -> tuple[torch.Tensor, dict[str, float]]:
+        b = m.batch
+        lp, ent = token_logprobs(actor.model, b.input_ids, b.attention_mask, with_entropy=True,
+                                 entropy_grad=cfg.entropy_coef > 0)
+        assert ent is not None
+        token_loss, lm = policy_loss(PolicyLossInputs(
+            lp, m.take(old), b.behavior_logprobs, m.take(advantages), b.action_mask), cfg)
+        # A loss names its metrics as logged ("dis/masked_frac"); bare names go under policy/.
+        out = {k if "/" in k else f"policy/{k}": v for k, v in lm.items()}
+        loss = aggregate(token_loss, b.action_mask, cfg.loss_agg, normalizer)
+        out["pg_loss"] = float(loss.detach())
+        on = b.action_mask > 0
+        n = max(float(on.sum()), 1.0)
+        if kl_in_loss:
+            assert ref_lp is not None
+            kl = kl_estimate(lp, m.take(ref_lp), b.action_mask, cfg.kl_estimator)
+            kl_term = aggregate(kl, b.action_mask, cfg.loss_agg, normalizer)
+            loss = loss + cfg.kl_coef * kl_term
+            out["kl_loss"] = float(kl_term.detach())
+            out["kl/ref_kl_mean"] = float(kl.detach()[on].sum()) / n
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * aggregate(ent, b.action_mask, cfg.loss_agg, normalizer)
+        out["policy/entropy"] = float(ent.detach()[on].sum()) / n
+        return loss, out
+
+    metrics: dict[str, float] = {}
+    for k in range(cfg.actor_updates):
+        am = actor.step(micros, loss_fn)
+        if k == 0:
+            metrics["policy/loss_first"] = am["loss"]
+        # Learner averages metrics over micro-batches; the loss terms are sums over them.
+        for key in ("pg_loss", "kl_loss"):
+            if key in am:
+                metrics[f"policy/{key}"] = am.pop(key) * len(micros)
+        metrics.update(am)
+    metrics["policy/loss"] = metrics.pop("loss")
+    metrics["policy/grad_norm"] = metrics.pop("grad_norm")
+    return metrics
