@@ -37,7 +37,7 @@ WORKLOAD = [
     # Heavy-tailed tool latency: mean 1 s, sigma 1.5 (median 0.32 s; 1 call in 100 over 10 s).
     "env.tool_latency=lognormal", "env.tool_latency_s=1.0", "env.tool_latency_spread=1.5",
     "env.tool_latency_max_s=30",
-    "train.threads=1", "log.progress=false", "log.tensorboard=false",
+    "system.trainer_threads=1", "system.decode_threads=1", "log.progress=false", "log.tensorboard=false",
     "algo.critic_warmup_steps=2",
 ]
 

@@ -36,7 +36,7 @@ from tiderl.run import resolve_model_path
 
 PRESETS = {"sao": "configs/sao.yaml", "grpo": "configs/grpo.yaml", "dapo": "configs/dapo.yaml",
            "ppo": "configs/ppo.yaml"}
-COMMON = ["system.backend=local", "log.progress=false", "log.tensorboard=false", "train.threads=1"]
+COMMON = ["system.backend=local", "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1", "system.decode_threads=1"]
 
 
 def task_overrides(task_config: str | None) -> list[str]:

@@ -2,11 +2,14 @@
 against the simplest lock-step loop built from the same parts, on an idle machine and with one
 core taken by another process.
 
-The baseline (`lockstep`) is what a synchronous RL loop is at its plainest: play a batch of
-episodes (`play_episodes`: every turn of every episode decoded in one batch), one `train_step`,
-hand the weights to the engine, repeat; no scheduler, no buffer, no threads of its own. The one
-path (`scheduler`) is `tiderl.recipe.train` with its rollout slots, readiness buffer, trainer
-thread and verified weight sync. Same model, tasks, algorithm and seed; interleaved repeats.
+The baseline (`lockstep`) is what a synchronous RL loop is at its plainest and fastest here: play
+a batch of episodes (`play_episodes`: every turn of every episode decoded in one batch, in the
+calling thread), one `train_step`, hand the weights to the engine, repeat; no scheduler, no
+buffer, all torch work in one thread with one thread per core, as in tiderl's former lock-step
+loop. The one path (`scheduler`) is `tiderl.recipe.train` with its rollout slots, readiness
+buffer and verified weight sync, its torch threads chosen by `system.trainer_threads` (default:
+the cores other processes leave free). Same model, tasks, algorithm and seed; interleaved
+repeats.
 
     .venv/bin/python benchmarks/step_time.py            # GRPO 2 x 8 per step, 20 steps, 3 repeats
     .venv/bin/python benchmarks/step_time.py --quick    # 6 steps, 1 repeat (a smoke test)
@@ -18,6 +21,7 @@ faster). What it does not show: asynchronous speed-ups (staleness > 0; see async
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
 
 from tiderl.agent.loop import play_episodes  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
@@ -40,6 +46,7 @@ OVERRIDES = ["algo.group_size=8", "rollout.batch_size=16", "log.progress=false",
 def lockstep(cfg, steps: int) -> list[float]:
     """The plainest synchronous loop; returns the seconds of each step."""
     run = build_run(cfg)
+    torch.set_num_threads(os.cpu_count() or 1)  # one per core: the plain loop's default
     params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
     g, times = cfg.algo.group_size, []
     for _ in range(steps):
@@ -47,7 +54,8 @@ def lockstep(cfg, steps: int) -> list[float]:
         tasks = [t for t in run.tasks.take(cfg.rollout.batch_size // g) for _ in range(g)]
         ids = [f"{t.task_id}#{run.step}" for t in tasks]
         batch = [run.shape(t) for t in play_episodes(run.engine, run.tokenizer, run.make_env, tasks, params,
-                                                     cfg.env.max_turns, cfg.env.max_total_tokens, group_ids=ids)]
+                                                     cfg.env.max_turns, cfg.env.max_total_tokens, group_ids=ids,
+                                                     threads=torch.get_num_threads())]
         train_step(batch, run.actor, run.critic, run.ref, cfg.algo, run.tokenizer.pad_token_id,
                    cfg.train.micro_batch_tokens, train_actor=True, device=cfg.model.device)
         run.step += 1

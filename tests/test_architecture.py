@@ -100,6 +100,16 @@ def test_layers_import_only_downwards(layer, forbidden):
     assert bad == [], bad
 
 
+def test_algorithms_are_pure_functions_of_their_inputs():
+    """tiderl/algos imports nothing of tiderl but itself, the wire format, the name tables and
+    (for type annotations) AlgoConfig: not the trainer, the system, the engines or the
+    environments."""
+    allowed = ("tiderl.algos", "tiderl.types", "tiderl.registry", "tiderl.config")
+    bad = sorted((m, e) for m, edges in import_graph().items() if m.startswith("tiderl.algos")
+                 for e in edges if not e.startswith(allowed))
+    assert bad == [], bad
+
+
 def test_no_module_branches_on_the_algorithm_name():
     """The trainer reads algorithm options, never `algo.name` (a preset's label)."""
     offenders = []

@@ -26,9 +26,11 @@ def parity_model(tmp_path_factory):
     return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("parity") / "model")
 
 
-def test_user_environment_passes_the_contract():
+def test_user_environment_passes_the_contract(capsys):
     report = assert_environment("user_env:ParityEnv")
     assert len(report.checks) >= 10
+    assert main(["check-env", "user_env:ParityEnv"]) == 0  # the same from the command line
+    assert "0 failed" in capsys.readouterr().out
 
 
 def test_contract_check_reports_a_broken_environment():

@@ -271,7 +271,6 @@ class TrainConfig:
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     checkpoint_every: int = opt(0, "Save a checkpoint every N steps (0 = only at the end).")
     resume: str = opt("", "Checkpoint directory to resume from.")
-    threads: int = opt(0, "torch CPU threads (0 = torch's default).")
 
 
 @dataclass
@@ -309,6 +308,17 @@ class SystemConfig:
     wait_timeout_s: float = opt(
         600.0, "Longest any wait (for a batch, weights, a worker) may take before the run fails."
     )
+    trainer_threads: int = opt(
+        0, "torch CPU threads for training. At max_staleness=0 decoding, preparation and training run "
+        "in one thread (they never overlap) and 0 = the cores other processes leave free, measured as "
+        "it runs; with max_staleness > 0 the trainer has its own thread and 0 = the half of the cores "
+        "that decoding does not get.")
+    decode_threads: int = opt(
+        0, "torch CPU threads of the local engine's decode thread when it has its own "
+        "(max_staleness > 0; 0 = half the cores, at least one).")
+    prep_threads: int = opt(
+        1, "torch CPU threads of the preparation thread (critic values, reference log-probs; 0 = one "
+        "per core). It runs beside decoding, so one thread keeps it from crowding the engine out.")
     ray_address: str = opt("", "Ray cluster to join ('' = start a local one).")
     ray_workers: int = opt(1, "Ray backend: rollout worker actors (each runs its own engine).")
     ray_remote_critic: bool = opt(False, "Ray backend: compute critic values in a Ray actor instead of the driver.")

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tiderl.aio import InlineExecutor, cores, thread_budget
 from tiderl.algos.sampling import has_signal
 from tiderl.config import RunConfig, dump_yaml
 from tiderl.metrics.logger import MetricsLogger
@@ -55,9 +56,13 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    settings = SchedulerSettings.from_config(cfg)
+    settings, s = SchedulerSettings.from_config(cfg), cfg.system
     preparations = preparations_for(run)  # critic values / reference log-probs, ahead of the step
-    rollout = resolve(BACKENDS, cfg.system.backend, "system.backend").from_run(run, preparations)
+    # Synchronous training never decodes, prepares and trains at once: all three run in this
+    # thread, one torch thread pool as in a plain loop. Asynchronous training overlaps them, each
+    # on its own thread with its own budget (system.*_threads).
+    compute = InlineExecutor(s.trainer_threads) if s.max_staleness == 0 else None
+    rollout = resolve(BACKENDS, s.backend, "system.backend").from_run(run, preparations, executor=compute)
     trainer = Trainer(run, preparations)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
 
@@ -79,10 +84,11 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         # Environments without `astep` step on the default executor: a thread per slot, so slow
         # tools do not queue behind each other.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.most_slots() + 4))
-        buffer = ReadyBuffer(preparations, group_size=settings.group_size,
-                             accept_group=informative if cfg.algo.dynamic_sampling else None)
-        scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer,
-                              on_step=on_step, start_version=run.step, shape=run.shape)
+        buffer = ReadyBuffer(preparations, group_size=settings.group_size, thread_init=thread_budget(s.prep_threads),
+                             accept_group=informative if cfg.algo.dynamic_sampling else None, executor=compute)
+        scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer, on_step=on_step,
+                              start_version=run.step, shape=run.shape, trainer_executor=compute,
+                              trainer_thread_init=thread_budget(s.trainer_threads or max(1, cores() - cores() // 2)))
         await rollout.start()
         try:
             history = await scheduler.run(steps, stop)
@@ -94,6 +100,8 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         history, summary = asyncio.run(schedule())
     finally:
         logger.close()
+        if compute is not None:
+            compute.shutdown(wait=True)
         for p in preparations:
             getattr(p, "close", lambda: None)()
     if run.engine.version != run.step:  # rollouts ran elsewhere (Ray): evaluation samples here

@@ -90,8 +90,6 @@ def resolve_model_path(cfg: RunConfig, setup: Setup) -> str:
 def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
     """Load tasks, model, engine, critic, reference and optimizers for `cfg` (resuming from
     `train.resume` when set)."""
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
     setup = setup or load_setup(cfg)
     model_path = resolve_model_path(cfg, setup)

@@ -23,6 +23,7 @@ from typing import Any
 
 from tiderl.agent.chat import ChatFormat, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
+from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
 from tiderl.rollout.base import Completion, Engine, SamplingParams
 from tiderl.rollout.client import BatchingEngine
@@ -275,12 +276,15 @@ def play_episodes(
     group_ids: list[str] | None = None,
     max_batch_size: int = 64,
     continue_message: str = CONTINUE_MESSAGE,
+    threads: int = 0,
 ) -> list[Trajectory]:
     """Play one episode per task concurrently (`play_episode`) on `engine`; blocking.
 
     Returns the trajectories in the order of `tasks`; `group_ids[i]` (default: the task id)
     becomes trajectory i's group_id. Runs its own event loop; called from inside a running one
-    (a training observer, say) it blocks that loop until its episodes are done.
+    (a training observer, say) it blocks that loop until its episodes are done. The engine
+    decodes in the loop's own thread (`InlineExecutor`: nothing else runs torch meanwhile) with
+    `threads` torch threads (0 = the cores other processes leave free).
     """
     if group_ids is not None and len(group_ids) != len(tasks):
         raise ValueError(f"{len(group_ids)} group ids for {len(tasks)} tasks: give one per task")
@@ -289,7 +293,7 @@ def play_episodes(
         loop = asyncio.get_running_loop()
         # One thread per episode for environment calls, so no episode waits for a free thread.
         loop.set_default_executor(ThreadPoolExecutor(max(4, min(len(tasks), 256)), thread_name_prefix="tiderl-env"))
-        client = BatchingEngine(engine, max_batch_size)
+        client = BatchingEngine(engine, max_batch_size, executor=InlineExecutor(threads))
         client.start()
         try:
             return list(await asyncio.gather(*(
@@ -383,6 +387,10 @@ class ScriptedEngine:
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """A script has no weights; only the version that tags its tokens changes."""
         self.version = version
+
+    def state_checksum(self) -> float:
+        """A script has no weights: the checksum of an empty state."""
+        return 0.0
 
     def _find_episode(self, prompt: list[int], claimed: set[int]) -> int | None:
         """The unclaimed episode whose last prompt + completion `prompt` extends (the longest)."""

@@ -8,10 +8,9 @@ Adding an estimator or a loss is one function plus one name:
 
 - write the function with the uniform signature (`tiderl.algos.advantages.AdvantageInputs` or
   `tiderl.algos.losses.PolicyLossInputs`, plus the `AlgoConfig`), in any module;
-- either add a line to the table below (built-ins), or call `register_advantage` /
-  `register_policy_loss` from your own code before the config loads, or write the import
-  path itself in the config (`algo.advantage: mypkg.adv:my_estimator`), in which case the
-  function may carry `needs_critic = True` / `needs_groups = True` as attributes.
+- add a line to the table below (a built-in), or write the import path itself in the config
+  (`algo.advantage: mypkg.adv:my_estimator`), in which case the function may carry
+  `needs_critic = True` / `needs_groups = True` as attributes.
 
 The trainer (`tiderl.train.step.train_step`) looks the configured names up here and never
 branches on `algo.name`, which is only the preset that filled in the options.
@@ -19,9 +18,10 @@ branches on `algo.name`, which is only the preset that filled in the options.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from tiderl.registry import is_import_path, load_object
 
 
 @dataclass(frozen=True)
@@ -53,45 +53,6 @@ POLICY_LOSSES: dict[str, str] = {
 # Losses whose ratio is taken against the trainer's recomputed (proximal) log-probs whatever
 # `algo.old_logprobs` says.
 RECOMPUTES_OLD_LOGPROBS = ("decoupled_ppo",)
-
-
-def register_advantage(name: str, estimator: Estimator) -> None:
-    """Make `algo.advantage: <name>` mean `estimator` (built-in names cannot be replaced)."""
-    _register(ADVANTAGE_ESTIMATORS, name, estimator, "advantage estimator")
-
-
-def register_policy_loss(name: str, target: str) -> None:
-    """Make `algo.policy_loss: <name>` mean the function at `target` ("module:function")."""
-    _register(POLICY_LOSSES, name, target, "policy loss")
-
-
-def _register(table: dict[str, Any], name: str, value: Any, what: str) -> None:
-    if name in table and table[name] != value:
-        raise ValueError(f"{what} {name!r} is already registered as {table[name]!r}")
-    table[name] = value
-
-
-def is_import_path(name: str) -> bool:
-    """True for "module:attribute" strings (a user's own function or class)."""
-    module, _, attr = name.partition(":")
-    return bool(module) and bool(attr) and all(p.isidentifier() for p in module.split(".") + attr.split("."))
-
-
-def load_object(target: str, what: str = "object") -> Any:
-    """The object an import path "module:attr.sub" names; ImportError/AttributeError say which
-    part is missing and how to fix it."""
-    module_name, _, attr = target.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{what} {target!r}: cannot import module {module_name!r} ({exc}). Fix: make it "
-                          "importable (installed, or on PYTHONPATH) or correct the name.") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AttributeError(f"{what} {target!r}: module {module_name!r} has no {attr!r}. Fix: "
-                                 "name a function or class that the module defines.")
-        obj = getattr(obj, part)
-    return obj
 
 
 def estimator_spec(name: str) -> Estimator:

@@ -1,17 +1,5 @@
-"""Reward shaping on finished trajectories (the outcome reward belongs to each environment)."""
+"""Reward shaping on finished trajectories (the outcome reward belongs to each environment).
 
-from tiderl.rewards.curiosity import (
-    CuriosityShaper,
-    CuriosityConfig,
-    anneal_weight,
-    batch_metrics,
-    curiosity_bonus,
-)
-
-__all__ = [
-    "CuriosityShaper",
-    "CuriosityConfig",
-    "anneal_weight",
-    "batch_metrics",
-    "curiosity_bonus",
-]
+Import from the modules themselves; the package imports nothing, so importing one part
+does not load the others.
+"""

@@ -28,7 +28,7 @@ import contextvars
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from tiderl.rollout.base import Completion, Engine, SamplingParams
@@ -68,7 +68,7 @@ class BatchingEngine:
     """
 
     def __init__(self, engine: Engine, max_batch_size: int = 64, patience_s: float = 0.02,
-                 gather_s: float = 0.1, thread_init: Any = None):
+                 gather_s: float = 0.1, thread_init: Any = None, executor: Executor | None = None):
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.patience_s = patience_s
@@ -79,9 +79,12 @@ class BatchingEngine:
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Completion], int, int]] = []
         self._serials = itertools.count()
         self._wake = asyncio.Event()
-        # `thread_init` runs once in each thread first (e.g. its torch thread budget).
-        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="tiderl-decode", initializer=thread_init)
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiderl-weights", initializer=thread_init)
+        # Decoding and weight loads run on their own threads (`thread_init` runs first in each, e.g.
+        # a torch thread budget), or on `executor` when the caller shares one compute thread
+        # between components that never run at once (synchronous training).
+        self._own_threads = executor is None
+        self._decoder = executor or ThreadPoolExecutor(1, thread_name_prefix="tiderl-decode", initializer=thread_init)
+        self._loader = executor or ThreadPoolExecutor(1, thread_name_prefix="tiderl-weights", initializer=thread_init)
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
         self.requests = 0
@@ -102,8 +105,9 @@ class BatchingEngine:
             if not future.done():
                 future.set_exception(RuntimeError("the engine client was closed"))
         self._pending.clear()
-        self._decoder.shutdown(wait=True)
-        self._loader.shutdown(wait=True)
+        if self._own_threads:
+            self._decoder.shutdown(wait=True)
+            self._loader.shutdown(wait=True)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
         """One completion for `prompt` (decoded in a batch with whatever else is waiting)."""

@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from tiderl.aio import cancel_and_wait
 from tiderl.types import Trajectory
@@ -33,6 +33,7 @@ class ReadyBuffer:
     """
 
     def __init__(self, preparations: list[Preparation], group_size: int = 1, max_prep_batch: int = 64,
+                 thread_init: Callable[[], None] | None = None, executor: Executor | None = None,
                  accept_group: Callable[[list[Trajectory]], bool] | None = None):
         if group_size < 1:
             raise ValueError(f"group_size={group_size} must be >= 1")
@@ -44,7 +45,9 @@ class ReadyBuffer:
         self._partial: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self._changed = asyncio.Event()
         self._wake_prep = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tiderl-prep")
+        # Preparations run on their own thread, or on a compute thread the caller shares.
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="tiderl-prep", initializer=thread_init)
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self.prep_busy: list[tuple[float, float]] = []
@@ -69,7 +72,8 @@ class ReadyBuffer:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        self._executor.shutdown(wait=True)
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
 
     def put(self, trajectory: Trajectory) -> None:
         self._waiting.append(trajectory)

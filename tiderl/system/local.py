@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tiderl.agent.loop import play_episode
+from tiderl.aio import cores, thread_budget
 from tiderl.envs.protocol import Task
 from tiderl.rollout.base import Engine, SamplingParams, sampling_params
 from tiderl.rollout.client import BatchingEngine
@@ -25,22 +26,26 @@ class LocalRollout:
     """The RolloutBackend over one in-process engine."""
 
     def __init__(self, engine: Engine, tokenizer: Any, make_env: Any, params: SamplingParams,
-                 max_turns: int, max_total_tokens: int, max_batch_size: int, thread_init: Any = None):
+                 max_turns: int, max_total_tokens: int, max_batch_size: int, thread_init: Any = None,
+                 executor: Any = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.params = params
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
-        self.client = BatchingEngine(engine, max_batch_size, thread_init=thread_init)
+        self.client = BatchingEngine(engine, max_batch_size, thread_init=thread_init, executor=executor)
 
     @classmethod
-    def from_run(cls, run: "Run", preparations: list[Any]) -> "LocalRollout":
-        """Rollouts of `run` on `run.engine`, with the configured simulated tool latency."""
+    def from_run(cls, run: "Run", preparations: list[Any], executor: Any = None) -> "LocalRollout":
+        """Rollouts of `run` on `run.engine`, with the configured simulated tool latency; decoding
+        runs on `executor` when the recipe shares one compute thread (synchronous training)."""
         cfg = run.cfg
         return cls(run.engine, run.tokenizer, training_env_factory(cfg, run.make_env),
                    sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False),
-                   cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size)
+                   cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size,
+                   # Beside the trainer (asynchronous training): half the cores unless configured.
+                   thread_init=thread_budget(cfg.system.decode_threads or max(1, cores() // 2)), executor=executor)
 
     @property
     def version(self) -> int:

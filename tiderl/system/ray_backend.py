@@ -313,10 +313,12 @@ class RayRollout:
         self.worker_stats: list[dict[str, Any]] = []
 
     @classmethod
-    def from_run(cls, run: "Run", preparations: list[Any] | None = None, **options: Any) -> "RayRollout":
+    def from_run(cls, run: "Run", preparations: list[Any] | None = None, executor: Any = None,
+                 **options: Any) -> "RayRollout":
         """A RayRollout for `run`: its config, current policy, tokenizer and tasks. With
         `system.ray_remote_critic`, the `CriticSnapshot` in `preparations` is replaced (in place)
-        by a `RemoteCritic`, so critic values are computed in an actor, not in the driver."""
+        by a `RemoteCritic`, so critic values are computed in an actor, not in the driver.
+        (`executor`, the driver's shared compute thread, is not needed: decoding runs in actors.)"""
         critic = None
         if run.cfg.system.ray_remote_critic and run.critic is not None and preparations is not None:
             for i, p in enumerate(preparations):

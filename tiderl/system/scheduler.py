@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -155,6 +155,8 @@ class Scheduler:
         on_step: Callable[[int, dict[str, float], list[Trajectory]], None] = lambda *_: None,
         start_version: int = 0,
         shape: Callable[[Trajectory], Trajectory] = lambda t: t,
+        trainer_thread_init: Callable[[], None] | None = None,
+        trainer_executor: Executor | None = None,
     ):
         s = settings
         if s.batch_size % s.group_size:
@@ -180,7 +182,11 @@ class Scheduler:
         self._group_serial = itertools.count()
         self._inflight: dict[asyncio.Task[None], _Attempt] = {}
         self._changed = asyncio.Event()
-        self._trainer_exec = ThreadPoolExecutor(1, thread_name_prefix="tiderl-train")
+        # The trainer steps on its own thread (`trainer_thread_init` runs there first, e.g. its torch
+        # thread budget), or on a compute thread the caller shares with decoding and preparation.
+        self._own_trainer_exec = trainer_executor is None
+        self._trainer_exec = trainer_executor or ThreadPoolExecutor(
+            1, thread_name_prefix="tiderl-train", initializer=trainer_thread_init)
         # Time accounting (monotonic seconds).
         self._active = TimeWeighted(0.0)
         self._slots_tw = TimeWeighted(float(self.slots))
@@ -221,7 +227,8 @@ class Scheduler:
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
             await self.buffer.close()
-            self._trainer_exec.shutdown(wait=True)
+            if self._own_trainer_exec:
+                self._trainer_exec.shutdown(wait=True)
         return history
 
     def unsettled(self) -> int:
