@@ -50,3 +50,18 @@ def test_free_cores_leave_out_a_core_another_process_keeps_busy():
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_weight_checksum_does_not_depend_on_the_thread_budget():
+    """Trainer and engine compute the checksum on threads with different torch thread counts."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiderl.rollout.weights import weights_checksum
+
+    state = {"w": torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)), "b": torch.ones(7)}
+    sums = set()
+    for threads in (1, 2, 3):
+        with ThreadPoolExecutor(1, initializer=thread_budget(threads)) as pool:
+            sums.add(pool.submit(weights_checksum, state).result())
+    assert len(sums) == 1
