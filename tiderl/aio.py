@@ -50,9 +50,9 @@ class FreeCores:
     core taken); running one thread fewer avoids that. Where /proc is missing it returns `cores`.
     """
 
-    def __init__(self, cores: int | None = None, interval_s: float = 0.5):
+    def __init__(self, total: int | None = None, interval_s: float = 0.5):
         self.allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.cores = cores or len(self.allowed) or os.cpu_count() or 1
+        self.cores = total or cores()
         self.interval_s = interval_s
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()

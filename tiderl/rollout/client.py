@@ -14,10 +14,13 @@ those that have been inside their environment for longer than `patience_s` (a sl
 never longer than `gather_s` in all. Episodes that move together therefore decode together:
 with fast tools a staleness-0 step decodes one batch per turn, exactly like a lock-step loop,
 while a slow tool holds the others back by `patience_s` at most. Unregistered callers are
-served as soon as they ask. Decoding runs on its own thread so the
-event loop keeps serving environments; weight updates run on another thread and reach the
-engine between two decode steps (the engine's lock), so a turn in flight may carry two
-versions, token by token.
+served as soon as they ask.
+
+Where it decodes: on its own thread, so the event loop keeps serving environments, with weight
+updates on another that reach the engine between two decode steps (the engine's lock), so a
+turn in flight may carry two versions, token by token; or on an executor the caller passes
+(synchronous training and `play_episodes` pass an `InlineExecutor`: decoding in the loop's own
+thread, while no episode could run anyway).
 """
 
 from __future__ import annotations
