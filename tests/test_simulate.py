@@ -1,0 +1,122 @@
+"""The discrete-event model of the pipeline (tiderl/system/simulate.py): exact figures where
+they can be worked out by hand, and the rules it shares with the real scheduler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from tiderl.cli import main
+from tiderl.system.simulate import (
+    Cluster, Dist, Schedule, Workload, compare, simulate, standard_modes, strongest_sync,
+)
+
+# One 10-token turn per episode, no tools; a decode step of 10 ms whatever the batch, so every
+# episode takes 0.1 s; a 1 s optimizer step and no sync time.
+FIXED = Workload(Dist("const", 1), Dist("const", 10), Dist("const", 0.0))
+ONE_ENGINE = Cluster(engines=1, engine_max_seqs=64, decode_step_s=0.01, decode_step_per_seq_s=0.0,
+                     train_step_s=1.0, sync_s=0.0)
+
+
+def test_sync_step_time_is_rollout_plus_training():
+    r = simulate(FIXED, ONE_ENGINE, Schedule(max_staleness=0, batch_size=8, steps=5))
+    assert r.wall_s == pytest.approx(5 * (0.1 + 1.0))
+    assert (r.trained, r.trained_tokens, r.generated_tokens) == (40, 400, 400)
+    assert r.staleness == {0: 40} and r.dropped == 0 and r.waste_frac == 0.0
+    assert r.trainer_idle_frac == pytest.approx(0.1 / 1.1)
+
+
+def test_async_hides_rollout_behind_training():
+    # With N = 1 the next batch is sampled while the trainer works: only the first rollout shows.
+    r = simulate(FIXED, ONE_ENGINE, Schedule(max_staleness=1, batch_size=8, steps=5))
+    assert r.wall_s == pytest.approx(0.1 + 5 * 1.0)
+    assert r.dropped == 0 and max(r.staleness) <= 1
+
+
+def test_engine_capacity_queues_sequences():
+    # 8 episodes, room for 4 at a time: two waves of 0.1 s each.
+    small = Cluster(engines=1, engine_max_seqs=4, decode_step_s=0.01, decode_step_per_seq_s=0.0,
+                    train_step_s=1.0, sync_s=0.0)
+    r = simulate(FIXED, small, Schedule(max_staleness=0, batch_size=8, steps=1))
+    assert r.wall_s == pytest.approx(0.2 + 1.0)
+
+
+def test_decode_steps_slow_down_with_batch():
+    # 8 sequences on a step of 1 ms + 1 ms per sequence: 9 ms per token, 10 tokens.
+    c = Cluster(engines=1, engine_max_seqs=64, decode_step_s=0.001, decode_step_per_seq_s=0.001,
+                train_step_s=1.0, sync_s=0.0)
+    r = simulate(FIXED, c, Schedule(max_staleness=0, batch_size=8, steps=1))
+    assert r.wall_s == pytest.approx(0.09 + 1.0)
+
+
+def test_overprovisioned_sync_trains_the_first_finishers_and_cancels_the_rest():
+    schedule = Schedule(mode="overprovision", overprovision=2.0, batch_size=8, steps=3)
+    r = simulate(FIXED, ONE_ENGINE, schedule)
+    assert r.trained == 24 and r.cancelled == 3 * 8
+    assert r.staleness == {0: 24}
+    assert r.waste_frac == pytest.approx(0.5)
+
+
+def test_colocated_engines_stop_while_the_trainer_works():
+    shared = replace(ONE_ENGINE, colocated=True)
+    sync = Schedule(max_staleness=0, batch_size=8, steps=5)
+    # Sync engines are idle during training anyway: sharing devices costs nothing.
+    assert simulate(FIXED, shared, sync).wall_s == pytest.approx(simulate(FIXED, ONE_ENGINE, sync).wall_s)
+    # Async on shared devices only overlaps what was sampled before a step began.
+    asynchronous = replace(sync, max_staleness=1)
+    apart, together = simulate(FIXED, ONE_ENGINE, asynchronous), simulate(FIXED, shared, asynchronous)
+    assert apart.wall_s < together.wall_s < simulate(FIXED, ONE_ENGINE, sync).wall_s
+
+
+def test_staleness_bound_holds_on_a_heavy_tail():
+    heavy = Workload(Dist("const", 3), Dist("lognormal", 20, 0.5), Dist("lognormal", 1.0, 1.5, 30))
+    for n in (0, 1, 2):
+        r = simulate(heavy, ONE_ENGINE, Schedule(max_staleness=n, batch_size=16, steps=20), seed=1)
+        over = sum(count for s, count in r.staleness.items() if s > n)
+        assert over == r.dropped  # judged too old = dropped, never trained
+        assert r.trained == 16 * 20
+
+
+def test_elastic_slots_grow_for_a_starving_trainer_within_bounds():
+    slow_tools = Workload(Dist("const", 2), Dist("const", 10), Dist("const", 2.0))
+    schedule = Schedule(max_staleness=4, batch_size=8, steps=15, slots=8, min_slots=8, max_slots=24,
+                        elastic_interval_s=1.0)
+    sim_fixed = simulate(slow_tools, ONE_ENGINE, Schedule(max_staleness=4, batch_size=8, steps=15, slots=8))
+    sim_elastic = simulate(slow_tools, ONE_ENGINE, schedule)
+    assert sim_elastic.slot_changes > 0
+    assert sim_elastic.wall_s < sim_fixed.wall_s
+
+
+def test_same_seed_same_run_and_modes_cover_the_baselines():
+    heavy = Workload(Dist("const", 2), Dist("lognormal", 20, 0.5), Dist("lognormal", 0.5, 1.0, 10))
+    a = simulate(heavy, ONE_ENGINE, Schedule(max_staleness=2, batch_size=8, steps=10), seed=3)
+    b = simulate(heavy, ONE_ENGINE, Schedule(max_staleness=2, batch_size=8, steps=10), seed=3)
+    assert a.row() == b.row()
+    labels = [s.label() for s in standard_modes(Schedule(batch_size=8, steps=9))]
+    assert labels == ["sync B=8", "overprovision x1.5 B=8", "overprovision x2 B=8", "sync B=24",
+                      "async N=1 B=8", "async N=2 B=8", "async N=4 B=8"]
+    summaries = compare(heavy, ONE_ENGINE, standard_modes(Schedule(batch_size=8, steps=9)), seeds=2)
+    assert not strongest_sync(summaries).label.startswith("async")
+
+
+def test_distributions_parse_and_sample_their_mean():
+    rng = random.Random(0)
+    d = Dist.parse("lognormal:2.0:0.5")
+    mean = sum(d.sample(rng) for _ in range(20000)) / 20000
+    assert mean == pytest.approx(2.0, rel=0.03)
+    assert Dist.parse("lognormal:1:1.5:30").cap == 30
+    assert Dist.parse("3") == Dist("const", 3.0)
+    with pytest.raises(ValueError, match="kind:mean"):
+        Dist.parse("lognormal:x")
+    with pytest.raises(ValueError, match="use one of"):
+        Dist.parse("pareto:1")
+
+
+def test_cli_prints_every_mode_and_the_comparison(capsys):
+    assert main(["simulate", "--steps", "6", "--seeds", "2", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith(("sync", "overprovision", "async N")) for line in out) == 7
+    assert out[-1].startswith("async / strongest sync (")
+    assert main(["simulate", "--tool-latency", "weird:1"]) == 2

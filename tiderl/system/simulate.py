@@ -1,0 +1,539 @@
+"""A discrete-event model of tiderl's pipeline (rollout engines, trainer, staleness gate, elastic
+slots) for predicting throughput, staleness and waste at scales this machine cannot run.
+
+The model uses tiderl's own rules, not copies of them: admission and the drop rule come from
+`StalenessGate`/`trajectory_staleness`, slot changes from `elastic.decide_slots`. What is
+modelled, and how:
+
+- **Episodes** alternate model turns and tool calls: `turns`, `tokens_per_turn` and
+  `tool_latency_s` are distributions (`Dist`). An episode is sticky to one engine.
+- **Engines** decode with token-level continuous batching: each of the `n` sequences generating
+  on an engine gains one token per decode step of `decode_step_s + decode_step_per_seq_s * n`
+  seconds (a fluid approximation: progress is continuous between events). At most
+  `engine_max_seqs` generate at once per engine; the rest wait for a place.
+- **Trainer**: a step over B fresh trajectories takes `train_step_s + train_s_per_token *
+  (their action tokens)`, then `sync_s` to hand the weights to every engine. Engines sample with
+  the new version from then on; an episode's staleness is the trainer version at training minus
+  the version of its first sampled token (partial rollouts continue on new weights, tiderl's
+  default `system.partial_rollout=continue`). With `colocated`, engines stop while the trainer
+  trains and syncs (one set of devices).
+- **Modes**: `async` with `max_staleness` N (N = 0 is tiderl's synchronous on-policy loop);
+  `overprovision` with a factor k: admit k·B episodes per version, train the first B finishers,
+  cancel and re-queue the rest when the step starts (on-policy, their tokens are wasted).
+- **Elastic slots** (`min_slots` < `max_slots`): every `elastic_interval_s` the slot cap changes
+  by `decide_slots` from the trainer's idle fraction, the finished-trajectory queue and the time
+  the gate held slots back.
+
+What is not modelled: prompt prefill cost, memory limits of the KV cache, preparation
+(critic/reference) time apart from what `train_step_s` includes, failures and retries, and
+network time beyond `sync_s`. `benchmarks/simulator.py` checks the predictions against runs of
+tiderl on this machine.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tiderl.system.elastic import LoadSignals, decide_slots
+from tiderl.system.staleness import StalenessGate
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A positive random quantity: `const` (always `mean`), `lognormal` (mean `mean`, log-space
+    sigma `spread`), `exponential` (mean `mean`) or `uniform` (mean ± `spread`·mean); samples
+    are capped at `cap`."""
+
+    kind: str = "const"
+    mean: float = 1.0
+    spread: float = 0.0
+    cap: float = math.inf
+
+    KINDS = ("const", "lognormal", "exponential", "uniform")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"distribution kind {self.kind!r}: use one of {', '.join(self.KINDS)}")
+        if self.mean < 0 or self.spread < 0 or self.cap <= 0:
+            raise ValueError(f"{self}: mean and spread must be >= 0 and cap > 0")
+        if self.kind == "uniform" and self.spread > 1:
+            raise ValueError(f"{self}: a uniform spread is a fraction of the mean, at most 1")
+
+    @classmethod
+    def parse(cls, text: str) -> Dist:
+        """'const:1', 'lognormal:1.0:1.5', 'lognormal:1.0:1.5:30' (kind:mean[:spread[:cap]]),
+        or a bare number for a constant."""
+        parts = text.strip().split(":")
+        try:
+            if len(parts) == 1:
+                return cls("const", float(parts[0]))
+            values = [float(p) for p in parts[1:]]
+        except ValueError:
+            raise ValueError(f"distribution {text!r}: write kind:mean[:spread[:cap]], "
+                             "e.g. lognormal:1.0:1.5:30") from None
+        names = ("mean", "spread", "cap")
+        return cls(parts[0], **dict(zip(names, values)))
+
+    def sample(self, rng: random.Random) -> float:
+        if self.kind == "const" or self.mean == 0:
+            value = self.mean
+        elif self.kind == "lognormal":
+            # Mean `mean` in linear space: mu = ln(mean) - sigma^2 / 2.
+            value = rng.lognormvariate(math.log(self.mean) - self.spread ** 2 / 2, self.spread)
+        elif self.kind == "exponential":
+            value = rng.expovariate(1.0 / self.mean)
+        else:
+            value = rng.uniform(self.mean * (1 - self.spread), self.mean * (1 + self.spread))
+        return min(value, self.cap)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one episode looks like."""
+
+    turns: Dist = Dist("const", 3)
+    tokens_per_turn: Dist = Dist("const", 30)
+    tool_latency_s: Dist = Dist("const", 0.0)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The resources and their speeds (seconds)."""
+
+    engines: int = 1
+    engine_max_seqs: int = 64
+    decode_step_s: float = 0.002
+    decode_step_per_seq_s: float = 0.0001
+    train_step_s: float = 0.5
+    train_s_per_token: float = 0.0
+    sync_s: float = 0.05
+    colocated: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How rollout and training are scheduled."""
+
+    mode: str = "async"  # async | overprovision
+    max_staleness: int = 0
+    overprovision: float = 2.0
+    batch_size: int = 32
+    slots: int = 0  # 0: (N+1)·B for async, ceil(k·B) for overprovision
+    min_slots: int = 0
+    max_slots: int = 0
+    elastic_interval_s: float = 2.0
+    steps: int = 50
+
+    def label(self) -> str:
+        if self.mode == "overprovision":
+            base = f"overprovision x{self.overprovision:g}"
+        else:
+            base = "sync" if self.max_staleness == 0 else f"async N={self.max_staleness}"
+        if self.min_slots and self.max_slots and self.min_slots != self.max_slots:
+            base += f" elastic {self.min_slots}-{self.max_slots}"
+        return f"{base} B={self.batch_size}"
+
+
+@dataclass
+class SimResult:
+    """What a simulated run measured. Tokens are sampled (action) tokens."""
+
+    label: str
+    wall_s: float
+    steps: int
+    trained: int
+    trained_tokens: int
+    generated_tokens: int
+    dropped: int
+    cancelled: int
+    wasted_tokens: int
+    trainer_idle_frac: float
+    engine_busy_frac: float
+    staleness: dict[int, int]
+    slot_changes: int = 0
+
+    @property
+    def trained_tokens_per_s(self) -> float:
+        return self.trained_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.wall_s / self.steps if self.steps else math.inf
+
+    @property
+    def waste_frac(self) -> float:
+        return self.wasted_tokens / self.generated_tokens if self.generated_tokens else 0.0
+
+    def row(self) -> dict[str, Any]:
+        return {"mode": self.label, "wall_s": round(self.wall_s, 3), "step_s": round(self.step_s, 4),
+                "trained_tok_per_s": round(self.trained_tokens_per_s, 1),
+                "waste_frac": round(self.waste_frac, 4), "dropped": self.dropped,
+                "cancelled": self.cancelled, "trainer_idle": round(self.trainer_idle_frac, 3),
+                "engine_busy": round(self.engine_busy_frac, 3),
+                "staleness": dict(sorted(self.staleness.items()))}
+
+
+@dataclass
+class _Episode:
+    serial: int
+    engine: int
+    turns_left: int
+    version: int = -1  # version of its first sampled token
+    remaining: float = 0.0  # tokens left in the current turn
+    turn_tokens: int = 0  # tokens of the current turn
+    tokens: int = 0  # tokens of its finished turns
+    generating: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class _Engine:
+    generating: dict[int, _Episode] = field(default_factory=dict)
+    waiting: deque = field(default_factory=deque)
+    assigned: int = 0
+    last_t: float = 0.0
+    epoch: int = 0
+    busy_s: float = 0.0
+
+
+class Simulation:
+    """One simulated run. `run()` returns a `SimResult`."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, schedule: Schedule, seed: int = 0):
+        if schedule.mode not in ("async", "overprovision"):
+            raise ValueError(f"schedule.mode {schedule.mode!r}: use async or overprovision")
+        if cluster.engines < 1 or cluster.engine_max_seqs < 1 or schedule.batch_size < 1:
+            raise ValueError("engines, engine_max_seqs and batch_size must be >= 1")
+        self.w, self.c, self.s = workload, cluster, schedule
+        self.rng = random.Random(seed)
+        b = schedule.batch_size
+        if schedule.mode == "async":
+            self.gate = StalenessGate(schedule.max_staleness, b)
+            default_slots = self.gate.capacity
+        else:
+            if schedule.overprovision < 1:
+                raise ValueError("overprovision factor must be >= 1")
+            self.gate = StalenessGate(0, b)
+            default_slots = math.ceil(schedule.overprovision * b)
+        self.slots = schedule.slots or default_slots
+        self.min_slots = schedule.min_slots or self.slots
+        self.max_slots = schedule.max_slots or self.slots
+        self.t = 0.0
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.engines = [_Engine() for _ in range(cluster.engines)]
+        self.version = 0  # trainer version == engine version once synced
+        self.engine_version = 0
+        self.in_flight: dict[int, _Episode] = {}
+        self.ready: deque[_Episode] = deque()
+        self.training = False
+        self.paused = False
+        self.serial = 0
+        self.steps = 0
+        self.stats = Counter()
+        self.trainer_busy_s = 0.0
+        self.gate_blocked_s = 0.0
+        self.window = Counter()  # elastic interval accounting
+        self.slot_changes = 0
+
+    # -- event queue ----------------------------------------------------------------------
+    def _push(self, t: float, kind: str, data: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, data))
+
+    # -- engines --------------------------------------------------------------------------
+    def _rate(self, n: int) -> float:
+        """Tokens per second each of `n` generating sequences gets."""
+        return 1.0 / (self.c.decode_step_s + self.c.decode_step_per_seq_s * n)
+
+    def _advance(self, e: _Engine) -> None:
+        dt = self.t - e.last_t
+        e.last_t = self.t
+        if dt <= 0 or self.paused or not e.generating:
+            return
+        e.busy_s += dt
+        step = dt * self._rate(len(e.generating))
+        for ep in e.generating.values():
+            ep.remaining -= step
+
+    def _reschedule(self, idx: int) -> None:
+        e = self.engines[idx]
+        e.epoch += 1
+        while e.waiting and len(e.generating) < self.c.engine_max_seqs:
+            ep = e.waiting.popleft()
+            if not ep.cancelled:
+                e.generating[ep.serial] = ep
+        if e.generating and not self.paused:
+            least = min(ep.remaining for ep in e.generating.values())
+            self._push(self.t + max(least, 0.0) / self._rate(len(e.generating)), "engine", (idx, e.epoch))
+
+    def _begin_turn(self, ep: _Episode) -> None:
+        if ep.version < 0:
+            ep.version = self.engine_version
+        ep.turn_tokens = max(1, round(self.w.tokens_per_turn.sample(self.rng)))
+        ep.remaining = float(ep.turn_tokens)
+        ep.generating = True
+        e = self.engines[ep.engine]
+        self._advance(e)
+        e.waiting.append(ep)
+        self._reschedule(ep.engine)
+
+    def _on_engine(self, idx: int, epoch: int) -> None:
+        e = self.engines[idx]
+        if epoch != e.epoch:
+            return
+        self._advance(e)
+        done = [ep for ep in e.generating.values() if ep.remaining <= 1e-9]
+        for ep in done:
+            del e.generating[ep.serial]
+            ep.tokens += ep.turn_tokens
+            ep.generating = False
+            self.stats["generated"] += ep.turn_tokens
+            ep.turns_left -= 1
+            if ep.turns_left <= 0:
+                self._finish(ep)
+            else:
+                self._push(self.t + self.w.tool_latency_s.sample(self.rng), "tool", ep)
+        self._reschedule(idx)
+
+    # -- admission, training --------------------------------------------------------------
+    def _may_start(self) -> bool:
+        if len(self.in_flight) >= self.slots:
+            return False
+        if self.s.mode == "overprovision":
+            # On-policy: start only on the current weights, while no step is under way.
+            return (not self.training and self.engine_version == self.version
+                    and self.gate.outstanding < self.slots)
+        return self.gate.may_start(self.version, self.engine_version)
+
+    def _partial(self, ep: _Episode) -> int:
+        """Tokens an episode has sampled so far (its finished turns and the current one's part),
+        counted into `generated` when it leaves unfinished."""
+        part = ep.turn_tokens - max(0.0, ep.remaining) if ep.generating else 0.0
+        self.stats["generated"] += int(part)
+        return ep.tokens + int(part)
+
+    def _fill(self) -> None:
+        while self.steps < self.s.steps and self._may_start():
+            self.serial += 1
+            idx = min(range(len(self.engines)), key=lambda i: self.engines[i].assigned)
+            ep = _Episode(self.serial, idx, max(1, round(self.w.turns.sample(self.rng))))
+            self.engines[idx].assigned += 1
+            self.in_flight[ep.serial] = ep
+            self.gate.started()
+            self.stats["started"] += 1
+            self._begin_turn(ep)
+
+    def _finish(self, ep: _Episode) -> None:
+        self.engines[ep.engine].assigned -= 1
+        del self.in_flight[ep.serial]
+        self.ready.append(ep)
+
+    def _try_train(self) -> None:
+        if self.training or self.steps >= self.s.steps or len(self.ready) < self.s.batch_size:
+            return
+        batch: list[_Episode] = []
+        while self.ready and len(batch) < self.s.batch_size:
+            ep = self.ready.popleft()
+            staleness = self.version - ep.version
+            if staleness > self.gate.max_staleness:
+                self.gate.dropped += 1
+                self.gate.histogram[staleness] += 1
+                self.gate.settled()
+                self.stats["wasted"] += ep.tokens
+                continue
+            batch.append(ep)
+        if len(batch) < self.s.batch_size:
+            self.ready.extendleft(reversed(batch))
+            return
+        for ep in batch:
+            self.gate.histogram[self.version - ep.version] += 1
+        if self.s.mode == "overprovision":
+            self._cancel_in_flight()
+        tokens = sum(ep.tokens for ep in batch)
+        duration = self.c.train_step_s + self.c.train_s_per_token * tokens + self.c.sync_s
+        self.training = True
+        self._set_paused(self.c.colocated)
+        self.trainer_busy_s += duration
+        self._push(self.t + duration, "trained", batch)
+
+    def _cancel_in_flight(self) -> None:
+        """Overprovisioned on-policy sync: the episodes still running when B have finished are
+        cancelled (their tokens are wasted) and their tasks re-queued for the next version."""
+        for ep in list(self.in_flight.values()):
+            ep.cancelled = True
+            e = self.engines[ep.engine]
+            self._advance(e)
+            e.generating.pop(ep.serial, None)
+            e.assigned -= 1
+            self.stats["wasted"] += self._partial(ep)
+            self.stats["cancelled"] += 1
+            self.gate.settled()
+            del self.in_flight[ep.serial]
+        for idx in range(len(self.engines)):
+            self._reschedule(idx)
+        # Finished beyond the first B: training them later would be off-policy; also cancelled.
+        while self.ready:
+            ep = self.ready.pop()
+            self.stats["wasted"] += ep.tokens
+            self.stats["cancelled"] += 1
+            self.gate.settled()
+
+    def _on_trained(self, batch: list[_Episode]) -> None:
+        self.training = False
+        self.version += 1
+        self.engine_version = self.version
+        self.steps += 1
+        self.gate.settled(len(batch))
+        self.stats["trained"] += len(batch)
+        self.stats["trained_tokens"] += sum(ep.tokens for ep in batch)
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused == self.paused:
+            return
+        for e in self.engines:
+            self._advance(e)
+        self.paused = paused
+        for idx in range(len(self.engines)):
+            self._reschedule(idx)
+
+    def _on_elastic(self) -> None:
+        interval = self.s.elastic_interval_s
+        load = LoadSignals(trainer_idle_frac=max(0.0, 1 - self.window["busy"] / interval),
+                           ready=len(self.ready), gate_blocked_frac=self.window["blocked"] / interval,
+                           batch_size=self.s.batch_size)
+        new, reason = decide_slots(self.slots, self.min_slots, self.max_slots, load)
+        if reason:
+            self.slots = new
+            self.slot_changes += 1
+        self.window.clear()
+        self._push(self.t + interval, "elastic")
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        elastic = self.min_slots != self.max_slots
+        if elastic:
+            self._push(self.s.elastic_interval_s, "elastic")
+        self._fill()
+        while self.steps < self.s.steps:
+            if not self.events:
+                raise RuntimeError(f"simulation stalled at t={self.t:.3f}s after {self.steps} steps "
+                                   f"({len(self.in_flight)} in flight, {len(self.ready)} ready, "
+                                   f"slots {self.slots})")
+            t, _, kind, data = heapq.heappop(self.events)
+            dt = t - self.t
+            if dt > 0:
+                if self.training:
+                    self.window["busy"] += dt
+                elif len(self.in_flight) < self.slots and not self._may_start():
+                    self.gate_blocked_s += dt
+                    self.window["blocked"] += dt
+            self.t = t
+            if kind == "engine":
+                self._on_engine(*data)
+            elif kind == "tool":
+                if not data.cancelled:
+                    self._begin_turn(data)
+            elif kind == "trained":
+                self._on_trained(data)
+            elif kind == "elastic":
+                self._on_elastic()
+            self._try_train()
+            self._fill()
+        for e in self.engines:
+            self._advance(e)
+        unsettled = (sum(self._partial(ep) for ep in self.in_flight.values())
+                     + sum(ep.tokens for ep in self.ready))
+        wall = self.t
+        busy = sum(e.busy_s for e in self.engines) / len(self.engines)
+        return SimResult(
+            label=self.s.label(), wall_s=wall, steps=self.steps, trained=self.stats["trained"],
+            trained_tokens=self.stats["trained_tokens"], generated_tokens=self.stats["generated"],
+            dropped=self.gate.dropped, cancelled=self.stats["cancelled"],
+            wasted_tokens=self.stats["wasted"] + unsettled,
+            trainer_idle_frac=max(0.0, 1 - self.trainer_busy_s / wall) if wall else 0.0,
+            engine_busy_frac=busy / wall if wall else 0.0,
+            staleness=dict(self.gate.histogram), slot_changes=self.slot_changes)
+
+
+def simulate(workload: Workload, cluster: Cluster, schedule: Schedule, seed: int = 0) -> SimResult:
+    """One simulated run."""
+    return Simulation(workload, cluster, schedule, seed).run()
+
+
+def standard_modes(schedule: Schedule) -> list[Schedule]:
+    """The modes every comparison reports, at equal trained trajectories: sync; overprovisioned
+    sync (x1.5, x2); sync at the concurrency of async N=2 (batch 3B, a third of the steps);
+    async at staleness 1, 2, 4."""
+    b, steps = schedule.batch_size, schedule.steps
+    return ([replace(schedule, mode="async", max_staleness=0)]
+            + [replace(schedule, mode="overprovision", overprovision=k, max_staleness=0) for k in (1.5, 2.0)]
+            + [replace(schedule, mode="async", max_staleness=0, batch_size=3 * b, steps=max(1, steps // 3))]
+            + [replace(schedule, mode="async", max_staleness=n) for n in (1, 2, 4)])
+
+
+# Named starting points for `tiderl simulate --scenario`. They are assumptions to explore with,
+# not measurements (except where a benchmark calibrates them); every field can be overridden.
+SCENARIOS: dict[str, tuple[Workload, Cluster, Schedule]] = {
+    # The shape of benchmarks/async_vs_sync.py's workload on this machine: three short turns,
+    # heavy-tailed tool latency (mean 1 s, sigma 1.5, cap 30 s), one engine, a sub-second step.
+    "tiny-lognormal": (
+        Workload(Dist("const", 3), Dist("lognormal", 30, 0.5, 200), Dist("lognormal", 1.0, 1.5, 30)),
+        Cluster(engines=1, engine_max_seqs=256, decode_step_s=0.002, decode_step_per_seq_s=0.0001,
+                train_step_s=1.0, sync_s=0.05),
+        Schedule(batch_size=32, steps=60)),
+    # A disaggregated agentic deployment of the seeds' papers' kind: 64 engines, batch 512,
+    # long episodes with long-tailed turns and tools, a minute per optimizer step.
+    "agentic-cluster": (
+        Workload(Dist("lognormal", 8, 0.5, 40), Dist("lognormal", 300, 1.0, 8192),
+                 Dist("lognormal", 2.0, 1.0, 120)),
+        Cluster(engines=64, engine_max_seqs=64, decode_step_s=0.02, decode_step_per_seq_s=0.0003,
+                train_step_s=60.0, sync_s=5.0),
+        Schedule(batch_size=512, steps=40)),
+    # Long-tailed generation and no tool latency: decoding is the whole episode.
+    "long-generation": (
+        Workload(Dist("const", 1), Dist("lognormal", 2000, 1.0, 16384), Dist("const", 0.0)),
+        Cluster(engines=16, engine_max_seqs=64, decode_step_s=0.02, decode_step_per_seq_s=0.0003,
+                train_step_s=30.0, sync_s=3.0),
+        Schedule(batch_size=256, steps=40)),
+}
+
+
+@dataclass
+class ModeSummary:
+    """One mode over several seeds: the mean and a 95 % interval (t-distribution) of each figure."""
+
+    label: str
+    results: list[SimResult]
+
+    @staticmethod
+    def _interval(values: list[float]) -> tuple[float, float]:
+        n = len(values)
+        mean = sum(values) / n
+        if n < 2:
+            return mean, 0.0
+        var = sum((v - mean) ** 2 for v in values) / (n - 1)
+        # Two-sided 95 % t quantiles for small n (n - 1 degrees of freedom).
+        t = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}.get(n - 1, 1.96)
+        return mean, t * math.sqrt(var / n)
+
+    def figure(self, name: str) -> tuple[float, float]:
+        return self._interval([float(getattr(r, name)) for r in self.results])
+
+
+def compare(workload: Workload, cluster: Cluster, schedules: list[Schedule], seeds: int = 3) -> list[ModeSummary]:
+    """Every schedule over `seeds` seeds (the same seeds for every mode)."""
+    return [ModeSummary(s.label(), [simulate(workload, cluster, s, seed) for seed in range(seeds)])
+            for s in schedules]
+
+
+def strongest_sync(summaries: list[ModeSummary]) -> ModeSummary:
+    """The synchronous (on-policy) mode with the highest mean trained tokens per second."""
+    sync = [m for m in summaries if not m.label.startswith("async")]
+    return max(sync, key=lambda m: m.figure("trained_tokens_per_s")[0])
