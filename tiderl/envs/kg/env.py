@@ -3,6 +3,12 @@
 An episode: the agent reads a question, calls the seven KG tools (see `tools.py`), and ends
 with `Final Answer: #k`, naming a variable. Only a variable is accepted as the final answer,
 not entity names written out: the tools build the answer set, the text only points at it.
+The words are matched in any case (`FINAL ANSWER: #0` is an answer); "final answer:" not
+followed by a variable, or "final answer #k" without the colon, gets an error observation that
+shows the form.
+
+After the episode ends (an answer, or `finish`), `step` raises RuntimeError until the next
+`reset(task)`: a caller bug (the agent loop never does it), not a second chance to score.
 
 Reward (`outcome`): 1.0 iff the predicted set equals the gold set (`task.answer`, a list or
 set of entity names), else 0.0. Precision, recall and F1 are logged as scores. When
@@ -27,6 +33,7 @@ import copy
 import re
 from typing import Any
 
+from tiderl.agent.text import shown
 from tiderl.envs.kg.backend import KGBackend
 from tiderl.envs.kg.tools import KGToolbox, ObservationLimits
 from tiderl.envs.protocol import Action, StepResult, Task
@@ -36,15 +43,17 @@ DEFAULT_SYSTEM_PROMPT = (
     "When a variable holds the answer, reply with Final Answer: #k."
 )
 
-_FINAL_ANSWER = re.compile(r"Final\s*Answer\s*:\s*#\s*(\d+)")
-_FINAL_ANSWER_WORDS = re.compile(r"Final\s*Answer\s*:")
+# Case-insensitive, so FINAL ANSWER: #0 and final answer: #0 count as Final Answer: #0. An
+# attempt at one (the words then a colon or a #) that does not parse gets _BAD_FINAL_ANSWER.
+_FINAL_ANSWER = re.compile(r"final\s*answer\s*:\s*#\s*(\d+)", re.IGNORECASE)
+_FINAL_ANSWER_WORDS = re.compile(r"final\s*answer\s*[:#]", re.IGNORECASE)
 
 _NO_ACTION = (
     "No tool call and no final answer. Call a tool as <tool_call>{...}</tool_call> "
     "or reply with Final Answer: #k."
 )
 _BAD_FINAL_ANSWER = (
-    "Error: the final answer must be a variable, e.g. Final Answer: #0. "
+    "Error: the final answer must be a variable, written as Final Answer: #k (e.g. Final Answer: #0). "
     "Build the answer set with the tools first."
 )
 
@@ -117,6 +126,7 @@ class KGEnv:
         self.toolbox: KGToolbox | None = None
         self._task: Task | None = None
         self._parse_errors = 0
+        self._ended = False
 
     def system_prompt(self) -> str:
         """The short instruction: use the tools, end with `Final Answer: #k`."""
@@ -136,18 +146,24 @@ class KGEnv:
         )
         self._task = task
         self._parse_errors = 0
+        self._ended = False
         return task.prompt
 
     def step(self, action: Action) -> StepResult:
         """Answer parse errors and tool calls (one observation each, in order); a
-        `Final Answer: #k` in the text ends and scores the episode (after the turn's calls run)."""
+        `Final Answer: #k` in the text ends and scores the episode (after the turn's calls run).
+        RuntimeError when the episode has ended (see the module docstring)."""
         toolbox = self._require_episode()
+        if self._ended:
+            raise RuntimeError("KGEnv.step called after the episode ended (a final answer or finish); "
+                               "call reset(task) first to start a new episode")
         observations = [f"Error: {e}" for e in action.parse_errors]
         self._parse_errors += len(action.parse_errors)
         observations += [toolbox.call(c.name, c.arguments) for c in action.tool_calls]
 
         final = _FINAL_ANSWER.search(action.text)
         if final is not None:
+            self._ended = True
             return self._score(f"#{final.group(1)}")
         if _FINAL_ANSWER_WORDS.search(action.text):
             observations.append(_BAD_FINAL_ANSWER)
@@ -158,6 +174,7 @@ class KGEnv:
     def finish(self, reason: str) -> StepResult:
         """End without an answer (turn/token limit): reward 0, the same info keys as an answer."""
         toolbox = self._require_episode()
+        self._ended = True
         info = self._counters() | {
             "success": 0.0, "f1": 0.0, "precision": 0.0, "recall": 0.0,
             "reward_parts": {"outcome": 0.0}, "answer_size": 0, "finish_reason": reason,
@@ -184,7 +201,7 @@ class KGEnv:
         if predicted is None:
             result = self.finish("answer_error")
             result.info["answer_error"] = (
-                f"final answer {ref} names no variable (variables: {len(self.toolbox.variables)})"
+                f"final answer {shown(ref)} names no variable (variables: {len(self.toolbox.variables)})"
             )
             return result
         meta = self._task.meta
