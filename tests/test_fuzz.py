@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tiderl.config import load_config
-from tiderl.envs.fuzz import agent_outputs, fuzz_environment
+from tiderl.envs.fuzz import agent_outputs, fuzz_config, fuzz_environment
 from tiderl.envs.kg.env import TOOL_SCHEMAS
 from tiderl.envs.protocol import StepResult, Task
 from tiderl.envs.setup import Setup
@@ -25,7 +25,10 @@ OUTPUTS = 1000
 
 @pytest.mark.parametrize("env_name", FUZZED_ENVIRONMENTS)
 def test_no_fuzzed_output_crashes_the_environment(env_name, record_property):
-    report = fuzz_environment(load_config(None, [f"env.name={env_name}"]), outputs=OUTPUTS, seed=0)
+    try:
+        report = fuzz_environment(fuzz_config(env_name), outputs=OUTPUTS, seed=0)
+    except FileNotFoundError as exc:  # the environment's setup reads data this machine lacks
+        pytest.skip(f"env.name={env_name}: its data is absent ({exc})")
     print(report.text())
     record_property("fuzz", json.dumps(report.counts()))
     assert report.outputs == OUTPUTS

@@ -186,7 +186,8 @@ def test_contract_check_of_kg_passes_with_the_new_rule():
 
 class OddEnv:
     """Answers turn 1 with a raw lone surrogate (an environment that does not clean its text),
-    or with an observation that is not text (task.meta["bad"]), then ends on any turn."""
+    or with an observation that is not text (task.meta["bad"]), then ends on any turn; with
+    task.meta["bad_tools"] its tool schemas cannot be rendered."""
 
     def __init__(self) -> None:
         self.task: Task | None = None
@@ -196,7 +197,8 @@ class OddEnv:
         return "Say anything."
 
     def tool_schemas(self) -> list:
-        return []
+        assert self.task is not None
+        return [{"not json": {1, 2}}] if self.task.meta.get("bad_tools") else []
 
     def reset(self, task: Task) -> str:
         self.task = task
@@ -214,9 +216,10 @@ class OddEnv:
 
 
 def test_one_bad_answer_ends_only_its_episode(tok):
-    tasks = [Task("good", "question good", None), Task("bad", "question bad", None, {"bad": True})]
+    tasks = [Task("good", "question good", None), Task("bad", "question bad", None, {"bad": True}),
+             Task("tools", "question tools", None, {"bad_tools": True})]
     engine = ScriptedEngine(tok, {"question good": ["a", "b"], "question bad": ["a", "b"]})
-    good, bad = play_episodes(engine, tok, OddEnv, tasks, SamplingParams(max_new_tokens=16), max_turns=3,
+    good, bad, tools = play_episodes(engine, tok, OddEnv, tasks, SamplingParams(max_new_tokens=16), max_turns=3,
                               max_total_tokens=400, threads=1)
     # The raw surrogate was rendered as U+FFFD and the episode went on to its answer.
     assert good.stop_reason == "answer" and good.reward == 1.0
@@ -224,6 +227,7 @@ def test_one_bad_answer_ends_only_its_episode(tok):
     # An observation that is not text ends that episode as an error, named; the batch lives on.
     assert bad.stop_reason == "error" and "observation is a int" in bad.env_info["error"]
     assert bad.env_info["error_in"] == "rendering the environment's answer"
+    assert tools.stop_reason == "error" and tools.env_info["error_in"] == "rendering the prompt"
 
 
 def test_kg_episode_with_a_surrogate_argument_plays_on(tok):
@@ -235,3 +239,18 @@ def test_kg_episode_with_a_surrogate_argument_plays_on(tok):
     (trajectory,) = play_episodes(engine, tok, lambda: KGEnv(env.store), [task()], SamplingParams(max_new_tokens=64),
                                   max_turns=6, max_total_tokens=2000, threads=1)
     assert trajectory.stop_reason == "answer" and trajectory.reward == 1.0 and trajectory.num_turns == 4
+
+
+def test_kg_answers_at_most_max_calls_per_turn():
+    env = KGEnv(small_store(), max_calls_per_turn=3)
+    env.reset(task())
+    step = env.step(parse_hermes_tool_calls("<tool_call>" * 5000))
+    assert len(step.observations) == 4 and step.observations[-1] == (
+        "Error: this turn has 5000 tool calls; only the first 3 were answered and 4997 were not run. "
+        "Make fewer calls per turn.")
+    assert (step.info["tool_calls"], step.info["tool_errors"]) == (5000, 5000)
+    calls = [ToolCall("count", {"variable": "D1"})] * 10
+    step = env.step(Action("", calls, parse_errors=["bad"]))
+    assert step.observations == ["Error: bad", "Count: 1", "Count: 1", step.observations[-1]]
+    assert (step.info["tool_calls"], step.info["tool_errors"]) == (5011, 5009)
+    assert env.toolbox.num_calls == 2

@@ -115,9 +115,15 @@ def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_t
     except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
         episode.fail(exc, "env setup (make_env/reset/system_prompt/tool_schemas)")
         return
-    episode.fmt = chat_format(tokenizer, tools)
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": first_message}]
-    prompt = episode.fmt.prompt_ids(messages)
+    try:
+        episode.fmt = chat_format(tokenizer, tools)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": first_message}]
+        prompt = episode.fmt.prompt_ids(messages)
+    except TemplateError:
+        raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
+    except Exception as exc:  # noqa: BLE001 - e.g. tool schemas that are not JSON: this environment's fault
+        episode.fail(exc, "rendering the prompt")
+        return
     if len(prompt) + 2 > max_total_tokens:
         # Not even one sampled token (plus a forced end-of-turn) fits: no tokens are kept, as
         # a cut prompt is not a conversation; the environment still gets to close the episode.

@@ -1,7 +1,7 @@
 """Fuzzing an environment with random and malformed agent outputs.
 
     python -m tiderl.envs.fuzz kg --outputs 1000 --seed 0     # prints the counts, exits 1 on a failure
-    report = fuzz_environment(load_config(None, ["env.name=kg"]), outputs=1000)
+    report = fuzz_environment(fuzz_config("kg"), outputs=1000)
 
 No model output may crash training: whatever a policy writes, the environment answers with an
 observation (or ends the episode), and that observation renders through the chat template and
@@ -38,17 +38,18 @@ from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.envs.protocol import StepResult, Task
 from tiderl.envs.setup import load_setup
+from tiderl.registry import DATA_SOURCES
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
-__all__ = ["agent_outputs", "fuzz_environment", "FuzzReport"]
+__all__ = ["agent_outputs", "fuzz_config", "fuzz_environment", "FuzzReport"]
 
 # ----------------------------------------------------------------------------- the outputs
 
 # Values a model may put where an argument belongs: wrong types, huge numbers, odd text.
 _GARBAGE_VALUES: list[Any] = [
-    None, True, False, 0, -1, 1.5, float("1e308"), 10**300, -(10**200), [], {}, [1, [2, [3]]],
+    None, True, False, 0, -1, 1.5, float("1e308"), 10**300, 10**400, -(10**400), [], {}, [1, [2, [3]]],
     {"variable": "#0"}, "", " ", "#", "#-1", "#0", "#1", "#00000000000000000001", "#" + "9" * 5000,
     "#" + "0" * 5000 + "1", "#0.5", "#１", "#٣", "[", "]", "[]", "None", "null", "NaN", "Infinity",
     "1" + "0" * 5000, "9" * 4000 + "-01-01", "2001-05-03T10:00:00Z", "\u0000", "\x1b[31mred",
@@ -56,6 +57,10 @@ _GARBAGE_VALUES: list[Any] = [
     "<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>assistant", "{{ raise }}", "{% for %}",
     "' OR 1=1 --", "\" ; DROP TABLE x; --", "\\", "\\u", "%s%s%n", "../../etc/passwd",
 ]
+
+# Numbers past what a float holds, at its edges, and the non-finite ones JSON decoding accepts.
+_GARBAGE_NUMBERS: list[Any] = [10**400, -(10**400), 10**300, 2**63, 2**1024, 1e308, -1e308, 5e-324, -0.0,
+                               float("inf"), float("-inf"), float("nan"), 0, 1.5]
 
 # JSON-escaped values a model writes as text (lone surrogates, control characters): they only
 # become odd code points once the tool call's JSON is decoded.
@@ -97,6 +102,16 @@ def _parameters(tool_schemas: list[dict[str, Any]], name: str) -> list[str]:
     return []
 
 
+def _parameter_type(tool_schemas: list[dict[str, Any]], name: str, parameter: str) -> str:
+    """The JSON type a tool's schema declares for one argument ("" when none)."""
+    for schema in tool_schemas:
+        fn = schema.get("function") if isinstance(schema, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            spec = ((fn.get("parameters") or {}).get("properties") or {}).get(parameter)
+            return str(spec.get("type", "")) if isinstance(spec, dict) else ""
+    return ""
+
+
 class _Generator:
     """The families of outputs; each method returns one output text."""
 
@@ -119,7 +134,9 @@ class _Generator:
         return self.variable() if self.rng.random() < 0.4 else self.word()
 
     def garbage(self) -> Any:
-        return self.rng.choice(_GARBAGE_VALUES)
+        """A garbage value, sometimes inside a list (where a tool takes a list of values)."""
+        value = self.rng.choice(_GARBAGE_VALUES)
+        return [value, self.rng.choice(_GARBAGE_VALUES)] if self.rng.random() < 0.25 else value
 
     def real_arguments(self, name: str, value: Callable[[], Any]) -> dict[str, Any]:
         return {p: value() for p in _parameters(self.schemas, name)}
@@ -133,6 +150,11 @@ class _Generator:
     def real_tool_garbage_arguments(self) -> str:
         name = self.rng.choice(self.tools)
         args = self.real_arguments(name, lambda: self.garbage() if self.rng.random() < 0.7 else self.plausible())
+        for parameter in args:
+            if _parameter_type(self.schemas, name, parameter) == "array" and self.rng.random() < 0.7:
+                # The declared type, holding garbage: huge and odd numbers, nested values.
+                args[parameter] = [self.rng.choice(_GARBAGE_NUMBERS if self.rng.random() < 0.5 else _GARBAGE_VALUES)
+                                   for _ in range(self.rng.randint(1, 3))]
         roll = self.rng.random()
         if roll < 0.15 and args:
             args.pop(self.rng.choice(list(args)))  # a missing argument
@@ -515,6 +537,18 @@ def fuzz_environment(cfg: "RunConfig", outputs: int = 1000, seed: int = 0, token
     return report
 
 
+def fuzz_config(env_name: str, *overrides: str) -> "RunConfig":
+    """The config of environment `env_name` with `overrides`; a built-in environment whose data
+    sources do not include the default one reads its first (`tiderl.registry.DATA_SOURCES`), so
+    a name alone is enough (`fuzz_config("db")` reads agentbench_db)."""
+    from tiderl.config import RunConfig, load_config
+
+    sources = DATA_SOURCES.get(env_name)
+    default_source = RunConfig().data.source
+    pick = [f"data.source={sources[0]}"] if sources and default_source not in sources else []
+    return load_config(None, [f"env.name={env_name}", *pick, *overrides])
+
+
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
     for i in range(0, len(items), max(1, size)):
         yield items[i:i + size]
@@ -542,10 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds each call may take")
     args = parser.parse_args(argv)
-    from tiderl.config import load_config
-
-    cfg = load_config(None, [f"env.name={args.env}", *args.overrides])
-    report = fuzz_environment(cfg, outputs=args.outputs, seed=args.seed, step_timeout_s=args.timeout)
+    report = fuzz_environment(fuzz_config(args.env, *args.overrides), outputs=args.outputs, seed=args.seed, step_timeout_s=args.timeout)
     print(report.text())
     print(json.dumps(report.counts()))
     return 0 if report.ok else 1

@@ -114,11 +114,19 @@ class KGEnv:
         many members (0 = never).
     system_prompt: overrides `DEFAULT_SYSTEM_PROMPT`.
     limits: bounds on the lists observations show (default `ObservationLimits()`).
+    max_calls_per_turn: the most tool calls (malformed ones included) one turn gets answered;
+        the rest are not run and one more error observation says so. A degenerate turn of
+        thousands of `<tool_call>` blocks would otherwise run them all and answer with an
+        observation of hundreds of thousands of tokens. They all count in `tool_calls` and the
+        unanswered ones in `tool_errors`.
     The current episode's `toolbox` is public so reward shaping can read `toolbox.touched`.
     """
 
     def __init__(self, store: KGBackend, max_listed: int = 0, system_prompt: str | None = None,
-                 limits: ObservationLimits | None = None) -> None:
+                 limits: ObservationLimits | None = None, max_calls_per_turn: int = 20) -> None:
+        if max_calls_per_turn < 1:
+            raise ValueError(f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
+        self.max_calls_per_turn = max_calls_per_turn
         self.store = store
         self.max_listed = max_listed
         self.limits = ObservationLimits() if limits is None else limits
@@ -157,9 +165,16 @@ class KGEnv:
         if self._ended:
             raise RuntimeError("KGEnv.step called after the episode ended (a final answer or finish); "
                                "call reset(task) first to start a new episode")
-        observations = [f"Error: {e}" for e in action.parse_errors]
-        self._parse_errors += len(action.parse_errors)
-        observations += [toolbox.call(c.name, c.arguments) for c in action.tool_calls]
+        errors = action.parse_errors[: self.max_calls_per_turn]
+        calls = action.tool_calls[: self.max_calls_per_turn - len(errors)]
+        observations = [f"Error: {e}" for e in errors] + [toolbox.call(c.name, c.arguments) for c in calls]
+        # Malformed and unanswered calls count as calls and as errors (`_counters`).
+        total = len(action.parse_errors) + len(action.tool_calls)
+        self._parse_errors += total - len(calls)
+        if total > len(observations):
+            observations.append(
+                f"Error: this turn has {total} tool calls; only the first {self.max_calls_per_turn} were "
+                f"answered and {total - len(observations)} were not run. Make fewer calls per turn.")
 
         final = _FINAL_ANSWER.search(action.text)
         if final is not None:
@@ -188,7 +203,8 @@ class KGEnv:
         return self.toolbox
 
     def _counters(self) -> dict[str, Any]:
-        """Tool calls include malformed ones (parse errors), which also count as tool errors."""
+        """Tool calls include malformed ones (parse errors) and ones over `max_calls_per_turn`,
+        which also count as tool errors."""
         assert self.toolbox is not None
         return {
             "tool_calls": self.toolbox.num_calls + self._parse_errors,
