@@ -254,3 +254,17 @@ def test_kg_answers_at_most_max_calls_per_turn():
     assert step.observations == ["Error: bad", "Count: 1", "Count: 1", step.observations[-1]]
     assert (step.info["tool_calls"], step.info["tool_errors"]) == (5011, 5009)
     assert env.toolbox.num_calls == 2
+
+
+def test_kg_on_sparql_reads_a_surrogate_argument_as_an_unknown_entity():
+    # The SPARQL backend builds IRIs from arguments (UTF-8 percent-encoding): a lone surrogate
+    # raised UnicodeEncodeError there. Arguments are valid text before any backend sees them.
+    from test_kg_backends import SCHEMA, small_graph
+    from tiderl.envs.kg.rdf import to_ntriples
+    from tiderl.envs.kg.sparql import OxigraphClient, SparqlBackend
+
+    env = KGEnv(SparqlBackend(OxigraphClient.from_rdf(to_ntriples(small_graph(), SCHEMA), "nt"), SCHEMA))
+    env.reset(task())
+    step = env.step(parse_hermes_tool_calls(SURROGATE_CALL.replace("\\ud83d", "D1\\udc00")))
+    assert step.observations == ["Error: entity 'D1\ufffd' not found. Use an exact entity name from the question "
+                                 "or a variable like #0."]

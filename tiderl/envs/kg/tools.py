@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from tiderl.agent.text import shown
+from tiderl.agent.text import shown, valid_text
 from tiderl.envs.kg.backend import BackendError, BackendLimitError, KGBackend
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ def _signature(name: str) -> str:
 
 
 def _check_arguments(name: str, arguments: Any) -> dict[str, str]:
-    """The arguments of `name` as strings, or ToolError naming what is missing/extra/mistyped."""
+    """The arguments of `name` as stripped valid text (`valid_text`), or ToolError naming what
+    is missing/extra/mistyped."""
     if not isinstance(arguments, dict):
         raise ToolError(
             f"arguments of {name} must be a JSON object, got {type(arguments).__name__}. "
@@ -143,7 +144,9 @@ def _check_arguments(name: str, arguments: Any) -> dict[str, str]:
                 f"argument '{a}' of {name} must be a string (a variable like #0 or an entity name), "
                 f"got {type(arguments[a]).__name__}."
             )
-    return {a: arguments[a].strip() for a in expected}
+    # Valid text: a lone surrogate (a JSON escape the model wrote) names nothing in any graph,
+    # and a backend that encodes its arguments (an IRI, a query) would raise on it.
+    return {a: valid_text(arguments[a]).strip() for a in expected}
 
 
 def _describe(ref: str) -> str:
