@@ -19,10 +19,10 @@ What is checked (tiderl.envs.protocol has the contract in words):
 7. with an oracle (`Setup.oracle`), its scripted turns solve at least one of the first held-out
    tasks, and every final result's `reward_parts` sum to its reward;
 8. for a built-in environment (a name in `tiderl.registry.ENVIRONMENTS`): `step` after the
-   episode ended (after `finish`, and after an oracle's answer) raises RuntimeError whose message says to call
-   `reset(task)` first. One rule for every built-in environment: a step after the end is a
-   caller bug (the agent loop never makes one), not a second chance to score. Your own
-   environment need not follow it, as nothing in tiderl steps an ended episode.
+   episode ended (after `finish`, and after an oracle's answer) raises RuntimeError whose
+   message says to call `reset(task)` first. One rule for every built-in environment: a step
+   after the end is a caller bug (the agent loop never makes one), not a second chance to
+   score. Your own environment need not follow it, as nothing in tiderl steps an ended episode.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def _check_step_after_end(report: Report, env: Any, ended_by: str) -> None:
         result = env.step(Action("Final Answer: #0"))
     except RuntimeError as exc:
         says_reset = "reset" in str(exc)
-        report.add(name, says_reset, "" if says_reset else f"its message {str(exc)!r:.120} does not say to call reset(task)")
+        report.add(name, says_reset,
+                   "" if says_reset else f"its message {str(exc)!r:.120} does not say to call reset(task)")
     except Exception as exc:  # noqa: BLE001 - the wrong exception is what this reports
         report.add(name, False, f"raised {type(exc).__name__}: {exc}"[:200])
     else:

@@ -30,7 +30,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -314,8 +314,8 @@ class _Generator:
                 self.mutated_seed, self.seed, self.prose]
 
 
-def agent_outputs(count: int, seed: int, tool_schemas: list[dict[str, Any]], words: list[str] = (),  # type: ignore[assignment]
-                  seeds: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+def agent_outputs(count: int, seed: int, tool_schemas: list[dict[str, Any]], words: Sequence[str] = (),
+                  seeds: Sequence[str] = ()) -> list[str]:
     """`count` agent outputs, the same for the same arguments (see the module docstring).
 
     tool_schemas: the environment's tools (their names and argument names are used).
@@ -576,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds each call may take")
     args = parser.parse_args(argv)
-    report = fuzz_environment(fuzz_config(args.env, *args.overrides), outputs=args.outputs, seed=args.seed, step_timeout_s=args.timeout)
+    report = fuzz_environment(fuzz_config(args.env, *args.overrides), outputs=args.outputs, seed=args.seed,
+                              step_timeout_s=args.timeout)
     print(report.text())
     print(json.dumps(report.counts()))
     return 0 if report.ok else 1

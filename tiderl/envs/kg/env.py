@@ -133,7 +133,7 @@ class KGEnv:
         self._system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.toolbox: KGToolbox | None = None
         self._task: Task | None = None
-        self._parse_errors = 0
+        self._unrun_calls = 0
         self._ended = False
 
     def system_prompt(self) -> str:
@@ -153,7 +153,7 @@ class KGEnv:
             count_creates_variable=bool(task.meta.get("count_creates_variable")),
         )
         self._task = task
-        self._parse_errors = 0
+        self._unrun_calls = 0
         self._ended = False
         return task.prompt
 
@@ -168,9 +168,10 @@ class KGEnv:
         errors = action.parse_errors[: self.max_calls_per_turn]
         calls = action.tool_calls[: self.max_calls_per_turn - len(errors)]
         observations = [f"Error: {e}" for e in errors] + [toolbox.call(c.name, c.arguments) for c in calls]
-        # Malformed and unanswered calls count as calls and as errors (`_counters`).
+        # Malformed calls and calls over the limit never reach the toolbox; they count as calls
+        # and as errors (`_counters`).
         total = len(action.parse_errors) + len(action.tool_calls)
-        self._parse_errors += total - len(calls)
+        self._unrun_calls += total - len(calls)
         if total > len(observations):
             observations.append(
                 f"Error: this turn has {total} tool calls; only the first {self.max_calls_per_turn} were "
@@ -207,8 +208,8 @@ class KGEnv:
         which also count as tool errors."""
         assert self.toolbox is not None
         return {
-            "tool_calls": self.toolbox.num_calls + self._parse_errors,
-            "tool_errors": self.toolbox.num_errors + self._parse_errors,
+            "tool_calls": self.toolbox.num_calls + self._unrun_calls,
+            "tool_errors": self.toolbox.num_errors + self._unrun_calls,
         }
 
     def _score(self, ref: str) -> StepResult:
