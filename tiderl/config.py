@@ -248,6 +248,10 @@ class AlgoConfig:
     kl_in_reward: bool = opt(
         False, "true: subtract kl_coef * KL from the rewards (per token; summed per trajectory "
         "for group estimators); false: add kl_coef * KL to the loss.")
+    kl_k3_clamp: float = opt(
+        10.0, "k3 only: each token's k3 is at most this; a token above it gets no KL gradient, "
+        "below it value and gradient are k3's own (|gradient| <= c + log(2c + 2)). Unclamped, "
+        "log pi - log pi_ref = -15 gives a value and gradient of 3.3e6.")
     entropy_coef: float = opt(0.0, "Entropy bonus: the loss gets -entropy_coef * mean entropy.")
     # ---- sampling-side shaping (DAPO)
     dynamic_sampling: bool = opt(
@@ -562,6 +566,8 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
         (("algo.behavior_weight_cap",), a.policy_loss == "decoupled_ppo",
          "only algo.policy_loss=decoupled_ppo reads it"),
         (("algo.kl_estimator", "algo.kl_in_reward"), a.kl_coef > 0, "algo.kl_coef=0 turns the KL term off"),
+        (("algo.kl_k3_clamp",), a.kl_coef > 0 and a.kl_estimator == "k3",
+         "only the k3 KL estimator reads it (algo.kl_coef > 0 and algo.kl_estimator=k3)"),
         (("algo.overlong_max_tokens", "algo.overlong_penalty"), a.overlong_buffer > 0,
          "algo.overlong_buffer=0 turns the overlong penalty off"),
         (("env.db_backend", "env.db_timeout_s"), e.name != "kg", "only env.name=db reads it"),
@@ -687,6 +693,8 @@ def validate(cfg: RunConfig) -> None:
          "seq-mean-token-sum-norm, else 0")
     need(a.actor_updates >= 1, "algo.actor_updates", "must be >= 1", "use 1")
     need(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0", "use 0 (off) or e.g. 0.04")
+    need(0 < a.kl_k3_clamp < float("inf"), "algo.kl_k3_clamp", f"{a.kl_k3_clamp} must be a positive "
+         "finite number", "use 10")
     need(a.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0", "use 0 (off) or e.g. 1e-3")
     need(a.overlong_buffer >= 0, "algo.overlong_buffer", "must be >= 0", "use 0 (off)")
     need(a.overlong_buffer == 0 or a.overlong_max_tokens > a.overlong_buffer,

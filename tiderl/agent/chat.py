@@ -8,6 +8,10 @@ conversation. `ChatFormat` derives them from the template itself by rendering a 
 conversation with and without the new messages and keeping the difference; this works for any
 Hugging Face tokenizer whose template renders earlier turns the same way whatever follows them
 (prefix-consistent), and raises `TemplateError` naming the problem for one that does not.
+
+Everything rendered is made valid text first (`text.valid_text`): whatever an environment or a
+model put in a message (a lone surrogate echoed from a tool argument), the tokenizer can encode
+it.
 """
 
 from __future__ import annotations
@@ -16,10 +20,17 @@ import json
 import weakref
 from typing import Any
 
+from tiderl.agent.text import valid_text
+
 # The reference conversation: placeholders no template and no real message will contain.
 _REF_SYSTEM = "tiderl reference system message"
 _REF_USER = "tiderl reference user message"
 _REF_ASSISTANT = "tiderl reference assistant turn"
+
+# The user turn appended when an environment neither ends the episode nor returns any
+# observation (the turn had no tool call): a chat template needs a message between two
+# assistant turns, and the agent needs a nudge to go on.
+CONTINUE_MESSAGE = "Continue."
 
 
 class TemplateError(ValueError):
@@ -73,10 +84,11 @@ class ChatFormat:
         self._turn_prefix = turn_start + self.end_of_turn
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The template's text for `messages` (with this format's tools)."""
-        return self.tokenizer.apply_chat_template(
+        """The template's text for `messages` (with this format's tools), as valid text: code
+        points UTF-8 cannot encode are replaced (`valid_text`), so it always tokenizes."""
+        return valid_text(self.tokenizer.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        ))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered template text.
@@ -100,6 +112,22 @@ class ChatFormat:
     def user_message_ids(self, content: str) -> list[int]:
         """Like `observation_ids`, for an environment that answers in a plain user turn."""
         return self._continuation_ids([{"role": "user", "content": content}])
+
+    def answer_ids(self, observations: list[str], continue_message: str = CONTINUE_MESSAGE) -> list[int]:
+        """The tokens of an environment's answer to a turn, as an episode gets them: the
+        observations as tool messages (`observation_ids`), or `continue_message` as a user turn
+        when there is none. TypeError, naming the problem, when `observations` is not a list of
+        text (a bug of the environment, not of the model)."""
+        if not isinstance(observations, list):
+            raise TypeError(f"StepResult.observations is a {type(observations).__name__}; an environment must "
+                            "return a list of str")
+        bad = next((o for o in observations if not isinstance(o, str)), None)
+        if bad is not None:
+            raise TypeError(f"an observation is a {type(bad).__name__} ({bad!r:.80}); an environment must return "
+                            "each observation as str")
+        if observations:
+            return self.observation_ids(observations)
+        return self.user_message_ids(continue_message)
 
     def _continuation_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
         full = self.render([*self._base, self._assistant, *new_messages], add_generation_prompt=True)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiderl.agent.chat import ChatFormat, chat_format
+from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, TemplateError, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
@@ -31,10 +31,7 @@ from tiderl.types import NO_VERSION, Trajectory
 
 logger = logging.getLogger(__name__)
 
-# The user turn appended when an environment neither ends the episode nor returns any
-# observation (the turn had no tool call): a chat template needs a message between two
-# assistant turns, and the agent needs a nudge to go on.
-CONTINUE_MESSAGE = "Continue."
+__all__ = ["CONTINUE_MESSAGE", "ScriptedEngine", "play_episode", "play_episodes"]
 
 
 @dataclass
@@ -118,9 +115,15 @@ def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_t
     except Exception as exc:  # noqa: BLE001 - one environment's failure must not end the batch
         episode.fail(exc, "env setup (make_env/reset/system_prompt/tool_schemas)")
         return
-    episode.fmt = chat_format(tokenizer, tools)
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": first_message}]
-    prompt = episode.fmt.prompt_ids(messages)
+    try:
+        episode.fmt = chat_format(tokenizer, tools)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": first_message}]
+        prompt = episode.fmt.prompt_ids(messages)
+    except TemplateError:
+        raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
+    except Exception as exc:  # noqa: BLE001 - e.g. tool schemas that are not JSON: this environment's fault
+        episode.fail(exc, "rendering the prompt")
+        return
     if len(prompt) + 2 > max_total_tokens:
         # Not even one sampled token (plus a forced end-of-turn) fits: no tokens are kept, as
         # a cut prompt is not a conversation; the environment still gets to close the episode.
@@ -170,10 +173,13 @@ def _apply_result(
     if episode.num_turns >= max_turns:
         episode.stop_early("max_turns")
         return
-    if result.observations:
-        answer = episode.fmt.observation_ids(result.observations)
-    else:
-        answer = episode.fmt.user_message_ids(continue_message)
+    try:
+        answer = episode.fmt.answer_ids(result.observations, continue_message)
+    except TemplateError:
+        raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
+    except Exception as exc:  # noqa: BLE001 - one environment's answer must not end the batch
+        episode.fail(exc, "rendering the environment's answer")
+        return
     # The next turn needs room for one sampled token and a possible forced end-of-turn.
     if len(episode.tokens) + len(answer) + 2 > max_total_tokens:
         episode.stop_early("max_tokens")
@@ -224,9 +230,13 @@ async def play_episode(
       shaping rewards of earlier (non-final) steps; reward_parts = the final info's
       "reward_parts", or {"outcome": final reward} without it, plus "shaping" when there was
       any; env_info = the final info plus "turns" (the same on a limit, from `env.finish`);
-    - an exception in `make_env` or any environment method ends only that episode:
+    - every text rendered into the conversation is valid for the tokenizer (`ChatFormat.render`
+      replaces code points UTF-8 cannot encode, e.g. a lone surrogate a tool echoed);
+    - an exception in `make_env` or any environment method, or an answer that cannot be
+      rendered (observations that are not a list of str), ends only that episode:
       stop_reason "error", reward 0, env_info["error"] = repr(exception) (and "error_in"),
-      logged as a warning; its tokens so far are kept. Engine and template errors propagate;
+      logged as a warning; its tokens so far are kept (the scheduler retries such a task or
+      counts it as failed). Engine and template (`TemplateError`) errors propagate;
     - a prompt that leaves no room for a turn (fewer than 2 tokens of budget) ends the episode
       at once through `env.finish("max_tokens")`: stop_reason "max_tokens", no tokens at all,
       env_info["prompt_tokens"] = the prompt's length;

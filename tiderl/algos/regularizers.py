@@ -8,6 +8,15 @@ KL(pi || pi_ref) are
     k2 = x^2 / 2              biased, >= 0, low variance
     k3 = exp(-x) - 1 + x      unbiased, >= 0, low variance (GRPO's choice)
 
+k3 is clamped (`algo.kl_k3_clamp` = c, default 10): a token whose policy has drifted far below
+the reference (x = -15 gives exp(15) = 3.3e6) would otherwise dominate the loss with a value and
+a gradient of millions. The clamped estimate is min(k3(max(x, x_low)), c) with
+x_low = -log(2c + 2): wherever k3(x) <= c it is k3 itself (value and gradient); above c the
+value is c and the token gets no KL gradient; so |value| <= c and |d value / d x| <= c + log(2c + 2)
+(for x < 0, |k3'(x)| = exp(-x) - 1 = k3(x) - x <= c + |x_low|; for x > 0 it is below 1). The
+clamp of x changes nothing that survives the value clamp (k3(x_low) = 2c + 1 - log(2c + 2) >= c)
+but keeps exp(-x) finite, so no gradient is ever inf * 0 = NaN.
+
 They enter training in one of two ways (`algo.kl_in_reward`):
 - as a loss term, kl_coef * aggregate(k(logprobs, ref_logprobs)), differentiated through the
   current log-probs (GRPO, DeepSeekMath);
@@ -20,16 +29,29 @@ which equals -sum_v p_v log p_v without forming log p for every vocabulary entry
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_reward_penalty", "entropy_from_logits"]
+__all__ = ["KL_ESTIMATORS", "K3_CLAMP", "kl_estimate", "k3_clamped", "kl_reward_penalty", "entropy_from_logits"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_CLAMP = 10.0  # the default of algo.kl_k3_clamp
+
+
+def k3_clamped(x: torch.Tensor, clamp: float = K3_CLAMP) -> torch.Tensor:
+    """min(k3(max(x, x_low)), clamp) with k3(x) = exp(-x) - 1 + x and x_low = -log(2 clamp + 2)
+    (module docstring): k3 itself wherever k3(x) <= clamp, else `clamp` with zero gradient."""
+    if not clamp > 0 or math.isinf(clamp):
+        raise ValueError(f"the k3 clamp must be a positive finite number, got {clamp}; use e.g. {K3_CLAMP}")
+    x = torch.clamp(x, min=-math.log(2.0 * clamp + 2.0))
+    return torch.clamp(torch.expm1(-x) + x, max=clamp)  # expm1 keeps small |x| accurate
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor,
-                estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL estimate (module formulas) on action tokens, 0 elsewhere.
+                estimator: str = "k3", k3_clamp: float = K3_CLAMP) -> torch.Tensor:
+    """Per-token KL estimate (module formulas) on action tokens, 0 elsewhere; k3 clamped at
+    `k3_clamp` (`k3_clamped`).
 
     Differentiable in `logprobs`; `ref_logprobs` is treated as a constant. Off-action inputs are
     replaced by 0 before any arithmetic (padding may hold -inf).
@@ -45,20 +67,20 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask:
     elif estimator == "k2":
         k = 0.5 * x * x
     else:
-        k = torch.expm1(-x) + x  # exp(-x) - 1 + x; expm1 keeps small |x| accurate
+        k = k3_clamped(x, k3_clamp)
     return torch.where(is_action, k, zeros)
 
 
 def kl_reward_penalty(token_rewards: torch.Tensor, old_logprobs: torch.Tensor,
                       ref_logprobs: torch.Tensor, action_mask: torch.Tensor, kl_coef: float,
-                      estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+                      estimator: str = "k1", k3_clamp: float = K3_CLAMP) -> tuple[torch.Tensor, torch.Tensor]:
     """r'_t = r_t - kl_coef * k(old_logprobs, ref_logprobs)_t on action tokens (r elsewhere).
 
     `old_logprobs` are the log-probs of the policy that sampled the data (the engine's, or the
     trainer's recompute); everything here is a constant (no gradient). Returns (r', kl[B, T]).
     """
     with torch.no_grad():
-        kl = kl_estimate(old_logprobs.detach(), ref_logprobs, action_mask, estimator)
+        kl = kl_estimate(old_logprobs.detach(), ref_logprobs, action_mask, estimator, k3_clamp)
         return token_rewards - kl_coef * kl.to(token_rewards.dtype), kl
 
 

@@ -17,7 +17,12 @@ What is checked (tiderl.envs.protocol has the contract in words):
 6. `finish(reason)` ends the episode with a finite reward and JSON-serialisable info holding
    `success`;
 7. with an oracle (`Setup.oracle`), its scripted turns solve at least one of the first held-out
-   tasks, and every final result's `reward_parts` sum to its reward.
+   tasks, and every final result's `reward_parts` sum to its reward;
+8. for a built-in environment (a name in `tiderl.registry.ENVIRONMENTS`): `step` after the
+   episode ended (after `finish`, and after an oracle's answer) raises RuntimeError whose
+   message says to call `reset(task)` first. One rule for every built-in environment: a step
+   after the end is a caller bug (the agent loop never makes one), not a second chance to
+   score. Your own environment need not follow it, as nothing in tiderl steps an ended episode.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tiderl.envs.protocol import Action, StepResult, ToolCall
 from tiderl.envs.setup import Setup, load_setup
+from tiderl.registry import ENVIRONMENTS
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -115,9 +121,26 @@ def check_environment(cfg: "RunConfig", episodes: int = 4) -> Report:
         final = _attempt(report, "finish", lambda: fresh.finish("max_turns"))
         if final is not None:
             report.add("finish", _final_problem(final) == "", _final_problem(final))
+            if cfg.env.name in ENVIRONMENTS:
+                _check_step_after_end(report, fresh, "finish")
     if setup.oracle is not None:
-        _check_oracle(report, setup, tasks)
+        _check_oracle(report, setup, tasks, built_in=cfg.env.name in ENVIRONMENTS)
     return report
+
+
+def _check_step_after_end(report: Report, env: Any, ended_by: str) -> None:
+    """Check 8 on an environment whose episode has just ended (by `ended_by`)."""
+    name = f"step after the episode ended ({ended_by}) raises RuntimeError"
+    try:
+        result = env.step(Action("Final Answer: #0"))
+    except RuntimeError as exc:
+        says_reset = "reset" in str(exc)
+        report.add(name, says_reset,
+                   "" if says_reset else f"its message {str(exc)!r:.120} does not say to call reset(task)")
+    except Exception as exc:  # noqa: BLE001 - the wrong exception is what this reports
+        report.add(name, False, f"raised {type(exc).__name__}: {exc}"[:200])
+    else:
+        report.add(name, False, f"returned {result!r:.100} instead of raising RuntimeError")
 
 
 def _check_tasks(report: Report, setup: Setup) -> None:
@@ -165,10 +188,11 @@ def _final_problem(result: Any) -> str:
     return ""
 
 
-def _check_oracle(report: Report, setup: Setup, tasks: list[Any]) -> None:
+def _check_oracle(report: Report, setup: Setup, tasks: list[Any], built_in: bool = False) -> None:
     from tiderl.agent.tool_parser import parse_hermes_tool_calls
 
     solved, problems = 0, []
+    checked_after_answer = not built_in
     for task in tasks:
         env = setup.make_env()
         env.reset(task)
@@ -177,6 +201,9 @@ def _check_oracle(report: Report, setup: Setup, tasks: list[Any]) -> None:
             result = env.step(parse_hermes_tool_calls(turn))
             if result.done:
                 break
+        if result is not None and result.done and not checked_after_answer:
+            _check_step_after_end(report, env, "an answer")
+            checked_after_answer = True
         if result is None or not result.done:
             result = env.finish("max_turns")
         problem = _final_problem(result)

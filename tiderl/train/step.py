@@ -195,7 +195,7 @@ def train_step(
     if ref_lp is not None and cfg.kl_in_reward:
         # The penalty is for the policy that sampled the data: behaviour (or recomputed) log-probs.
         token_rewards, kl = kl_reward_penalty(token_rewards, old, ref_lp, mask, cfg.kl_coef,
-                                              cfg.kl_estimator)
+                                              cfg.kl_estimator, cfg.kl_k3_clamp)
         rewards = rewards - cfg.kl_coef * kl.sum(dim=1)
         metrics["kl/reward_kl_mean"] = float(kl.sum() / n_tokens)
     values = None
@@ -283,7 +283,7 @@ def _train_actor(actor: Learner, micros: list[_Micro], cfg: AlgoConfig, old: tor
         n = max(float(on.sum()), 1.0)
         if kl_in_loss:
             assert ref_lp is not None
-            kl = kl_estimate(lp, m.take(ref_lp), b.action_mask, cfg.kl_estimator)
+            kl = kl_estimate(lp, m.take(ref_lp), b.action_mask, cfg.kl_estimator, cfg.kl_k3_clamp)
             kl_term = aggregate(kl, b.action_mask, cfg.loss_agg, normalizer)
             loss = loss + cfg.kl_coef * kl_term
             out["kl_loss"] = float(kl_term.detach())

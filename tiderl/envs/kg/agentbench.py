@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 from tiderl.envs.kg.rdf import XSD, GraphSpec
 from tiderl.envs.kg.tasks import tool_call_text
-from tiderl.envs.kg.tools import TOOL_ARGUMENTS
+from tiderl.envs.kg.tools import TOOL_ARGUMENTS, variable_number
 from tiderl.envs.protocol import Task, ToolCall
 
 # split name -> file; "test" and "train" are aliases (std.json is AgentBench's test set).
@@ -38,7 +38,6 @@ _ALIASES = {"test": "std", "train": "kg_rl_all"}
 _CREATES_VARIABLE = ("get_neighbors", "intersection", "argmax", "argmin", "count")
 
 _ACTION = re.compile(r"\s*(\w+)\((.*)\)\s*", re.S)
-_VARIABLE = re.compile(r"#(\d+)")
 
 
 def agentbench_kg_dir(data_dir: str | Path) -> Path:
@@ -132,8 +131,7 @@ def gold_turns(task: Task) -> list[str]:
 
 
 def _variable(ref: str) -> int | None:
-    match = _VARIABLE.fullmatch(ref)
-    return int(match.group(1)) if match else None
+    return variable_number(ref)
 
 
 def _fresh_mids() -> Iterator[str]:

@@ -18,6 +18,12 @@ import re
 from typing import Collection, Iterable, Protocol, runtime_checkable
 
 
+class BackendError(RuntimeError):
+    """The backend itself failed (an unreachable endpoint, a broken response): not the agent's
+    fault, so the tools do not turn it into an observation; the episode ends with an error and
+    the task can be retried."""
+
+
 class BackendLimitError(Exception):
     """A lookup would return more than the backend is configured to fetch (e.g. a relation
     reaching a million entities on Freebase). The tools turn it into an `Error:` observation:
@@ -70,9 +76,11 @@ class KGBackend(Protocol):
 
 
 # An ISO 8601 date or date-time, as xsd:date, xsd:gYearMonth, xsd:dateTime write it (Freebase
-# stores most of its comparable attributes, e.g. time.event.end_date, this way).
+# stores most of its comparable attributes, e.g. time.event.end_date, this way). The year has at
+# most 15 digits: `int` refuses thousands of digits and a float cannot hold hundreds, and the
+# text may be a model's tool argument.
 _ISO_DATE = re.compile(
-    r"(-?\d{4,})(?:-(\d{2})(?:-(\d{2}))?)?"
+    r"(-?\d{4,15})(?:-(\d{2})(?:-(\d{2}))?)?"
     r"(?:T(\d{2}):(\d{2})(?::(\d{2}(?:\.\d+)?))?)?"
     r"(?:Z|[+-]\d{2}:\d{2})?"
 )

@@ -3,6 +3,12 @@
 An episode: the agent reads a question, calls the seven KG tools (see `tools.py`), and ends
 with `Final Answer: #k`, naming a variable. Only a variable is accepted as the final answer,
 not entity names written out: the tools build the answer set, the text only points at it.
+The words are matched in any case (`FINAL ANSWER: #0` is an answer); "final answer:" not
+followed by a variable, or "final answer #k" without the colon, gets an error observation that
+shows the form.
+
+After the episode ends (an answer, or `finish`), `step` raises RuntimeError until the next
+`reset(task)`: a caller bug (the agent loop never does it), not a second chance to score.
 
 Reward (`outcome`): 1.0 iff the predicted set equals the gold set (`task.answer`, a list or
 set of entity names), else 0.0. Precision, recall and F1 are logged as scores. When
@@ -27,6 +33,7 @@ import copy
 import re
 from typing import Any
 
+from tiderl.agent.text import shown
 from tiderl.envs.kg.backend import KGBackend
 from tiderl.envs.kg.tools import KGToolbox, ObservationLimits
 from tiderl.envs.protocol import Action, StepResult, Task
@@ -36,15 +43,17 @@ DEFAULT_SYSTEM_PROMPT = (
     "When a variable holds the answer, reply with Final Answer: #k."
 )
 
-_FINAL_ANSWER = re.compile(r"Final\s*Answer\s*:\s*#\s*(\d+)")
-_FINAL_ANSWER_WORDS = re.compile(r"Final\s*Answer\s*:")
+# Case-insensitive, so FINAL ANSWER: #0 and final answer: #0 count as Final Answer: #0. An
+# attempt at one (the words then a colon or a #) that does not parse gets _BAD_FINAL_ANSWER.
+_FINAL_ANSWER = re.compile(r"final\s*answer\s*:\s*#\s*(\d+)", re.IGNORECASE)
+_FINAL_ANSWER_WORDS = re.compile(r"final\s*answer\s*[:#]", re.IGNORECASE)
 
 _NO_ACTION = (
     "No tool call and no final answer. Call a tool as <tool_call>{...}</tool_call> "
     "or reply with Final Answer: #k."
 )
 _BAD_FINAL_ANSWER = (
-    "Error: the final answer must be a variable, e.g. Final Answer: #0. "
+    "Error: the final answer must be a variable, written as Final Answer: #k (e.g. Final Answer: #0). "
     "Build the answer set with the tools first."
 )
 
@@ -105,18 +114,27 @@ class KGEnv:
         many members (0 = never).
     system_prompt: overrides `DEFAULT_SYSTEM_PROMPT`.
     limits: bounds on the lists observations show (default `ObservationLimits()`).
+    max_calls_per_turn: the most tool calls (malformed ones included) one turn gets answered;
+        the rest are not run and one more error observation says so. A degenerate turn of
+        thousands of `<tool_call>` blocks would otherwise run them all and answer with an
+        observation of hundreds of thousands of tokens. They all count in `tool_calls` and the
+        unanswered ones in `tool_errors`.
     The current episode's `toolbox` is public so reward shaping can read `toolbox.touched`.
     """
 
     def __init__(self, store: KGBackend, max_listed: int = 0, system_prompt: str | None = None,
-                 limits: ObservationLimits | None = None) -> None:
+                 limits: ObservationLimits | None = None, max_calls_per_turn: int = 20) -> None:
+        if max_calls_per_turn < 1:
+            raise ValueError(f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
+        self.max_calls_per_turn = max_calls_per_turn
         self.store = store
         self.max_listed = max_listed
         self.limits = ObservationLimits() if limits is None else limits
         self._system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.toolbox: KGToolbox | None = None
         self._task: Task | None = None
-        self._parse_errors = 0
+        self._unrun_calls = 0
+        self._ended = False
 
     def system_prompt(self) -> str:
         """The short instruction: use the tools, end with `Final Answer: #k`."""
@@ -135,19 +153,33 @@ class KGEnv:
             count_creates_variable=bool(task.meta.get("count_creates_variable")),
         )
         self._task = task
-        self._parse_errors = 0
+        self._unrun_calls = 0
+        self._ended = False
         return task.prompt
 
     def step(self, action: Action) -> StepResult:
         """Answer parse errors and tool calls (one observation each, in order); a
-        `Final Answer: #k` in the text ends and scores the episode (after the turn's calls run)."""
+        `Final Answer: #k` in the text ends and scores the episode (after the turn's calls run).
+        RuntimeError when the episode has ended (see the module docstring)."""
         toolbox = self._require_episode()
-        observations = [f"Error: {e}" for e in action.parse_errors]
-        self._parse_errors += len(action.parse_errors)
-        observations += [toolbox.call(c.name, c.arguments) for c in action.tool_calls]
+        if self._ended:
+            raise RuntimeError("KGEnv.step called after the episode ended (a final answer or finish); "
+                               "call reset(task) first to start a new episode")
+        errors = action.parse_errors[: self.max_calls_per_turn]
+        calls = action.tool_calls[: self.max_calls_per_turn - len(errors)]
+        observations = [f"Error: {e}" for e in errors] + [toolbox.call(c.name, c.arguments) for c in calls]
+        # Malformed calls and calls over the limit never reach the toolbox; they count as calls
+        # and as errors (`_counters`).
+        total = len(action.parse_errors) + len(action.tool_calls)
+        self._unrun_calls += total - len(calls)
+        if total > len(observations):
+            observations.append(
+                f"Error: this turn has {total} tool calls; only the first {self.max_calls_per_turn} were "
+                f"answered and {total - len(observations)} were not run. Make fewer calls per turn.")
 
         final = _FINAL_ANSWER.search(action.text)
         if final is not None:
+            self._ended = True
             return self._score(f"#{final.group(1)}")
         if _FINAL_ANSWER_WORDS.search(action.text):
             observations.append(_BAD_FINAL_ANSWER)
@@ -158,6 +190,7 @@ class KGEnv:
     def finish(self, reason: str) -> StepResult:
         """End without an answer (turn/token limit): reward 0, the same info keys as an answer."""
         toolbox = self._require_episode()
+        self._ended = True
         info = self._counters() | {
             "success": 0.0, "f1": 0.0, "precision": 0.0, "recall": 0.0,
             "reward_parts": {"outcome": 0.0}, "answer_size": 0, "finish_reason": reason,
@@ -171,11 +204,12 @@ class KGEnv:
         return self.toolbox
 
     def _counters(self) -> dict[str, Any]:
-        """Tool calls include malformed ones (parse errors), which also count as tool errors."""
+        """Tool calls include malformed ones (parse errors) and ones over `max_calls_per_turn`,
+        which also count as tool errors."""
         assert self.toolbox is not None
         return {
-            "tool_calls": self.toolbox.num_calls + self._parse_errors,
-            "tool_errors": self.toolbox.num_errors + self._parse_errors,
+            "tool_calls": self.toolbox.num_calls + self._unrun_calls,
+            "tool_errors": self.toolbox.num_errors + self._unrun_calls,
         }
 
     def _score(self, ref: str) -> StepResult:
@@ -184,7 +218,7 @@ class KGEnv:
         if predicted is None:
             result = self.finish("answer_error")
             result.info["answer_error"] = (
-                f"final answer {ref} names no variable (variables: {len(self.toolbox.variables)})"
+                f"final answer {shown(ref)} names no variable (variables: {len(self.toolbox.variables)})"
             )
             return result
         meta = self._task.meta

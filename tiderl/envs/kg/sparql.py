@@ -31,7 +31,7 @@ import urllib.request
 from typing import Any, Collection, Iterable, Iterator, Protocol, Sequence
 from urllib.parse import urlencode
 
-from tiderl.envs.kg.backend import BackendLimitError, numeric_value
+from tiderl.envs.kg.backend import BackendError, BackendLimitError, numeric_value
 from tiderl.envs.kg.rdf import (
     NUMERIC_DATATYPES,
     XSD,
@@ -51,7 +51,7 @@ from tiderl.envs.kg.store import INVERSE_SUFFIX
 Bindings = list[dict[str, Term]]
 
 
-class SparqlError(RuntimeError):
+class SparqlError(BackendError):
     """The endpoint failed (unreachable, HTTP error, bad response). Not the agent's fault, so
     it is not turned into an observation: the episode ends with an error."""
 

@@ -11,7 +11,9 @@ the in-memory `TripleStore` and on a SPARQL endpoint (`sparql.SparqlBackend`).
 The toolbox never raises on bad input from the agent: unknown tools, unknown variables or
 entities, missing/extra/mistyped arguments and relations the entity lacks all come back as an
 observation starting with `Error:` that says what was wrong and what to do instead. The agent
-reads it and can recover; `num_errors` counts them.
+reads it and can recover; `num_errors` counts them. Whatever the agent wrote is echoed through
+`shown` (valid text, at most a line long), and any other exception a tool raises becomes an
+`Error:` observation too; only a failing backend (`BackendError`) ends the episode.
 
 Observations stay short because a tiny model reads them: a new variable is reported as
 `Variable #0: 3 entities`, and its entity names are listed only when the set has at most
@@ -35,13 +37,23 @@ strings (`entity:<id>`, `entity_relation:<id>|<relation>`) for a curiosity bonus
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from tiderl.envs.kg.backend import BackendLimitError, KGBackend
+from tiderl.agent.text import shown, valid_text
+from tiderl.envs.kg.backend import BackendError, BackendLimitError, KGBackend
+
+logger = logging.getLogger(__name__)
 
 _VARIABLE = re.compile(r"#(\d+)")
+
+# A variable number longer than this reads as NO_SUCH_VARIABLE: no episode makes a billion
+# variables, and a model may write `#` followed by thousands of digits, which `int` refuses to
+# parse past Python's digit limit.
+_MAX_VARIABLE_DIGITS = 9
+NO_SUCH_VARIABLE = 10**_MAX_VARIABLE_DIGITS
 
 # name -> argument names, in the order the tools take them.
 TOOL_ARGUMENTS: dict[str, tuple[str, ...]] = {
@@ -97,12 +109,23 @@ def knowledge_units(touched: Iterable[tuple[str, str] | str]) -> list[str]:
     return sorted(f"entity_relation:{u[0]}|{u[1]}" if isinstance(u, tuple) else f"entity:{u}" for u in touched)
 
 
+def variable_number(ref: str) -> int | None:
+    """k when `ref` is a variable reference `#k`, else None. A number of more than nine digits
+    (leading zeros aside) is `NO_SUCH_VARIABLE`, a variable no episode has."""
+    match = _VARIABLE.fullmatch(ref)
+    if match is None:
+        return None
+    digits = match.group(1).lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_VARIABLE_DIGITS else NO_SUCH_VARIABLE
+
+
 def _signature(name: str) -> str:
     return f"{name}({', '.join(TOOL_ARGUMENTS[name])})"
 
 
 def _check_arguments(name: str, arguments: Any) -> dict[str, str]:
-    """The arguments of `name` as strings, or ToolError naming what is missing/extra/mistyped."""
+    """The arguments of `name` as stripped valid text (`valid_text`), or ToolError naming what
+    is missing/extra/mistyped."""
     if not isinstance(arguments, dict):
         raise ToolError(
             f"arguments of {name} must be a JSON object, got {type(arguments).__name__}. "
@@ -114,19 +137,21 @@ def _check_arguments(name: str, arguments: Any) -> dict[str, str]:
         raise ToolError(f"{name} is missing argument '{missing[0]}'. Call it as {_signature(name)}.")
     extra = sorted(a for a in arguments if a not in expected)
     if extra:
-        raise ToolError(f"{name} got unexpected argument '{extra[0]}'. Call it as {_signature(name)}.")
+        raise ToolError(f"{name} got unexpected argument '{shown(extra[0])}'. Call it as {_signature(name)}.")
     for a in expected:
         if not isinstance(arguments[a], str):
             raise ToolError(
                 f"argument '{a}' of {name} must be a string (a variable like #0 or an entity name), "
                 f"got {type(arguments[a]).__name__}."
             )
-    return {a: arguments[a].strip() for a in expected}
+    # Valid text: a lone surrogate (a JSON escape the model wrote) names nothing in any graph,
+    # and a backend that encodes its arguments (an IRI, a query) would raise on it.
+    return {a: valid_text(arguments[a]).strip() for a in expected}
 
 
 def _describe(ref: str) -> str:
-    """How an error names the thing the agent referred to."""
-    return ref if ref.startswith("#") else f"'{ref}'"
+    """How an error names the thing the agent referred to (cut to a line, valid text)."""
+    return shown(ref) if ref.startswith("#") else f"'{shown(ref)}'"
 
 
 class KGToolbox:
@@ -177,16 +202,25 @@ class KGToolbox:
 
     def call(self, name: str, arguments: Any) -> str:
         """Run tool `name`; returns its observation, or an `Error: ...` observation for any agent
-        mistake. Only a failing backend raises (e.g. `sparql.SparqlError`: an unreachable
-        endpoint is not the agent's fault; the agent loop ends that episode)."""
+        mistake and for any other exception inside a tool (logged: it is a bug to fix, but one
+        odd argument must not end the episode). Only a failing backend raises (`BackendError`,
+        e.g. `sparql.SparqlError`: an unreachable endpoint is not the agent's fault; the agent
+        loop ends that episode)."""
         self.num_calls += 1
         try:
             if not isinstance(name, str) or name not in self._tools:
-                raise ToolError(f"unknown tool '{name}'. Available tools: {', '.join(TOOL_ARGUMENTS)}.")
+                raise ToolError(f"unknown tool '{shown(name)}'. Available tools: {', '.join(TOOL_ARGUMENTS)}.")
             return self._tools[name](_check_arguments(name, arguments))
         except ToolError as e:
             self.num_errors += 1
             return f"Error: {e}"
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no model output may crash the episode
+            self.num_errors += 1
+            logger.warning("KG tool %s raised on arguments %s", shown(name), shown(arguments), exc_info=e)
+            return (f"Error: {shown(name)} failed on these arguments ({type(e).__name__}: {shown(str(e))}). "
+                    "Check the arguments and try again.")
 
     def knowledge_units(self) -> list[str]:
         """What successful calls explored so far, as sorted strings (see `knowledge_units`)."""
@@ -194,34 +228,33 @@ class KGToolbox:
 
     def resolve_answer(self, ref: str) -> set[str] | None:
         """The entity set of variable `ref` (`#k`), or None when `ref` names no existing variable."""
-        match = _VARIABLE.fullmatch(ref.strip())
-        if match is None or int(match.group(1)) >= len(self.variables):
+        k = variable_number(ref.strip())
+        if k is None or k >= len(self.variables):
             return None
-        return set(self.variables[int(match.group(1))])
+        return set(self.variables[k])
 
     # -- helpers -------------------------------------------------------------------------
 
     def _resolve(self, ref: str) -> set[str]:
         """The entities `ref` stands for: a variable `#k`, a name of the task's entity map, an
         entity id, or a label exactly one entity carries."""
-        match = _VARIABLE.fullmatch(ref)
-        if match is not None:
-            k = int(match.group(1))
+        k = variable_number(ref)
+        if k is not None:
             if k >= len(self.variables):
                 defined = (
                     f"Defined variables: #0 to #{len(self.variables) - 1}."
                     if self.variables
                     else "No variables exist yet: start from an entity name in the question."
                 )
-                raise ToolError(f"variable #{k} does not exist. {defined}")
+                raise ToolError(f"variable {shown(ref)} does not exist. {defined}")
             return self.variables[k]
         found = self._lookup(ref)
         if found is not None:
             return {found}
         hint = "Use an exact entity name from the question or a variable like #0."
         if ref.startswith("[") and ref.endswith("]") and self._lookup(ref[1:-1]) is not None:
-            hint = f"Drop the square brackets: use '{ref[1:-1]}'."
-        raise ToolError(f"entity '{ref}' not found. {hint}")
+            hint = f"Drop the square brackets: use '{shown(ref[1:-1])}'."
+        raise ToolError(f"entity '{shown(ref)}' not found. {hint}")
 
     def _lookup(self, name: str) -> str | None:
         """The id `name` refers to, None when none; ToolError when it is ambiguous or mapped to
@@ -229,13 +262,13 @@ class KGToolbox:
         mapped = self.entity_names.get(name)
         if mapped is not None:
             if not self.store.has_entity(mapped):
-                raise ToolError(f"entity '{name}' ({mapped}) is not in the knowledge graph.")
+                raise ToolError(f"entity '{shown(name)}' ({mapped}) is not in the knowledge graph.")
             return mapped
         if self.store.has_entity(name):
             return name
         ids = self.store.find_entities(name)
         if len(ids) > 1:
-            raise ToolError(f"'{name}' names {len(ids)} entities: {bounded_list(ids, self.limits)}. "
+            raise ToolError(f"'{shown(name)}' names {len(ids)} entities: {bounded_list(ids, self.limits)}. "
                             "Use one of these ids instead.")
         return ids[0] if ids else None
 
@@ -270,17 +303,17 @@ class KGToolbox:
         try:
             reached = self.store.expand(entities, relation)
         except BackendLimitError as e:
-            raise ToolError(f"{e} from {_describe(ref)}: too many to use. Narrow the set first "
+            raise ToolError(f"{shown(str(e), 300)} from {_describe(ref)}: too many to use. Narrow the set first "
                             "(e.g. with intersection) or follow another relation.") from e
         if not reached:
             raise ToolError(
-                f"relation '{relation}' not found for {_describe(ref)}. "
-                f"Call get_relations({ref}) to see the relations it has."
+                f"relation '{shown(relation)}' not found for {_describe(ref)}. "
+                f"Call get_relations({shown(ref)}) to see the relations it has."
             )
         reached -= self.hidden
         if not reached:
             raise ToolError(
-                f"relation '{relation}' from {_describe(ref)} leads only back to the question's topic "
+                f"relation '{shown(relation)}' from {_describe(ref)} leads only back to the question's topic "
                 "entity. Try another relation."
             )
         self.touched.update((e, relation) for e in entities)
@@ -306,14 +339,14 @@ class KGToolbox:
         entities = self._resolve(ref)
         if not self.store.is_attribute(attribute):
             raise ToolError(
-                f"'{attribute}' is not an attribute. Call get_attributes({ref}) to see the attributes "
+                f"'{shown(attribute)}' is not an attribute. Call get_attributes({shown(ref)}) to see the attributes "
                 "it has."
             )
         scores = {e: pick(values) for e, values in self.store.attribute_values(entities, attribute).items()}
         if not scores:
             raise ToolError(
-                f"no entity in {_describe(ref)} has a numeric '{attribute}'. "
-                f"Call get_attributes({ref}) to see the attributes it has."
+                f"no entity in {_describe(ref)} has a numeric '{shown(attribute)}'. "
+                f"Call get_attributes({shown(ref)}) to see the attributes it has."
             )
         best = pick(scores.values())
         winners = {e for e, v in scores.items() if v == best}
