@@ -181,3 +181,22 @@ def test_result_set_rules():
     assert has_top_level_order_by("SELECT a FROM t ORDER BY a")
     assert not has_top_level_order_by("SELECT a FROM (SELECT a FROM t ORDER BY a LIMIT 3)")
     assert not has_top_level_order_by("SELECT rank() OVER (ORDER BY a) FROM t")
+
+
+def test_the_file_setup_passes_the_environment_contract(database):
+    from tiderl.envs.check import assert_environment
+
+    path, questions = database
+    report = assert_environment("db", "data.source=db_file", f"data.db_path={path}",
+                                f"data.questions={questions}", "data.eval_size=6", episodes=3)
+    assert report.ok
+
+
+def test_file_setup_needs_both_paths(database):
+    from tiderl.config import load_config
+    from tiderl.envs.setup import load_setup
+
+    path, _ = database
+    cfg = load_config(None, ["env.name=db", "data.source=db_file", f"data.db_path={path}"])
+    with pytest.raises(ValueError, match="needs data.questions.*--questions"):
+        load_setup(cfg)

@@ -227,6 +227,15 @@ class IsolatedSession:
         with self._lock:
             return self._call(("table_hash", name), OPEN_TIMEOUT_S, OPEN_TIMEOUT_S)
 
+    def __del__(self) -> None:
+        # A session dropped without close() must not leave its worker process running.
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            try:
+                worker.kill()
+            except Exception:
+                pass
+
     def close(self) -> None:
         """Close the session in the worker and return the worker to the pool (once)."""
         with self._lock:
