@@ -97,7 +97,8 @@ class DataConfig:
         "questions that tiderl generates), 'metaqa' (train on tiderl's template questions over "
         "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
         "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
-        "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, data.questions). A user's environment reads it as it likes.",
+        "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, "
+        "data.questions). A user's environment reads it as it likes.",
     )
     split: str = opt("", "AgentBench split to evaluate on ('' = dev; DB: dev/standard, KG: dev/std).")
     data_dir: str = opt(

@@ -46,8 +46,9 @@ KILL_GRACE_S = 0.5
 WORKER_MEMORY_BYTES = 1 << 30
 # Opening a session (building a task database) may take this long before the worker is killed.
 OPEN_TIMEOUT_S = 120.0
-# Idle workers kept for reuse (starting one costs ~0.1 s; a kill costs a new one).
-MAX_IDLE_WORKERS = 8
+# Idle workers kept for reuse (starting one costs 0.05-0.3 s; a kill costs a new one): about
+# one per episode in flight, so a batch of episodes reuses the last batch's workers.
+MAX_IDLE_WORKERS = 32
 
 # Exceptions a worker reports by name and the parent raises again as the same type.
 _RAISABLE = {"SQLError": SQLError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
