@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--hops", help="shortcut for data.hops=[...], e.g. 1,2,3")
     ev.add_argument("--split", help="shortcut for data.split=... (AgentBench: dev, standard, std)")
     ev.add_argument("--pass-k", type=int, help="shortcut for eval.pass_k=K (K samples per task)")
+    ev.add_argument("--db", help="shortcut for data.db_path=... (an existing SQLite/DuckDB file, read-only); "
+                    "implies --env db and data.source=db_file")
+    ev.add_argument("--questions", help="shortcut for data.questions=... (JSONL questions on --db)")
     ev.add_argument("--oracle", action="store_true",
                     help="evaluate the scripted oracle instead of a model: the environment's ceiling")
     pv = add("pretrain-value", "fit a critic to Monte-Carlo returns of trajectories (for algo.value_init)")
@@ -91,6 +94,8 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
     the environment it needs, and --env db alone the one DB source."""
     out = []
     env, data = getattr(args, "env", None), getattr(args, "data", None)
+    if getattr(args, "db", None) and not data:
+        data = "db_file"
     if data and not env:
         env = _ENV_OF_DATA[data]
     if env == "db" and not data:
@@ -103,6 +108,10 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"data.hops=[{args.hops}]")
     if getattr(args, "split", None):
         out.append(f"data.split={args.split}")
+    if getattr(args, "db", None):
+        out.append(f"data.db_path={args.db}")
+    if getattr(args, "questions", None):
+        out.append(f"data.questions={args.questions}")
     if getattr(args, "pass_k", None) is not None:
         out.append(f"eval.pass_k={args.pass_k}")
     return out

@@ -97,7 +97,8 @@ class DataConfig:
         "questions that tiderl generates), 'metaqa' (train on tiderl's template questions over "
         "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
         "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
-        "'agentbench_db'. A user's environment reads it as it likes.",
+        "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, "
+        "data.questions). A user's environment reads it as it likes.",
     )
     split: str = opt("", "AgentBench split to evaluate on ('' = dev; DB: dev/standard, KG: dev/std).")
     data_dir: str = opt(
@@ -111,6 +112,10 @@ class DataConfig:
     num_train_tasks: int = opt(4000, "MetaQA: template questions generated for training.")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
+    db_path: str = opt("", "DB, data.source=db_file: an existing SQLite or DuckDB database file (opened "
+                       "read-only; write tasks run on a scratch copy).")
+    questions: str = opt("", "DB, data.source=db_file: questions file, JSON lines of {question, sql or "
+                         "answer} (docs/env_db.md).")
 
 
 @dataclass

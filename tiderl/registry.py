@@ -29,7 +29,7 @@ ENVIRONMENTS: dict[str, str] = {
 # `data` however it likes.
 DATA_SOURCES: dict[str, tuple[str, ...]] = {
     "kg": ("embedded", "metaqa", "agentbench_kg"),
-    "db": ("agentbench_db",),
+    "db": ("agentbench_db", "db_file"),
 }
 
 ENGINES: dict[str, str] = {

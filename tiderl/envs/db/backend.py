@@ -29,6 +29,10 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 # Remaining rows are counted (to tell the agent how many were left out) up to this many.
 ROW_COUNT_CAP = 100_000
 
+# Longest string or blob a statement may build (SQLite: `SQLITE_LIMIT_LENGTH`) or return (every
+# backend: `fetch_limited` refuses results holding a longer value).
+MAX_VALUE_BYTES = 1_000_000
+
 # Declared column types are copied into SQLite DDL; anything unusual becomes TEXT.
 _SAFE_TYPE = re.compile(r"[A-Za-z][A-Za-z0-9_ ]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?")
 
@@ -187,9 +191,29 @@ class QueryResult:
     units: frozenset[str] = field(default_factory=frozenset)
 
 
+def value_size(value: Any) -> int:
+    """The size of a result cell in characters (text) or bytes (blobs); 0 for other values."""
+    if isinstance(value, (str, bytes, bytearray)):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    return 0
+
+
+def check_value_sizes(rows: Sequence[Sequence[Any]], limit: int = MAX_VALUE_BYTES) -> None:
+    """SQLError when a cell of `rows` is longer than `limit` (see MAX_VALUE_BYTES)."""
+    for row in rows:
+        for value in row:
+            if value_size(value) > limit:
+                raise SQLError(f"string or blob too big: a result value has {value_size(value):,} characters "
+                               f"or bytes; the limit is {limit:,}")
+
+
 def fetch_limited(fetchmany: Callable[[int], list[Any]], max_rows: int) -> tuple[list[tuple], int, bool]:
-    """(first `max_rows` rows, rows left out, whether the count stopped at ROW_COUNT_CAP)."""
+    """(first `max_rows` rows, rows left out, whether the count stopped at ROW_COUNT_CAP).
+    Raises SQLError when a shown row holds a value over MAX_VALUE_BYTES."""
     rows = [tuple(r) for r in fetchmany(max_rows)] if max_rows > 0 else []
+    check_value_sizes(rows)
     more = 0
     while more < ROW_COUNT_CAP:
         batch = fetchmany(min(1000, ROW_COUNT_CAP - more))

@@ -9,6 +9,16 @@ specs, which is the per-episode scratch copy. Every connection runs with externa
 (no files, no ATTACH, no COPY, no extension install/load) and its configuration locked, so a
 statement cannot turn those back on. A timer interrupts statements past their time limit.
 
+Sizes: DuckDB has no per-value length limit (its `memory_limit` does not bound a string built
+by `repeat`), so by default (`isolate=True`) sessions run in a worker process (`worker.py`)
+whose address space is capped (1 GiB: `repeat('x', 1000000000)` fails with an out-of-memory
+error instead of building a gigabyte) and which is killed when a statement overruns its time
+limit (DuckDB checks interrupts only between vector batches). Results holding a value over
+`MAX_VALUE_BYTES` are refused (`fetch_limited`).
+
+`DuckDBFileBackend` opens a DuckDB file the user already has: `read_only=True` for questions,
+and for write tasks a private copy of the file in a temporary directory, deleted on close.
+
 Knowledge units come from `referenced_units` (a conservative reading of the SQL text): DuckDB
 has no authorizer hook.
 """
@@ -16,6 +26,7 @@ has no authorizer hook.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -32,6 +43,7 @@ from tiderl.envs.db.backend import (
     spec_digest,
 )
 from tiderl.envs.db.sql_text import WRITE, quote_identifier, referenced_units, statement_kind
+from tiderl.envs.db.worker import BackendSpec, IsolatedSession, timeout_message
 
 _DUCK_TYPES = {"integer": "BIGINT", "real": "DOUBLE", "text": "VARCHAR"}
 
@@ -41,6 +53,7 @@ _LOCKED_CONFIG = {
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
     "threads": 1,
+    "memory_limit": "512MB",
     "lock_configuration": True,
 }
 
@@ -69,8 +82,9 @@ class DuckDBBackend:
 
     name = "duckdb"
 
-    def __init__(self, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, cache_dir: str | Path | None = None, isolate: bool = True) -> None:
         self._duckdb = _import_duckdb()
+        self.isolate = isolate
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tiderl-duckdb-")
@@ -95,24 +109,35 @@ class DuckDBBackend:
         return path
 
     def open(self, tables: Sequence[TableSpec], writable: bool) -> "DuckDBSession":
+        if self.isolate:
+            if not writable:
+                self.source_path(tables)  # built here, once, so workers only open it
+            spec = BackendSpec(f"{__name__}:DuckDBBackend", (("cache_dir", str(self.cache_dir)),))
+            return IsolatedSession(spec, tables, writable)  # type: ignore[return-value]
         if writable:
             conn = self._duckdb.connect(":memory:", config={"threads": 1})
             _create_tables(conn, tables)
-            # Lock down only after building: external access off, configuration frozen.
-            for key, value in _LOCKED_CONFIG.items():
-                conn.execute(f"SET {key} = {str(value).lower() if isinstance(value, bool) else value}")
+            _lock_down(conn)
         else:
             conn = self._duckdb.connect(str(self.source_path(tables)), read_only=True, config=dict(_LOCKED_CONFIG))
         return DuckDBSession(conn, tables, self._duckdb.Error)
 
 
-class DuckDBSession:
-    """One episode's DuckDB connection."""
+def _lock_down(conn: Any) -> None:
+    """Lock a connection opened for building: external access off, configuration frozen."""
+    for key, value in _LOCKED_CONFIG.items():
+        text = str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str) else value
+        conn.execute(f"SET {key} = {text}")
 
-    def __init__(self, conn: Any, tables: Sequence[TableSpec], error_type: type) -> None:
+
+class DuckDBSession:
+    """One episode's DuckDB connection (`cleanup`: a scratch folder removed on close)."""
+
+    def __init__(self, conn: Any, tables: Sequence[TableSpec], error_type: type, cleanup: str | None = None) -> None:
         self._conn = conn
         self._tables = list(tables)
         self._error = error_type
+        self._cleanup = cleanup
 
     def execute(self, sql: str, *, max_rows: int, timeout_s: float) -> QueryResult:
         """Run one statement; a timer interrupts it after `timeout_s`."""
@@ -131,8 +156,7 @@ class DuckDBSession:
                 result = QueryResult([d[0] for d in description or []], rows, more, capped)
         except (self._error, TypeError, ValueError) as exc:  # TypeError: text the binding cannot pass
             interrupted = "interrupt" in type(exc).__name__.lower() or "Interrupted" in str(exc)
-            message = (f"the statement ran longer than the {timeout_s:g} s limit and was stopped"
-                       if interrupted else str(exc))
+            message = timeout_message(timeout_s) if interrupted else str(exc)
             raise SQLError(message) from None
         finally:
             timer.cancel()
@@ -161,3 +185,65 @@ class DuckDBSession:
 
     def close(self) -> None:
         self._conn.close()
+        if self._cleanup:
+            shutil.rmtree(self._cleanup, ignore_errors=True)
+
+
+DUCKDB_MAGIC = b"DUCK"
+
+
+def is_duckdb_file(path: str | Path) -> bool:
+    """Whether the file carries DuckDB's magic bytes ("DUCK" at offset 8)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(12)[8:12] == DUCKDB_MAGIC
+    except OSError:
+        return False
+
+
+class DuckDBFileBackend:
+    """An existing DuckDB database file, opened read-only (see the module docstring).
+
+    `open(tables, writable)` ignores `tables`: the file's own tables of the main schema
+    (`self.tables`, read once) are the task's. Write sessions get a private copy of the file.
+    """
+
+    name = "duckdb-file"
+
+    def __init__(self, path: str | Path, isolate: bool = True) -> None:
+        self._duckdb = _import_duckdb()
+        self.path = Path(path).expanduser().resolve()
+        self.isolate = isolate
+        if not self.path.is_file():
+            raise FileNotFoundError(f"database file {self.path} not found. Fix: pass the path of an existing "
+                                    "DuckDB (.duckdb) or SQLite (.sqlite/.db) file.")
+        if not is_duckdb_file(self.path):
+            raise ValueError(f"{self.path} is not a DuckDB database. Fix: pass a DuckDB file, or a SQLite file "
+                             "(opened by SQLiteFileBackend).")
+        conn = self._connect(self.path)
+        try:
+            names = [r[0] for r in conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' "
+                "ORDER BY table_name").fetchall()]
+            self.tables = [TableSpec(name, tuple((str(c), str(t)) for c, t in conn.execute(
+                "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = 'main' "
+                "AND table_name = ? ORDER BY ordinal_position", [name]).fetchall()), ()) for name in names]
+        finally:
+            conn.close()
+
+    def _connect(self, path: Path, read_only: bool = True) -> Any:
+        return self._duckdb.connect(str(path), read_only=read_only, config=dict(_LOCKED_CONFIG))
+
+    def open(self, tables: Sequence[TableSpec] = (), writable: bool = False) -> DuckDBSession:
+        if self.isolate:
+            spec = BackendSpec(f"{__name__}:DuckDBFileBackend", (("path", str(self.path)),))
+            return IsolatedSession(spec, self.tables, writable)  # type: ignore[return-value]
+        if not writable:
+            return DuckDBSession(self._connect(self.path), self.tables, self._duckdb.Error)
+        folder = tempfile.mkdtemp(prefix="tiderl-duckdb-copy-")
+        copy = Path(folder) / self.path.name
+        shutil.copyfile(self.path, copy)
+        wal = self.path.with_name(self.path.name + ".wal")
+        if wal.exists():
+            shutil.copyfile(wal, copy.with_name(copy.name + ".wal"))
+        return DuckDBSession(self._connect(copy, read_only=False), self.tables, self._duckdb.Error, cleanup=folder)

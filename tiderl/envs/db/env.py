@@ -32,13 +32,14 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
+from pathlib import Path
 from typing import Any
 
 from tiderl.envs.db.backend import Backend, SQLError, TableSpec, database_hash, spec_digest, specs_from_meta
-from tiderl.envs.db.scoring import DEFAULT_REL_TOL, answers_match
+from tiderl.envs.db.scoring import DEFAULT_REL_TOL, answers_match, result_sets_match
 from tiderl.envs.db.sql_text import quote_bare_names, split_statements
 from tiderl.envs.db.sqlite_backend import SQLiteBackend
-from tiderl.envs.db.tools import DBToolbox, Limits
+from tiderl.envs.db.tools import DBToolbox, Limits, valid_text
 from tiderl.envs.protocol import Action, StepResult, Task
 
 WRITE_TYPES = frozenset({"INSERT", "UPDATE", "DELETE"})
@@ -98,8 +99,29 @@ def default_backend() -> SQLiteBackend:
         return _DEFAULT_BACKEND
 
 
+def open_database_file(path: str | Path) -> Backend:
+    """A read-only backend on an existing database file: SQLite or DuckDB, told apart by the
+    file's header. FileNotFoundError / ValueError naming the fix otherwise."""
+    from tiderl.envs.db.duckdb_backend import is_duckdb_file
+    from tiderl.envs.db.sqlite_backend import SQLiteFileBackend, is_sqlite_file
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"database file {file} not found. Fix: pass the path of an existing SQLite "
+                                "(.sqlite/.db) or DuckDB (.duckdb) file.")
+    if is_sqlite_file(file):
+        return SQLiteFileBackend(file)
+    if is_duckdb_file(file):
+        from tiderl.envs.db.duckdb_backend import DuckDBFileBackend
+
+        return DuckDBFileBackend(file)
+    raise ValueError(f"{file} is neither a SQLite nor a DuckDB database file. Fix: pass a .sqlite/.db or "
+                     ".duckdb file.")
+
+
 def make_backend(kind: str = "sqlite", cache_dir: str | None = None) -> Backend:
-    """A backend by name: "sqlite" (default), "duckdb", or a SQLAlchemy URL (contains "://")."""
+    """A backend by name: "sqlite" (default), "duckdb", a SQLAlchemy URL (contains "://"), or
+    the path of an existing SQLite/DuckDB file (opened read-only: `open_database_file`)."""
     if "://" in kind:
         from tiderl.envs.db.sqlalchemy_backend import SQLAlchemyBackend
 
@@ -110,8 +132,22 @@ def make_backend(kind: str = "sqlite", cache_dir: str | None = None) -> Backend:
         from tiderl.envs.db.duckdb_backend import DuckDBBackend
 
         return DuckDBBackend(cache_dir)
-    raise ValueError(f"unknown DB backend {kind!r}: use 'sqlite', 'duckdb' or a SQLAlchemy URL such as "
-                     "'postgresql://user@host/db'")
+    if Path(kind).expanduser().is_file():
+        return open_database_file(kind)
+    raise ValueError(f"unknown DB backend {kind!r}: use 'sqlite', 'duckdb', a SQLAlchemy URL such as "
+                     "'postgresql://user@host/db', or the path of an existing .sqlite/.duckdb file")
+
+
+def task_tables(task: Task, backend: Backend) -> list[TableSpec]:
+    """The task's tables: `task.meta["tables"]` when it carries them, else the tables of the
+    backend's database file. ValueError naming the fix when neither exists."""
+    if "tables" in task.meta:
+        return specs_from_meta(task.meta)
+    own = getattr(backend, "tables", None)
+    if own is None:
+        raise ValueError(f"task {task.task_id} has no meta['tables'] and the backend is not a database file. "
+                         "Fix: give the task its tables, or open the database file: DBEnv('path/to.sqlite').")
+    return list(own)
 
 
 def is_write_task(task: Task) -> bool:
@@ -157,7 +193,9 @@ def resolve_gold_write(backend: Backend, tables: list[TableSpec], gold_sql: str)
 class DBEnv:
     """One SQL episode at a time (the `Env` protocol).
 
-    backend: where task databases live (the process-wide SQLite backend when None).
+    backend: where task databases live (the process-wide SQLite backend when None), or the
+        path of an existing SQLite/DuckDB file (str or Path), opened read-only: its tables
+        are every task's (`open_database_file`).
     limits: per-call limits (rows shown, query length, statement time, observation length).
     rel_tol: relative tolerance for numeric answers.
     system_prompt: overrides `DEFAULT_SYSTEM_PROMPT`.
@@ -166,6 +204,8 @@ class DBEnv:
 
     def __init__(self, backend: Backend | None = None, limits: Limits = Limits(),
                  rel_tol: float = DEFAULT_REL_TOL, system_prompt: str | None = None) -> None:
+        if isinstance(backend, (str, Path)):
+            backend = make_backend(str(backend))
         self.backend = backend if backend is not None else default_backend()
         self.limits = limits
         self.rel_tol = rel_tol
@@ -176,6 +216,7 @@ class DBEnv:
         self._gold_hash: str | None = None
         self._gold_error = ""
         self._parse_errors = 0
+        self._ended = False
 
     def system_prompt(self) -> str:
         """How to use the tools and how to finish."""
@@ -193,15 +234,17 @@ class DBEnv:
         """Start an episode on a fresh session of the task's database; returns the task text.
         Raises ValueError on a task without tables or answer (a data error, not an agent one)."""
         self.close()
-        tables = specs_from_meta(task.meta)
+        tables = task_tables(task, self.backend)
         writable = is_write_task(task)
         if writable:
             self._gold_hash, self._gold_error = self._gold(tables, task)
-        elif not isinstance(task.answer, dict) or "values" not in task.answer:
-            raise ValueError(f"task {task.task_id}: a SELECT-type task needs answer={{'values': [...]}}")
+        elif not isinstance(task.answer, dict) or not ("values" in task.answer or "rows" in task.answer):
+            raise ValueError(f"task {task.task_id}: a SELECT-type task needs answer={{'values': [...]}} "
+                             "(a list of values) or answer={'rows': [[...], ...]} (a result set)")
         self._task, self._tables = task, tables
         self.toolbox = DBToolbox(self.backend.open(tables, writable), writable, self.limits)
         self._parse_errors = 0
+        self._ended = False
         return task.prompt
 
     def _gold(self, tables: list[TableSpec], task: Task) -> tuple[str | None, str]:
@@ -223,12 +266,15 @@ class DBEnv:
         `commit_final_answer` call ends and scores the episode; calls after it in the same turn
         are not run (info["ignored_calls"])."""
         toolbox = self._require_episode()
-        observations = [f"Error: {e}" for e in action.parse_errors]
+        observations = [valid_text(f"Error: {e}") for e in action.parse_errors]
         self._parse_errors += len(action.parse_errors)
         for index, call in enumerate(action.tool_calls):
             observation = toolbox.call(call.name, call.arguments)
             if toolbox.committed is not None:
-                result = self._score()
+                try:
+                    result = self._score()
+                except Exception as exc:  # no committed answer may crash the episode
+                    result = self._final(0.0, {"score_error": valid_text(f"{type(exc).__name__}: {exc}")[:500]})
                 result.info["ignored_calls"] = len(action.tool_calls) - index - 1
                 return result
             observations.append(observation)
@@ -251,6 +297,9 @@ class DBEnv:
 
     def _require_episode(self) -> DBToolbox:
         if self.toolbox is None:
+            if self._ended:
+                raise RuntimeError("DBEnv.step/finish called after the episode already ended (it was scored "
+                                   "and its database closed): call reset(task) first to start a new one")
             raise RuntimeError("DBEnv.step/finish called without an episode in progress: call reset(task) first")
         return self.toolbox
 
@@ -273,6 +322,7 @@ class DBEnv:
             "answer_size": len(self.toolbox.committed or []),
         } | extra
         self.close()
+        self._ended = True
         return StepResult(observations=[], reward=reward, done=True, info=info)
 
     def _score(self) -> StepResult:
@@ -286,6 +336,10 @@ class DBEnv:
                 return self._final(0.0, {"score_error": str(exc)})
             return self._final(1.0 if current == self._gold_hash else 0.0, {})
         answer = self._task.answer
+        if "rows" in answer:
+            ok = result_sets_match(self.toolbox.committed_raw or [], answer["rows"],
+                                   ordered=bool(answer.get("ordered", False)), rel_tol=self.rel_tol)
+            return self._final(1.0 if ok else 0.0, {})
         committed = self.toolbox.committed or []
         ok = answers_match(committed, list(answer["values"]), ordered=bool(answer.get("ordered", False)),
                            rel_tol=self.rel_tol)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from tiderl.envs.db.backend import Backend, SQLError, specs_from_meta
-from tiderl.envs.db.env import DBEnv, default_backend, is_write_task, resolve_gold_write
+from tiderl.envs.db.env import DBEnv, default_backend, is_write_task, resolve_gold_write, task_tables
 from tiderl.envs.db.sql_text import quote_identifier, split_statements
 from tiderl.envs.db.tasks import agentbench_table_md5, answer_md5
 from tiderl.envs.protocol import Action, StepResult, Task
@@ -49,12 +49,15 @@ def gold_query_cells(task: Task, backend: Backend | None = None, timeout_s: floa
     statements = split_statements(str(task.meta.get("gold_sql") or ""))
     if not statements:
         raise SQLError(f"task {task.task_id} has no gold SQL")
-    session = (backend or default_backend()).open(specs_from_meta(task.meta), writable=False)
+    backend = backend or default_backend()
+    session = backend.open(task_tables(task, backend), writable=False)
     try:
         result = None
         for statement in statements:
             result = session.execute(statement, max_rows=_ORACLE_MAX_ROWS, timeout_s=timeout_s)
         assert result is not None
+        if isinstance(task.answer, dict) and "rows" in task.answer:  # a result-set task: rows as rows
+            return [[_json_value(v) for v in row] for row in result.rows]
         return [_json_value(v) for row in result.rows for v in row]
     finally:
         session.close()
@@ -69,7 +72,8 @@ def oracle_turns(task: Task, backend: Backend | None = None) -> list[str]:
     gold_sql = str(task.meta.get("gold_sql") or "")
     if is_write_task(task) and gold_sql:
         try:  # the form of the gold statement that runs on this backend
-            gold_sql = resolve_gold_write(backend or default_backend(), specs_from_meta(task.meta), gold_sql)[0]
+            backend = backend or default_backend()
+            gold_sql = resolve_gold_write(backend, task_tables(task, backend), gold_sql)[0]
         except SQLError:
             pass
     statements = split_statements(gold_sql)
@@ -80,6 +84,8 @@ def oracle_turns(task: Task, backend: Backend | None = None) -> list[str]:
             answers = gold_query_cells(task, backend)
         except SQLError:
             answers = []
+    if not statements and isinstance(task.answer, dict) and "rows" in task.answer:
+        answers = [list(row) for row in task.answer["rows"]]  # a question given with its answer only
     turns.append(tool_call_text("commit_final_answer", {"answers": answers}))
     return turns
 

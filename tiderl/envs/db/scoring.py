@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from typing import Any, Sequence
 
 DEFAULT_REL_TOL = 1e-6
@@ -27,20 +28,40 @@ DEFAULT_ABS_TOL = 1e-9
 _NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+(\.\d*)?|\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
 
+# Longest text read as a number (a number written with more characters is compared as text).
+MAX_NUMBER_CHARS = 64
+
+
 def as_number(value: Any) -> float | None:
-    """The value as a float when it is a number or a string holding exactly one, else None."""
+    """The value as a finite float when it is a number or a string holding exactly one (at
+    most MAX_NUMBER_CHARS characters), else None. Bounded: integers beyond float range and
+    overlong numerals are not numbers (they compare as text), never an OverflowError."""
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        return float(value.strip().replace(",", ""))
+    if isinstance(value, int):
+        if value.bit_length() > 1000:  # past float range
+            return None
+        return float(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str) and len(value) <= MAX_NUMBER_CHARS and _NUMBER.fullmatch(value.strip()):
+        number = float(value.strip().replace(",", ""))
+        return number if math.isfinite(number) else None
     return None
+
+
+def value_text(value: Any) -> str:
+    """str(value), bounded: an integer too long for str() (Python refuses more than 4300
+    digits) becomes a short placeholder instead of a ValueError."""
+    try:
+        return str(value)
+    except ValueError:
+        return f"<integer of {value.bit_length()} bits>"
 
 
 def normalize_text(value: Any) -> str:
     """Case-folded text with whitespace runs collapsed and the ends stripped."""
-    return " ".join(str(value).split()).casefold()
+    return " ".join(value_text(value).split()).casefold()
 
 
 def values_match(predicted: Any, gold: Any, rel_tol: float = DEFAULT_REL_TOL,
@@ -71,9 +92,14 @@ def answers_match(predicted: Sequence[Any], gold: Sequence[Any], ordered: bool =
         return False
     if ordered:
         return all(values_match(p, g, rel_tol, abs_tol) for p, g in zip(predicted, gold))
-    # Tolerant equality is not transitive, so pair values with a bipartite matching (Kuhn's
-    # augmenting paths; the lists are short) instead of sorting.
     candidates = [[j for j, g in enumerate(gold) if values_match(p, g, rel_tol, abs_tol)] for p in predicted]
+    return _pairs_up(candidates)
+
+
+def _pairs_up(candidates: list[list[int]]) -> bool:
+    """Whether every item i can be paired with a distinct partner from candidates[i].
+    Tolerant equality is not transitive, so this is a bipartite matching (Kuhn's augmenting
+    paths; the lists are short) rather than a sort."""
     owner: dict[int, int] = {}
 
     def assign(i: int, seen: set[int]) -> bool:
@@ -85,4 +111,72 @@ def answers_match(predicted: Sequence[Any], gold: Sequence[Any], ordered: bool =
                     return True
         return False
 
-    return all(assign(i, set()) for i in range(len(predicted)))
+    return all(assign(i, set()) for i in range(len(candidates)))
+
+
+# -- result sets (questions over a real database) ---------------------------------------------
+
+_NULL_TEXTS = frozenset({"none", "null"})
+
+# Unordered results longer than this must match exactly after normalisation (`_row_key`); the
+# tolerant row matching is quadratic.
+MAX_MATCHED_ROWS = 500
+
+
+def _row_key(row: Sequence[Any]) -> tuple[Any, ...]:
+    """A row in a hashable normal form: NULL, numbers as floats, text normalised."""
+    key = []
+    for cell in row:
+        number = None if cell is None else as_number(cell)
+        if cell is None or (isinstance(cell, str) and normalize_text(cell) in _NULL_TEXTS):
+            key.append(("null",))
+        elif number is not None:
+            key.append(("number", number))
+        else:
+            key.append(("text", normalize_text(cell)))
+    return tuple(key)
+
+
+def cells_match(predicted: Any, gold: Any, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL) -> bool:
+    """One committed cell against one gold cell: NULL (None) matches only NULL or the text
+    "null"/"none"; otherwise `values_match` (numbers within tolerance, text normalised)."""
+    if predicted is None or gold is None:
+        other = gold if predicted is None else predicted
+        return other is None or (isinstance(other, str) and normalize_text(other) in _NULL_TEXTS)
+    return values_match(predicted, gold, rel_tol, abs_tol)
+
+
+def committed_rows(answers: Sequence[Any], width: int) -> list[list[Any]] | None:
+    """The committed answer read as rows of a result with `width` columns: nested arrays are
+    rows as given; a flat list of values is cut into rows of `width` values (row-major), so a
+    one-column result may be committed as `[v1, v2]` and a one-row result as `[a, b]`; None
+    when a flat list does not divide into whole rows (or mixes rows and values)."""
+    if all(isinstance(a, (list, tuple)) for a in answers):
+        return [list(a) for a in answers]
+    if any(isinstance(a, (list, tuple)) for a in answers) or width < 1 or len(answers) % width:
+        return None
+    return [list(answers[i:i + width]) for i in range(0, len(answers), width)]
+
+
+def result_sets_match(answers: Sequence[Any], gold_rows: Sequence[Sequence[Any]], ordered: bool = False,
+                      rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL) -> bool:
+    """Whether a committed answer equals a gold result set (the rules of docs/env_db.md):
+    same number of rows; rows compared cell by cell in column order (column names are not
+    compared) with `cells_match`; rows in the same order when `ordered` (the gold SQL has a
+    top-level ORDER BY), else as a multiset (duplicates count, order does not). An empty
+    gold result matches only an empty answer."""
+    width = len(gold_rows[0]) if gold_rows else 1
+    rows = committed_rows(answers, width)
+    if rows is None or len(rows) != len(gold_rows):
+        return False
+
+    def same(p: Sequence[Any], g: Sequence[Any]) -> bool:
+        return len(p) == len(g) and all(cells_match(a, b, rel_tol, abs_tol) for a, b in zip(p, g))
+
+    if ordered:
+        return all(same(p, g) for p, g in zip(rows, gold_rows))
+    if Counter(map(_row_key, rows)) == Counter(map(_row_key, gold_rows)):
+        return True  # equal after normalisation: no tolerance needed
+    if len(rows) > MAX_MATCHED_ROWS:
+        return False
+    return _pairs_up([[j for j, g in enumerate(gold_rows) if same(p, g)] for p in rows])

@@ -1,4 +1,5 @@
-"""The SQL database environment's setup (`data.source: agentbench_db`).
+"""The SQL database environment's setup (`data.source: agentbench_db`, or `db_file`: questions over
+the user's own database file, see `file_setup`).
 
 AgentBench's DB task has no training split: the setup trains on the split it does not evaluate
 on (`standard` when evaluating on `dev` and the reverse), so train and eval tasks never
@@ -7,10 +8,12 @@ overlap. At most `data.eval_size` eval tasks are kept (a fixed-seed sample).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.db.env import DBEnv, make_backend
 from tiderl.envs.db.oracle import oracle_turns
+from tiderl.envs.db.questions import load_questions
 from tiderl.envs.db.tasks import DBBENCH_DIR, dbbench_dir, load_dbbench_tasks
 from tiderl.envs.db.tools import Limits
 from tiderl.envs.setup import Setup, data_root, sample_tasks
@@ -26,9 +29,11 @@ def setup(cfg: "RunConfig") -> Setup:
     duckdb or a SQLAlchemy URL) with `Limits(max_rows=max_items, timeout_s=db_timeout_s,
     max_observation_chars)`; the backend holds every episode's database and gold hashes."""
     data = cfg.data
+    if data.source == "db_file":
+        return file_setup(cfg)
     if data.source != "agentbench_db":
         raise ValueError(f"data.source={data.source!r} is not a database source. Fix: use "
-                         "data.source=agentbench_db with env.name=db.")
+                         "data.source=agentbench_db or db_file with env.name=db.")
     split = data.split or "dev"
     if split not in DB_SPLITS:
         raise ValueError(f"data.split {split!r} is not an AgentBench DB split. Fix: use one of "
@@ -49,6 +54,28 @@ def setup(cfg: "RunConfig") -> Setup:
     out.oracle = lambda task: oracle_turns(task, db_backend(out, env.db_backend))
     # A SQLAlchemy server backend serves one session at a time: evaluate task by task.
     out.eval_chunk_size = 1 if "://" in env.db_backend else 0
+    return out
+
+
+def file_setup(cfg: "RunConfig") -> Setup:
+    """Questions (`data.questions`) over an existing database file (`data.db_path`), opened
+    read-only. At most `data.eval_size` questions are held out (a fixed-seed sample); the rest
+    are the training tasks."""
+    data, env = cfg.data, cfg.env
+    if not data.db_path or not data.questions:
+        missing = "data.db_path" if not data.db_path else "data.questions"
+        raise ValueError(f"data.source=db_file needs {missing}. Fix: pass --db path/to.sqlite --questions q.jsonl "
+                         "(or data.db_path=... data.questions=...).")
+    path = str(Path(data.db_path).expanduser().resolve())
+    tasks = load_questions(data.questions, make_backend(path), database=path)
+    held_out = sample_tasks(tasks, data.eval_size, data.seed)
+    kept = {t.task_id for t in held_out}
+    train = [t for t in tasks if t.task_id not in kept]
+    out = Setup(train, held_out, DBEnv, "db_file", split=Path(data.questions).stem)
+    limits = Limits(max_rows=env.max_items, timeout_s=env.db_timeout_s,
+                    max_observation_chars=env.max_observation_chars)
+    out.make_env = _DBFactory(out, path, limits, env.system_prompt or None)
+    out.oracle = lambda task: oracle_turns(task, db_backend(out, path))
     return out
 
 

@@ -175,6 +175,25 @@ def _top_level_write(tokens: Sequence[Token]) -> bool:
     return False
 
 
+def has_top_level_order_by(sql: str) -> bool:
+    """Whether the statement's own result is ordered: ORDER BY outside any parentheses (an
+    ORDER BY inside a subquery or window does not order the result)."""
+    depth = 0
+    previous = None
+    for t in tokenize(sql):
+        if t.kind == "punct" and t.text == "(":
+            depth += 1
+        elif t.kind == "punct" and t.text == ")":
+            depth = max(0, depth - 1)
+        elif depth == 0 and t.kind == "word":
+            if t.text.upper() == "BY" and previous is not None and previous.upper() == "ORDER":
+                return True
+            previous = t.text
+            continue
+        previous = None
+    return False
+
+
 def referenced_units(sql: str, tables: dict[str, Sequence[str]]) -> set[str]:
     """A conservative guess of the knowledge units one statement touches, without a database.
 

@@ -16,6 +16,15 @@ also off at the connection level (the stdlib default), blobs and strings are cap
 `SQLITE_LIMIT_LENGTH`, and a progress handler interrupts statements that run past their time
 limit.
 
+The progress handler runs only between virtual-machine instructions, so one instruction that
+loops inside a function (`printf('%.*c', 2000000000, 'x')` runs 3-6 s whatever the limit)
+escapes it: by default (`isolate=True`) sessions therefore run in a worker process that is
+killed when a statement overruns (`worker.py`), which makes the limit hold for any statement.
+
+`SQLiteFileBackend` opens a database file the user already has: read-only and immutable
+(`file:...?mode=ro&immutable=1`: SQLite neither writes nor locks the file), and for write
+tasks a private in-memory copy made with the backup API. The file itself is never written.
+
 The authorizer also reports which tables and columns a statement reads or writes (SQLITE_READ
 carries table and column; an empty column means the table was used without reading a column,
 e.g. `COUNT(*)`); those become the statement's knowledge units. Prepared statements are not
@@ -33,6 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tiderl.envs.db.backend import (
+    MAX_VALUE_BYTES,
     QueryResult,
     SQLError,
     TableSpec,
@@ -43,12 +53,10 @@ from tiderl.envs.db.backend import (
     units_for,
 )
 from tiderl.envs.db.sql_text import quote_identifier
+from tiderl.envs.db.worker import BackendSpec, IsolatedSession, timeout_message
 
 # Functions an agent may never call, whatever the build of SQLite offers.
 DENIED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer", "readfile", "writefile", "edit"})
-
-# Longest string or blob a statement may build (stops `zeroblob(1e9)`-style memory blowups).
-MAX_VALUE_BYTES = 1_000_000
 
 # How often (in SQLite virtual-machine instructions) the progress handler checks the clock.
 _PROGRESS_STEPS = 1_000
@@ -79,11 +87,14 @@ def build_sqlite_file(tables: Sequence[TableSpec], path: Path) -> None:
 
 class SQLiteBackend:
     """SQLite task databases as files under `cache_dir` (a private temporary directory, removed
-    with the backend, when None). One backend may serve many env instances and threads."""
+    with the backend, when None). One backend may serve many env instances and threads.
+    isolate: run each session in a worker process killed on overrun (see the module docstring);
+        False runs it in this process, where the time limit holds only between instructions."""
 
     name = "sqlite"
 
-    def __init__(self, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, cache_dir: str | Path | None = None, isolate: bool = True) -> None:
+        self.isolate = isolate
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tiderl-db-")
@@ -101,6 +112,10 @@ class SQLiteBackend:
     def open(self, tables: Sequence[TableSpec], writable: bool) -> "SQLiteSession":
         """A session on the task database: the read-only file itself, or a private in-memory
         copy of it when `writable`."""
+        if self.isolate:
+            self.source_path(tables)  # built here, once, so workers only open it
+            spec = BackendSpec(f"{__name__}:SQLiteBackend", (("cache_dir", str(self.cache_dir)),))
+            return IsolatedSession(spec, tables, writable)  # type: ignore[return-value]
         source = sqlite3.connect(self.source_path(tables).as_uri() + "?mode=ro", uri=True,
                                  isolation_level=None, cached_statements=0, check_same_thread=False)
         if not writable:
@@ -178,7 +193,7 @@ class SQLiteSession:
         """The agent-facing message of a failed statement."""
         text = str(exc)
         if text == "interrupted":
-            return f"the statement ran longer than the {timeout_s:g} s limit and was stopped"
+            return timeout_message(timeout_s)
         if "not authorized" in text and self._refusal:
             return f"not authorized: {self._refusal}"
         if "one statement at a time" in text:
@@ -207,3 +222,81 @@ class SQLiteSession:
 
     def close(self) -> None:
         self._conn.close()
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def is_sqlite_file(path: str | Path) -> bool:
+    """Whether the file starts with SQLite's 16-byte header string."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(16) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
+def read_only_uri(path: Path) -> str:
+    """The URI that opens `path` without ever writing or locking it."""
+    return path.as_uri() + "?mode=ro&immutable=1"
+
+
+def read_schema(conn: sqlite3.Connection) -> list[TableSpec]:
+    """The tables of a database as row-less TableSpecs (names and declared column types)."""
+    names = [r[0] for r in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' "
+        "ORDER BY name")]
+    tables = []
+    for name in names:
+        columns = tuple((str(c), str(t or "")) for c, t in
+                        conn.execute("SELECT name, type FROM pragma_table_info(?)", (name,)))
+        tables.append(TableSpec(name, columns, ()))
+    return tables
+
+
+class SQLiteFileBackend:
+    """An existing SQLite database file, opened read-only (see the module docstring).
+
+    path: the database file; FileNotFoundError or ValueError (naming the fix) when it is
+        missing or not a SQLite database.
+    `open(tables, writable)` ignores `tables`: the file's own tables (`self.tables`, read once)
+    are the task's. Write sessions get a private in-memory copy; the file is never written.
+    """
+
+    name = "sqlite-file"
+
+    def __init__(self, path: str | Path, isolate: bool = True) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self.isolate = isolate
+        if not self.path.is_file():
+            raise FileNotFoundError(f"database file {self.path} not found. Fix: pass the path of an existing "
+                                    "SQLite (.sqlite/.db) or DuckDB (.duckdb) file.")
+        if not is_sqlite_file(self.path):
+            raise ValueError(f"{self.path} is not a SQLite database (no 'SQLite format 3' header). Fix: pass a "
+                             "SQLite file, or a DuckDB file (opened by DuckDBFileBackend).")
+        conn = self._connect()
+        try:
+            self.tables = read_schema(conn)
+        except sqlite3.Error as exc:
+            raise ValueError(f"cannot read the schema of {self.path}: {exc}") from None
+        finally:
+            conn.close()
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(read_only_uri(self.path), uri=True, isolation_level=None, cached_statements=0,
+                               check_same_thread=False)
+
+    def open(self, tables: Sequence[TableSpec] = (), writable: bool = False) -> "SQLiteSession":
+        """A session on the file (read-only), or on a private in-memory copy when `writable`."""
+        if self.isolate:
+            spec = BackendSpec(f"{__name__}:SQLiteFileBackend", (("path", str(self.path)),))
+            return IsolatedSession(spec, self.tables, writable)  # type: ignore[return-value]
+        source = self._connect()
+        if not writable:
+            return SQLiteSession(source, self.tables, writable=False)
+        copy = sqlite3.connect(":memory:", isolation_level=None, cached_statements=0, check_same_thread=False)
+        try:
+            source.backup(copy)
+        finally:
+            source.close()
+        return SQLiteSession(copy, self.tables, writable=True)

@@ -22,6 +22,7 @@ succeeded: what the backend reports the statement read or wrote (see the backend
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +61,15 @@ class Limits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with lone UTF-16 surrogates (which no tokenizer or UTF-8 encoder takes) replaced
+    by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 class ToolError(Exception):
@@ -146,6 +156,7 @@ class DBToolbox:
         self.num_errors = 0
         self.units: set[str] = set()
         self.committed: list[Any] | None = None
+        self.committed_raw: list[Any] | None = None  # as given (rows kept), for result-set tasks
         self._tools: dict[str, Callable[[dict[str, Any]], str]] = {
             "execute_sql": self._execute_sql,
             "commit_final_answer": self._commit_final_answer,
@@ -160,10 +171,13 @@ class DBToolbox:
         try:
             if not isinstance(name, str) or name not in self._tools:
                 raise ToolError(f"unknown tool '{name}'. Available tools: {', '.join(TOOL_ARGUMENTS)}.")
-            return self._tools[name](check_arguments(name, arguments))
+            return valid_text(self._tools[name](check_arguments(name, arguments)))
         except (ToolError, SQLError) as e:
             self.num_errors += 1
-            return f"Error: {e}"
+            return valid_text(f"Error: {e}")
+        except Exception as e:  # a tool must never crash the episode: the agent reads what broke
+            self.num_errors += 1
+            return valid_text(f"Error: the tool {str(name)[:80]!r} failed: {type(e).__name__}: {str(e)[:500]}")
 
     # -- tools ---------------------------------------------------------------------------
 
@@ -205,6 +219,7 @@ class DBToolbox:
                 raise ToolError("answers must be a JSON array of values (or of rows of values), "
                                 'e.g. {"answers": ["Giza"]} or {"answers": [3]}.')
         self.committed = flatten_answers(answers)
+        self.committed_raw = list(answers)
         return "Answer committed."
 
     def _list_tables(self, args: dict[str, Any]) -> str:
