@@ -46,7 +46,7 @@ class Verdict:
 
 def compare(gold: str, predicted: str, timeout_s: float) -> tuple[bool, str]:
     """math-verify's verdict on two answer strings, in this process (its alarm-based timeout
-    needs the main thread; `_worker_main` runs it there)."""
+    needs the main thread; `worker_main` runs it there)."""
     from math_verify import parse, verify
 
     seconds = max(1, math.ceil(timeout_s))
@@ -70,6 +70,13 @@ def worker_main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     except (ImportError, ValueError, OSError):
         pass  # no address-space limit on this platform; the parent's timeout still bounds it
+    try:  # Linux: die with the parent, even in the middle of a long computation
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the worker ends when its stdin closes, after the current request
     import logging
 
     logging.disable(logging.WARNING)  # math-verify logs every parse failure
@@ -195,7 +202,8 @@ class AnswerVerifier:
             return Verdict(bool(reply[0]), str(reply[1]))
 
     def close(self) -> None:
-        """Stop the worker processes (they are daemons: they also stop with this process)."""
+        """Stop the idle worker processes (a worker also ends when this process does: its stdin
+        closes, and on Linux it is killed with its parent)."""
         self._closed = True
         while True:
             try:
