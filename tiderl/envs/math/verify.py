@@ -70,17 +70,12 @@ def worker_main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     except (ImportError, ValueError, OSError):
         pass  # no address-space limit on this platform; the parent's timeout still bounds it
-    try:  # Linux: die with the parent, even in the middle of a long computation
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the worker ends when its stdin closes, after the current request
+    # No PR_SET_PDEATHSIG: it fires when the *thread* that started the worker exits, and workers
+    # are started from whichever episode thread needs one. A worker ends when its stdin closes.
     import logging
 
     logging.disable(logging.WARNING)  # math-verify logs every parse failure
-    import math_verify  # noqa: F401 - import once, before the first request
+    compare("1", "1", 5)  # import and warm math-verify and SymPy before the first timed request
 
     out = sys.stdout
     out.write('"ready"\n')
@@ -203,7 +198,7 @@ class AnswerVerifier:
 
     def close(self) -> None:
         """Stop the idle worker processes (a worker also ends when this process does: its stdin
-        closes, and on Linux it is killed with its parent)."""
+        closes; one busy with a request ends after it, bounded by math-verify's own alarm)."""
         self._closed = True
         while True:
             try:
