@@ -62,7 +62,8 @@ class WarmStartConfig:
     """
 
     num_traces: int = opt(3000, "Oracle tool-use traces generated from the training tasks.")
-    relation_noise: float = opt(0.5, "Probability that an oracle hop uses a wrong relation.")
+    relation_noise: float = opt(0.5, "Probability that an oracle hop uses a wrong relation (math "
+                                "arithmetic: the mean rate of the opposite operation).")
     steps: int = opt(500, "Supervised optimizer steps.")
     batch_size: int = opt(32, "Traces per supervised step.")
     lr: float = opt(3e-3, "Supervised learning rate (AdamW, cosine decay).")
