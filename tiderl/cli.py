@@ -100,6 +100,8 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
         env = _ENV_OF_DATA[data]
     if env == "db" and not data:
         data = "agentbench_db"
+    if env == "math" and not data:
+        data = "arithmetic"
     if env:
         out.append(f"env.name={env}")
     if data:
@@ -278,7 +280,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         results, tokenizer_source = _oracle_eval(cfg, setup, make_env, model, chunk_size)
         what, label = "oracle", (lambda mode: "oracle")
     else:
-        if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa"):
+        if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa", "arithmetic"):
             print(f"tiderl: the embedded tiny model is a KG model for data.source embedded or metaqa, "
                   f"not {setup.name}. Fix: pass --model DIR (or model.path=DIR), or --oracle.",
                   file=sys.stderr)

@@ -62,7 +62,8 @@ class WarmStartConfig:
     """
 
     num_traces: int = opt(3000, "Oracle tool-use traces generated from the training tasks.")
-    relation_noise: float = opt(0.5, "Probability that an oracle hop uses a wrong relation.")
+    relation_noise: float = opt(0.5, "Probability that an oracle hop uses a wrong relation (math "
+                                "arithmetic: the mean rate of the opposite operation).")
     steps: int = opt(500, "Supervised optimizer steps.")
     batch_size: int = opt(32, "Traces per supervised step.")
     lr: float = opt(3e-3, "Supervised learning rate (AdamW, cosine decay).")
@@ -98,7 +99,9 @@ class DataConfig:
         "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
         "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
         "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, "
-        "data.questions). A user's environment reads it as it likes.",
+        "data.questions). env.name=math: 'arithmetic' (questions tiderl generates), 'gsm8k', "
+        "'math500', 'aime24', 'aime25', 'amc23' (test sets, evaluation only). A user's environment "
+        "reads it as it likes.",
     )
     split: str = opt("", "AgentBench split to evaluate on ('' = dev; DB: dev/standard, KG: dev/std).")
     data_dir: str = opt(
@@ -109,7 +112,8 @@ class DataConfig:
     num_films: int = opt(150, "Embedded world: number of films.")
     num_people: int = opt(120, "Embedded world: number of people.")
     eval_fraction: float = opt(0.2, "Embedded: fraction of topic entities held out for eval.")
-    num_train_tasks: int = opt(4000, "MetaQA: template questions generated for training.")
+    num_train_tasks: int = opt(4000, "MetaQA: template questions generated for training; math "
+                               "arithmetic: generated training questions.")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
     db_path: str = opt("", "DB, data.source=db_file: an existing SQLite or DuckDB database file (opened "
@@ -123,7 +127,8 @@ class EnvConfig:
     """The environment and the episode limits."""
 
     name: str = opt(
-        "kg", "Environment: 'kg' (knowledge-graph tools), 'db' (SQL database tools), or a user's "
+        "kg", "Environment: 'kg' (knowledge-graph tools), 'db' (SQL database tools), 'math' (math "
+        "answers checked by math-verify, optional calculator), or a user's "
         "'module:Object' whose setup(cfg) returns a tiderl.envs.setup.Setup (docs/extending.md).")
     max_turns: int = opt(4, "Model turns per episode (AgentBench uses 15).")
     max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
@@ -143,6 +148,14 @@ class EnvConfig:
         1.0, "uniform: half-width as a fraction of the mean; lognormal: sigma of log-latency."
     )
     tool_latency_max_s: float = opt(0.0, "Cap on one simulated latency (0 = no cap).")
+    math_tools: bool = opt(
+        False, "math: offer the calculator tool (multi-turn; the first turn without a tool call is "
+        "the answer); false = single-turn (the first turn is the answer).")
+    math_format_penalty: float = opt(
+        0.0, "math: reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
+    math_verify_timeout_s: float = opt(
+        5.0, "math: longest math-verify check of one answer, in seconds (its worker process is "
+        "killed after that and the answer counts as wrong).")
 
 
 @dataclass
@@ -577,6 +590,10 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "algo.overlong_buffer=0 turns the overlong penalty off"),
         (("env.db_backend", "env.db_timeout_s"), e.name != "kg", "only env.name=db reads it"),
         (("env.max_listed", "env.sparql_endpoint"), e.name != "db", "only env.name=kg reads it"),
+        (("env.math_tools", "env.math_format_penalty", "env.math_verify_timeout_s"), e.name == "math",
+         "only env.name=math reads it"),
+        (("env.db_backend", "env.db_timeout_s", "env.max_listed", "env.sparql_endpoint"), e.name != "math",
+         "env.name=math does not read it"),
         (("env.tool_latency_s", "env.tool_latency_max_s"), e.tool_latency != "none",
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
@@ -763,6 +780,8 @@ def validate(cfg: RunConfig) -> None:
          "set env.sparql_endpoint=http://host:port/sparql")
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
+    need(cfg.env.math_format_penalty >= 0, "env.math_format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
+    need(cfg.env.math_verify_timeout_s > 0, "env.math_verify_timeout_s", "must be > 0", "use 5.0")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")
     need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",
          f"is 0 but env.tool_latency is {cfg.env.tool_latency!r}",

@@ -23,6 +23,7 @@ from typing import Any
 ENVIRONMENTS: dict[str, str] = {
     "kg": "tiderl.envs.kg.setup:setup",
     "db": "tiderl.envs.db.setup:setup",
+    "math": "tiderl.envs.math.setup:setup",
 }
 
 # The data sources each built-in environment reads (`data.source`); a user's environment reads
@@ -30,6 +31,7 @@ ENVIRONMENTS: dict[str, str] = {
 DATA_SOURCES: dict[str, tuple[str, ...]] = {
     "kg": ("embedded", "metaqa", "agentbench_kg"),
     "db": ("agentbench_db", "db_file"),
+    "math": ("arithmetic", "gsm8k", "math500", "aime24", "aime25", "amc23"),
 }
 
 ENGINES: dict[str, str] = {

@@ -14,6 +14,10 @@ user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`). Building it:
 3. the traces as token sequences, assembled by the agent loop itself (a scripted engine emits the
    oracle turns), so supervised data and RL rollouts share one token layout;
 4. supervised fine-tuning (cross-entropy on the assistant tokens only).
+
+Another environment can have an embedded model too: `DEMONSTRATIONS` maps its `env.name` to a
+function `(setup, cfg, rng) -> (tasks, scripts, report entries)` that replaces step 1 (the math
+environment's `arithmetic` tasks: calculator calls with systematic operation confusions).
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def _log(message: str) -> None:
 # Bump when the build recipe changes, so stale caches are not reused.
 BUILD_VERSION = 1
 
+# env.name -> import path of its warm-start demonstrations (module docstring); the KG's are below.
+DEMONSTRATIONS: dict[str, str] = {
+    "math": "tiderl.envs.math.setup:demonstrations",
+}
+
 
 def cache_root(cfg: RunConfig) -> Path:
     if cfg.model.cache_dir:
@@ -73,11 +82,14 @@ def build_key(cfg: RunConfig) -> str:
                                                  "max_items", "max_observation_chars", "system_prompt")},
         "seed": cfg.seed,
     }
+    if cfg.env.name == "math":  # only then, so the KG models' keys (and caches) stay as they were
+        recipe["env"]["math_tools"] = cfg.env.math_tools
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def embedded_model_dir(cfg: RunConfig) -> Path:
-    return cache_root(cfg) / "models" / f"kg-tiny-{cfg.data.source}-{build_key(cfg)}"
+    family = "kg" if cfg.env.name not in DEMONSTRATIONS else cfg.env.name
+    return cache_root(cfg) / "models" / f"{family}-tiny-{cfg.data.source}-{build_key(cfg)}"
 
 
 def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
@@ -158,10 +170,16 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
     t_start = time.perf_counter()
     ws, tiny = cfg.model.warmstart, cfg.model.tiny
     rng = random.Random(cfg.seed)
-    relations = sorted({r for t in setup.train_tasks for r in t.meta["path"]})
-    table = confusion_table(setup.store, relations, ws.relation_noise, cfg.seed)
-    tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
-    scripts = [oracle_script(t, table, rng) for t in tasks]
+    if cfg.env.name in DEMONSTRATIONS:
+        from tiderl.registry import load_object
+
+        tasks, scripts, entries = load_object(DEMONSTRATIONS[cfg.env.name], "demonstrations")(setup, cfg, rng)
+    else:
+        relations = sorted({r for t in setup.train_tasks for r in t.meta["path"]})
+        table = confusion_table(setup.store, relations, ws.relation_noise, cfg.seed)
+        tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
+        scripts = [oracle_script(t, table, rng) for t in tasks]
+        entries = {"confusions": {r: [p, round(rate, 3)] for r, (p, rate) in table.items()}}
     env = setup.make_env()
 
     tokenizer = train_tokenizer(corpus_texts(env, tasks, scripts), vocab_size=tiny.vocab_size)
@@ -187,7 +205,7 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
         "build_version": BUILD_VERSION,
         "demonstrations": len(traces),
         "demonstration_success": demo_success,
-        "confusions": {r: [p, round(rate, 3)] for r, (p, rate) in table.items()},
+        **entries,
         "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
         "parameters": sum(p.numel() for p in model.parameters()),
         "build_s": time.perf_counter() - t_start,

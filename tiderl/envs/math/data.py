@@ -1,0 +1,190 @@
+"""Math tasks: readers for the benchmark files under the data root, and `arithmetic`, a task
+family tiderl generates offline.
+
+| source | file (under the data root) | answers |
+| --- | --- | --- |
+| `gsm8k` | `gsm8k/test.jsonl` (`question`, `answer` ending `#### 18`) | the number after `####`, thousands separators removed |
+| `math500` | `math500/test.jsonl` (`problem`, `answer`, `subject`, `level`, `unique_id`) | the LaTeX `answer` as written |
+| `aime24`, `aime25` | `aime/aime24.jsonl`, `aime/aime25.jsonl` (`problem`, `answer` string) | the integer (`"025"` -> `25`) |
+| `amc23` | `aime/amc23.jsonl` (`problem`, `answer` float) | the number (`27.0` -> `27`) |
+| `arithmetic` | none: generated from `data.seed` | an integer or a decimal |
+
+Each benchmark file is a test set: all of its questions are evaluation tasks and none is
+trained on. A task's `answer` is the gold answer as text (what math-verify compares with) and
+`meta["dataset"]` names its source.
+
+`arithmetic` (see `ARITHMETIC_KINDS`): questions whose answer one calculator call finds, in
+eight kinds (bare and worded addition, subtraction and multiplication with 2-3 digit numbers,
+and linear equations `a x + b = c` / `a x - b = c` with an integer solution). Each task's meta
+has `expression` (the calculation that answers it) and `confusion` (a plausible wrong
+calculation: the opposite operation), which the embedded tiny model's demonstrations use. The
+train and held-out splits are disjoint sets of questions drawn with one seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tiderl.envs.protocol import Task
+
+BENCHMARK_FILES = {
+    "gsm8k": "gsm8k/test.jsonl",
+    "math500": "math500/test.jsonl",
+    "aime24": "aime/aime24.jsonl",
+    "aime25": "aime/aime25.jsonl",
+    "amc23": "aime/amc23.jsonl",
+}
+
+# The largest integer a gold answer may hold (every benchmark answer is far below it).
+MAX_GOLD_DIGITS = 30
+
+_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    out = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        out.append(record)
+    return out
+
+
+def _field(record: dict[str, Any], names: tuple[str, ...], where: str) -> Any:
+    for name in names:
+        if record.get(name) not in (None, ""):
+            return record[name]
+    raise ValueError(f"{where}: no {' or '.join(names)} field")
+
+
+def integer_text(value: Any, where: str) -> str:
+    """An integer answer (`"025"`, `27.0`, `"1,600"`) as plain digits, bounded in size."""
+    text = str(value).strip().replace(",", "")
+    if len(text.lstrip("-")) > MAX_GOLD_DIGITS + 2:
+        raise ValueError(f"{where}: answer {text[:40]!r} has more than {MAX_GOLD_DIGITS} digits")
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"{where}: answer {text[:40]!r} is not a number") from None
+    if not number.is_integer():
+        raise ValueError(f"{where}: answer {text!r} is not an integer")
+    return str(int(text)) if re.fullmatch(r"-?\d+", text) else str(int(number))
+
+
+def gsm8k_answer(solution: str) -> str:
+    """The final answer of a GSM8K solution (after `####`), thousands separators removed."""
+    if "####" not in solution:
+        raise ValueError("no '####' final-answer marker")
+    answer = solution.rsplit("####", 1)[1].strip()
+    return answer.replace(",", "") if _THOUSANDS.match(answer) else answer
+
+
+def load_benchmark(root: Path, source: str) -> list[Task]:
+    """Every task of benchmark `source` (a key of `BENCHMARK_FILES`) under the data root."""
+    path = root / BENCHMARK_FILES[source]
+    tasks = []
+    for i, record in enumerate(_records(path)):
+        where = f"{path}: record {i + 1}"
+        meta: dict[str, Any] = {"dataset": source}
+        if source == "gsm8k":
+            prompt = _field(record, ("question",), where)
+            answer = gsm8k_answer(str(_field(record, ("answer",), where)))
+            task_id = f"gsm8k-{i}"
+        elif source == "math500":
+            prompt = _field(record, ("problem",), where)
+            answer = str(_field(record, ("answer",), where)).strip()
+            meta |= {"subject": record.get("subject", ""), "level": record.get("level", 0)}
+            task_id = f"math500-{record.get('unique_id', i)}"
+        else:
+            prompt = _field(record, ("problem", "question"), where)
+            answer = integer_text(_field(record, ("answer",), where), where)
+            task_id = f"{source}-{record.get('id', i)}"
+        tasks.append(Task(task_id, str(prompt), answer, meta))
+    return tasks
+
+
+# -- the generated arithmetic family ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One question template: the text, the calculation that answers it and a plausible wrong
+    one (the opposite operation), over numbers drawn by `draw`."""
+
+    name: str
+    template: str
+    expression: str
+    confusion: str
+    draw: Callable[[random.Random], dict[str, int]]
+
+
+def _two(rng: random.Random) -> dict[str, int]:
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    return {"a": max(a, b), "b": min(a, b)}  # subtraction questions stay non-negative
+
+
+def _times(rng: random.Random) -> dict[str, int]:
+    return {"a": rng.randint(11, 99), "b": rng.randint(3, 99)}
+
+
+def _linear(sign: int) -> Callable[[random.Random], dict[str, int]]:
+    def draw(rng: random.Random) -> dict[str, int]:
+        a, x, b = rng.randint(2, 9), rng.randint(2, 99), rng.randint(1, 99)
+        return {"a": a, "b": b, "c": a * x + sign * b}
+
+    return draw
+
+
+NAMES = ("Ada", "Ben", "Cleo", "Dev", "Emma", "Femi", "Gus", "Hana")
+
+ARITHMETIC_KINDS: tuple[Kind, ...] = (
+    Kind("add", "What is {a} plus {b}?", "{a} + {b}", "{a} - {b}", _two),
+    Kind("sub", "What is {a} minus {b}?", "{a} - {b}", "{a} + {b}", _two),
+    Kind("mul", "What is {a} times {b}?", "{a} * {b}", "{a} + {b}", _times),
+    Kind("word_add", "{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?",
+         "{a} + {b}", "{a} - {b}", _two),
+    Kind("word_sub", "{name} has {a} marbles and gives {b} away. How many marbles are left?",
+         "{a} - {b}", "{a} + {b}", _two),
+    Kind("word_mul", "There are {a} boxes with {b} pens in each. How many pens are there?",
+         "{a} * {b}", "{a} + {b}", _times),
+    Kind("linear_plus", "Solve for x: {a}x + {b} = {c}.", "({c} - {b}) / {a}", "({c} + {b}) / {a}", _linear(+1)),
+    Kind("linear_minus", "Solve for x: {a}x - {b} = {c}.", "({c} + {b}) / {a}", "({c} - {b}) / {a}", _linear(-1)),
+)
+
+
+def arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Task], list[Task]]:
+    """`num_train` training and `num_eval` held-out arithmetic tasks, all with distinct
+    questions, kinds in equal turns (seeded, deterministic)."""
+    from tiderl.envs.math.calculator import calculate
+
+    rng = random.Random(f"arithmetic-{seed}")
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    while len(tasks) < num_train + num_eval:
+        kind = ARITHMETIC_KINDS[len(tasks) % len(ARITHMETIC_KINDS)]
+        values: dict[str, Any] = {**kind.draw(rng), "name": rng.choice(NAMES)}
+        prompt = kind.template.format(**values)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        expression = kind.expression.format(**values)
+        meta = {"dataset": "arithmetic", "kind": kind.name, "expression": expression,
+                "confusion": kind.confusion.format(**values)}
+        tasks.append(Task(f"arith-{len(tasks)}", prompt, calculate(expression), meta))
+    order = list(range(len(tasks)))
+    rng.shuffle(order)
+    shuffled = [tasks[i] for i in order]
+    return shuffled[:num_train], shuffled[num_train:]

@@ -1,0 +1,73 @@
+"""Final-answer extraction from a model's text: boxed first, then plain markers.
+
+Rules, in order (the first that finds something wins):
+
+1. `boxed`: the content of the last complete `\\boxed{...}` (or `\\fbox{...}`), braces balanced;
+   escaped braces `\\{` `\\}` are literal and do not open or close a group. An unbalanced
+   `\\boxed{` is ignored.
+2. `final_answer`: the rest of the line after the last `Final Answer:` (any case).
+3. `hash`: the rest of the line after the last `####` (GSM8K's marker).
+
+Surrounding `$`, spaces and a trailing full stop are stripped. The scan is one linear pass,
+so enormous or deeply nested text costs time proportional to its length only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_FINAL_ANSWER = re.compile(r"final\s*answer\s*[:：]\s*([^\n]*)", re.IGNORECASE)
+_HASH_ANSWER = re.compile(r"####\s*([^\n]*)")
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """The answer text (None when there is none) and which rule found it
+    ("boxed", "final_answer", "hash" or "none")."""
+
+    answer: str | None
+    source: str
+
+    @property
+    def boxed(self) -> bool:
+        return self.source == "boxed"
+
+
+_TOKENS = re.compile(r"\\(?:boxed\{|fbox\{|.)|[{}]", re.DOTALL)
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last complete `\\boxed{...}`/`\\fbox{...}` in `text` (the one closed
+    last, so an outer box wins over a box nested in it), or None."""
+    stack: list[tuple[int, bool]] = []  # (content start, is a box)
+    best: tuple[int, int] | None = None
+    for match in _TOKENS.finditer(text):
+        token = match.group()
+        if token == "{" or (token.endswith("{") and token[1:-1] in ("boxed", "fbox")):
+            stack.append((match.end(), token != "{"))
+        elif token == "}" and stack:
+            start, is_box = stack.pop()
+            if is_box:
+                best = (start, match.start())
+        # any other token is an escaped character (\{, \}, \\): it never opens or closes a group
+    return None if best is None else text[best[0]:best[1]]
+
+
+def _tidy(answer: str) -> str:
+    answer = answer.strip().rstrip(".").strip().strip("$").strip()
+    return answer[:-1].rstrip() if answer.endswith(".") else answer
+
+
+def extract_answer(text: str) -> Extracted:
+    """The final answer in `text` by the module's rules."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return Extracted(_tidy(boxed), "boxed")
+    for source, pattern in (("final_answer", _FINAL_ANSWER), ("hash", _HASH_ANSWER)):
+        last = None
+        for last in pattern.finditer(text):
+            pass
+        if last is not None and _tidy(last.group(1)):
+            return Extracted(_tidy(last.group(1)), source)
+    return Extracted(None, "none")

@@ -1,0 +1,125 @@
+"""The math environment's setup (`env.name=math`), one per `data.source`:
+
+| source | train tasks | eval tasks |
+| --- | --- | --- |
+| `arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` other generated questions |
+| `gsm8k`, `math500`, `aime24`, `aime25`, `amc23` | none (the files are test sets) | a fixed-seed sample of at most `data.eval_size` |
+
+The environment is configured by `env.math_tools` (the calculator; multi-turn),
+`env.math_format_penalty`, `env.math_verify_timeout_s`, `env.system_prompt` and
+`env.max_observation_chars`. One `AnswerVerifier` (math-verify worker processes) is shared by
+every environment of a setup.
+
+The oracle answers every task with its reference answer, `\\boxed{<gold>}`; with the
+calculator on, an arithmetic task's oracle first calls the calculator with the task's
+expression. `demonstrations` gives the embedded tiny model's warm-start scripts for arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import TYPE_CHECKING, Any
+
+from tiderl.envs.math.calculator import CalculatorError, calculate
+from tiderl.envs.math.data import ARITHMETIC_KINDS, BENCHMARK_FILES, arithmetic_tasks, load_benchmark
+from tiderl.envs.math.env import MathEnv
+from tiderl.envs.math.verify import AnswerVerifier
+from tiderl.envs.protocol import Task
+from tiderl.envs.setup import Setup, data_root, sample_tasks
+
+if TYPE_CHECKING:
+    from tiderl.config import RunConfig
+
+MATH_SOURCES = ("arithmetic", *BENCHMARK_FILES)
+
+
+def setup(cfg: "RunConfig") -> Setup:
+    """The tasks of `data.source` and a factory of `MathEnv`s (module docstring)."""
+    data = cfg.data
+    if data.source == "arithmetic":
+        train, held_out = arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+    elif data.source in BENCHMARK_FILES:
+        root = data_root(data.data_dir)
+        try:
+            tasks = load_benchmark(root, data.source)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"{exc}. Fix: set data.data_dir to the folder that holds {BENCHMARK_FILES[data.source]}, "
+                "or the TIDERL_DATA_DIR environment variable.") from None
+        train, held_out = [], sample_tasks(tasks, data.eval_size, data.seed)
+    else:
+        raise ValueError(f"data.source={data.source!r} is not a math source. Fix: use one of "
+                         f"{', '.join(MATH_SOURCES)} with env.name=math.")
+    out = Setup(train, held_out, _no_env, data.source)
+    env = cfg.env
+    out.make_env = _MathFactory(out, env.math_tools, env.math_format_penalty, env.math_verify_timeout_s,
+                                env.system_prompt or None, env.max_observation_chars)
+    tools = env.math_tools
+    out.oracle = lambda task: oracle_turns(task, tools)
+    return out
+
+
+def _no_env() -> MathEnv:
+    raise RuntimeError("the setup's environment factory was not set")
+
+
+class _MathFactory:
+    """`make_env` of a math setup: a `MathEnv` on the setup's shared verifier (built on first
+    use, in the process that plays the episodes)."""
+
+    def __init__(self, setup: Setup, tools: bool, format_penalty: float, timeout_s: float,
+                 system_prompt: str | None, max_observation_chars: int) -> None:
+        self.setup, self.tools, self.format_penalty, self.timeout_s = setup, tools, format_penalty, timeout_s
+        self.system_prompt, self.max_observation_chars = system_prompt, max_observation_chars
+
+    def __call__(self) -> MathEnv:
+        verifier = self.setup.backend(("math-verify", self.timeout_s), lambda: AnswerVerifier(self.timeout_s))
+        return MathEnv(verifier, tools=self.tools, format_penalty=self.format_penalty,
+                       system_prompt=self.system_prompt, max_observation_chars=self.max_observation_chars)
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One Hermes-format tool call, as the agent loop's parser reads it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def oracle_turns(task: Task, tools: bool) -> list[str]:
+    """The reference answer as assistant turns: `\\boxed{<gold>}`, after a calculator call with
+    the task's expression when the calculator is on and the task has one (arithmetic)."""
+    turns = []
+    if tools and "expression" in task.meta:
+        turns.append(tool_call_text("calculator", {"expression": task.meta["expression"]}))
+    turns.append(f"The answer is \\boxed{{{task.answer}}}.")
+    return turns
+
+
+def confusion_rates(noise: float, seed: int) -> dict[str, float]:
+    """Per arithmetic kind, the rate at which demonstrations use the confused calculation:
+    uniform in [noise - 0.3, noise + 0.3], clipped to [0, 0.9], so some kinds are mostly right
+    in the demonstrations and some mostly wrong (a systematic error RL can fix)."""
+    rng = random.Random(f"confusions-{seed}")
+    return {k.name: min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9) for k in ARITHMETIC_KINDS}
+
+
+def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
+    """Warm-start scripts for the embedded tiny model on arithmetic: `model.warmstart.num_traces`
+    training tasks, each solved by a calculator call (the task's expression, or its confusion at
+    the kind's `confusion_rates` rate with `model.warmstart.relation_noise` as the mean) and
+    `\\boxed{<the calculator's result>}`. Returns (tasks, scripts, build-report entries)."""
+    if setup.name != "arithmetic" or not cfg.env.math_tools:
+        raise ValueError("the embedded tiny model is built for data.source=arithmetic with the calculator. "
+                         "Fix: set data.source=arithmetic env.math_tools=true, or pass a real model "
+                         "(model.path=DIR) for the math benchmarks.")
+    rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed)
+    tasks = [rng.choice(setup.train_tasks) for _ in range(cfg.model.warmstart.num_traces)]
+    scripts = []
+    for task in tasks:
+        confused = rng.random() < rates[task.meta["kind"]]
+        expression = task.meta["confusion" if confused else "expression"]
+        try:
+            result = calculate(expression)
+        except CalculatorError:
+            result = "0"
+        scripts.append([tool_call_text("calculator", {"expression": expression}), f"\\boxed{{{result}}}"])
+    return tasks, scripts, {"confusion_rates": {k: round(r, 3) for k, r in rates.items()}}
