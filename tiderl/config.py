@@ -111,6 +111,8 @@ class DataConfig:
     num_train_tasks: int = opt(4000, "MetaQA: template questions generated for training.")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
+    task_dir: str = opt(
+        "", "env.name=repo with data.source=folder: a folder of task folders (docs/env_code.md).")
 
 
 @dataclass
@@ -138,6 +140,10 @@ class EnvConfig:
         1.0, "uniform: half-width as a fraction of the mean; lognormal: sigma of log-latency."
     )
     tool_latency_max_s: float = opt(0.0, "Cap on one simulated latency (0 = no cap).")
+    sandbox_cpu_s: float = opt(5.0, "code/repo: CPU seconds per sandboxed execution.")
+    sandbox_wall_s: float = opt(10.0, "code/repo: wall-clock seconds per sandboxed execution.")
+    sandbox_memory_mb: int = opt(1024, "code/repo: address-space limit of a sandboxed execution, in MiB.")
+    sandbox_concurrency: int = opt(0, "code/repo: sandboxed executions running at once (0 = one per core).")
 
 
 @dataclass
@@ -537,6 +543,10 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+# The environments that run code in the sandbox (they read env.sandbox_*).
+CODE_ENVS = ("code", "repo")
+
+
 def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     """(keys, used, why they are not): every key that some choice of backend, environment or
     algorithm does not read."""
@@ -566,6 +576,12 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "algo.overlong_buffer=0 turns the overlong penalty off"),
         (("env.db_backend", "env.db_timeout_s"), e.name != "kg", "only env.name=db reads it"),
         (("env.max_listed", "env.sparql_endpoint"), e.name != "db", "only env.name=kg reads it"),
+        (("env.db_backend", "env.db_timeout_s", "env.max_listed", "env.sparql_endpoint"), e.name not in CODE_ENVS,
+         f"env.name={e.name} does not read it"),
+        (("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb", "env.sandbox_concurrency"),
+         e.name in CODE_ENVS or registry.is_import_path(e.name), "only env.name=code and env.name=repo read it"),
+        (("data.task_dir",), e.name == "repo" and cfg.data.source == "folder" or registry.is_import_path(e.name),
+         "only env.name=repo with data.source=folder reads it"),
         (("env.tool_latency_s", "env.tool_latency_max_s"), e.tool_latency != "none",
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
@@ -749,6 +765,11 @@ def validate(cfg: RunConfig) -> None:
          "AgentBench KG questions need a Freebase SPARQL endpoint",
          "set env.sparql_endpoint=http://host:port/sparql")
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
+    for key in ("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb"):
+        need(_get(cfg, key) > 0, key, "must be > 0", "use the default")
+    need(cfg.env.sandbox_concurrency >= 0, "env.sandbox_concurrency", "must be >= 0", "use 0 (one per core)")
+    need(cfg.data.source != "folder" or bool(cfg.data.task_dir), "data.task_dir",
+         "data.source=folder reads task folders from it", "set data.task_dir=/path/to/tasks")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")
     need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",

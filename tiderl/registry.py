@@ -23,6 +23,8 @@ from typing import Any
 ENVIRONMENTS: dict[str, str] = {
     "kg": "tiderl.envs.kg.setup:setup",
     "db": "tiderl.envs.db.setup:setup",
+    "code": "tiderl.envs.code.setup:setup",
+    "repo": "tiderl.envs.repo.setup:setup",
 }
 
 # The data sources each built-in environment reads (`data.source`); a user's environment reads
@@ -30,6 +32,8 @@ ENVIRONMENTS: dict[str, str] = {
 DATA_SOURCES: dict[str, tuple[str, ...]] = {
     "kg": ("embedded", "metaqa", "agentbench_kg"),
     "db": ("agentbench_db",),
+    "code": ("humaneval", "mbpp"),
+    "repo": ("humaneval", "mbpp", "folder"),
 }
 
 ENGINES: dict[str, str] = {
