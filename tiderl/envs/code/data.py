@@ -60,7 +60,9 @@ def docstring_examples(prompt: str, entry_point: str) -> list[str]:
     except ValueError:
         examples = []
     for ex in examples:
-        source, want = ex.source.strip(), ex.want.strip()
+        # The docstring's closing quotes often follow the last example's output directly.
+        want_lines = [w for w in ex.want.splitlines() if not w.strip().startswith(('"""', "'''"))]
+        source, want = ex.source.strip(), "\n".join(want_lines).strip()
         if want and _literal(want) and "\n" not in source:
             asserts.append(f"assert {source} == {want}")
     if not asserts:

@@ -28,9 +28,46 @@ import json
 
 PASS_MARKER = "__tiderl_hidden_tests_passed__"
 
-_SCORER = r'''
+# Installed before any untrusted code runs in a scoring process: early exits and process
+# tricks raise instead (module docstring). Defines `exit_now`, `write`, `flush` for the scorer.
+_GUARDS = r'''
 import builtins, collections, decimal, fractions, os, posix, sys, types
 
+write, flush = sys.__stdout__.write, sys.__stdout__.flush
+exit_now = os._exit
+
+
+def _refuse(*args, **kwargs):
+    raise PermissionError("not allowed while the hidden tests run")
+
+
+for _module in (os, posix):
+    for _name in ("_exit", "kill", "killpg", "abort", "fork", "forkpty", "system", "posix_spawn", "posix_spawnp",
+                  "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv", "spawnve"):
+        if hasattr(_module, _name):
+            setattr(_module, _name, _refuse)
+_BLOCKED = {"subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.fork", "os.forkpty",
+            "ctypes.dlopen", "ctypes.dlsym", "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
+
+
+def _audit(event, args):
+    if event in _BLOCKED:
+        raise PermissionError(f"{event} is not allowed while the hidden tests run")
+
+
+def fail(exc):
+    sys.__stderr__.write(f"hidden tests failed: {type(exc).__name__}: {str(exc)[:500]}\n")
+    sys.__stderr__.flush()
+    exit_now(1)
+
+
+def succeed():
+    write("\n" + PASS_MARKER + "\n")
+    flush()
+    exit_now(0)
+'''
+
+_SCORER = r'''
 
 def main():
     with open("tests.py", encoding="utf-8") as f:
@@ -40,25 +77,7 @@ def main():
     entry_points = json.loads(ENTRY_POINTS)
     os.remove("tests.py")
     os.remove("solution.py")
-    write, flush = sys.__stdout__.write, sys.__stdout__.flush
-    exit_now = os._exit
-
-    def refuse(*args, **kwargs):
-        raise PermissionError("not allowed while the hidden tests run")
-
-    for module in (os, posix):
-        for name in ("_exit", "kill", "killpg", "abort", "fork", "forkpty", "system", "posix_spawn", "posix_spawnp",
-                     "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv", "spawnve"):
-            if hasattr(module, name):
-                setattr(module, name, refuse)
-    blocked = {"subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.fork", "os.forkpty",
-               "ctypes.dlopen", "ctypes.dlsym", "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
-
-    def audit(event, args):
-        if event in blocked:
-            raise PermissionError(f"{event} is not allowed while the hidden tests run")
-
-    sys.addaudithook(audit)
+    sys.addaudithook(_audit)
     immutable = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: built-in and C types, whose methods cannot be replaced
     containers = {list, tuple, set, frozenset, dict, collections.deque}
     stdlib = {collections.Counter: collections.Counter.__eq__, collections.OrderedDict: collections.OrderedDict.__eq__,
@@ -90,15 +109,65 @@ def main():
                 space[name] = checked(space[name], name)
         exec(compile(tests, "tests.py", "exec"), space)
     except BaseException as exc:  # noqa: BLE001 - any way out but the end is a failure
-        sys.__stderr__.write(f"hidden tests failed: {type(exc).__name__}: {str(exc)[:500]}\n")
-        sys.__stderr__.flush()
-        exit_now(1)
-    write("\n" + PASS_MARKER + "\n")
-    flush()
-    exit_now(0)
+        fail(exc)
+    succeed()
 
 
 main()
+'''
+
+# Runs test modules (every `test_*` function, called without arguments) of a repository.
+# Visible runs read the test files from disk and report each test; hidden runs read them,
+# delete them and run them under the guards, passing only when every test passes.
+_REPO_RUNNER = r'''
+import importlib.util, traceback
+
+sys.path.insert(0, os.getcwd())
+config = json.loads(CONFIG)
+sources = {}
+for path in config["tests"]:
+    with open(path, encoding="utf-8") as f:
+        sources[path] = f.read()
+if config["hidden"]:
+    for path in config["tests"]:
+        os.remove(path)
+    sys.addaudithook(_audit)
+failed = total = 0
+try:
+    for path, source in sources.items():
+        name = "tiderl_tests_" + path.replace("/", "_").removesuffix(".py")
+        module = types.ModuleType(name)
+        module.__file__ = path
+        sys.modules[name] = module
+        try:
+            exec(compile(source, path, "exec"), module.__dict__)
+        except Exception as exc:
+            failed += 1
+            total += 1
+            print(f"{path}: ERROR while importing: {type(exc).__name__}: {exc}")
+            print("".join(traceback.format_exception(exc)[-3:]).rstrip())
+            continue
+        for test_name, test in list(vars(module).items()):
+            if not (test_name.startswith("test") and callable(test)):
+                continue
+            total += 1
+            try:
+                test()
+                print(f"{path}::{test_name} PASSED")
+            except Exception as exc:
+                failed += 1
+                print(f"{path}::{test_name} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+                print("".join(traceback.format_exception(exc)[-3:]).rstrip())
+except BaseException as exc:  # noqa: BLE001 - leaving early is a failure
+    if config["hidden"]:
+        fail(exc)
+    raise
+print(f"{total - failed} of {total} tests passed")
+if config["hidden"]:
+    if failed or not total:
+        fail(AssertionError(f"{failed} of {total} hidden tests failed"))
+    succeed()
+sys.exit(1 if failed or not total else 0)
 '''
 
 _VISIBLE = r'''
@@ -137,7 +206,8 @@ def solution_source(prelude: str, code: str) -> str:
 def scoring_files(prelude: str, code: str, tests: str, entry_points: list[str]) -> dict[str, str]:
     """The files of a hidden-test run (module docstring); run `main.py`, passed when
     `passed(result)`."""
-    main = "import json\nENTRY_POINTS = " + repr(json.dumps(entry_points)) + "\nPASS_MARKER = " + repr(PASS_MARKER) + _SCORER
+    main = ("import json\nENTRY_POINTS = " + repr(json.dumps(entry_points)) + "\nPASS_MARKER = " + repr(PASS_MARKER)
+            + _GUARDS + _SCORER)
     return {"main.py": main, "solution.py": solution_source(prelude, code), "tests.py": tests}
 
 
@@ -145,6 +215,18 @@ def visible_files(prelude: str, code: str, tests: list[str]) -> dict[str, str]:
     """The files of a visible-test run: one output line per test, then a summary."""
     main = "import json\nTESTS_JSON = " + repr(json.dumps(tests)) + _VISIBLE
     return {"main.py": main, "solution.py": solution_source(prelude, code)}
+
+
+def repo_test_files(files: dict[str, str], tests: list[str], hidden: bool) -> dict[str, str]:
+    """The files of a repository test run: the repository (`files`, test files included) and a
+    runner `_tiderl_run_tests.py` that runs `tests` (paths); hidden runs are scored like
+    `scoring_files` (pass marker last, guards on)."""
+    config = json.dumps({"tests": tests, "hidden": hidden})
+    main = "import json\nCONFIG = " + repr(config) + "\nPASS_MARKER = " + repr(PASS_MARKER) + _GUARDS + _REPO_RUNNER
+    return {**files, RUNNER: main}
+
+
+RUNNER = "_tiderl_run_tests.py"
 
 
 def passed(status_ok: bool, stdout: str) -> bool:
