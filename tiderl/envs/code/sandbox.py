@@ -197,8 +197,8 @@ def probe_features(python: str = sys.executable) -> tuple[str, dict[str, bool]]:
     once per process and requested interpreter. Features: own_uid (we are root and may switch to
     another uid), namespaces (unprivileged user, network, PID, mount and IPC namespaces),
     readonly (read-only mounts, private tmpfs and /proc inside them). The interpreter is
-    `python`, or the first of `FALLBACK_PYTHONS` that runs as the sandbox's user when `python`
-    does not (raises SandboxError when none does)."""
+    `python`, or the first of `FALLBACK_PYTHONS` that runs as the sandbox's user with the most
+    isolation when `python` does not (raises SandboxError when none runs at all)."""
     with _PROBE_LOCK:
         if python not in _PROBED:
             _PROBED[python] = _probe(python)
@@ -228,16 +228,16 @@ def _probe(python: str) -> tuple[str, dict[str, bool]]:
                 return False
             return done.returncode == 0
 
+    # The most isolation wins over the requested interpreter: one below /tmp, say, cannot run
+    # once /tmp is a private tmpfs, and a fallback interpreter can.
     candidates = [python] + [p for p in FALLBACK_PYTHONS if p != python and os.path.exists(p)]
-    chosen = next((p for p in candidates if works(p, False, False)), None)
-    if chosen is None:
-        raise SandboxError(f"no Python interpreter runs as the sandbox's user (tried {candidates}); "
-                           "pass Sandbox(python=...) an interpreter every user may read")
-    for namespaces, readonly in ((True, True), (True, False)):
-        if works(chosen, namespaces, readonly):
+    for namespaces, readonly in ((True, True), (True, False), (False, False)):
+        chosen = next((p for p in candidates if works(p, namespaces, readonly)), None)
+        if chosen is not None:
             features.update(namespaces=namespaces, readonly=readonly)
-            break
-    return chosen, features
+            return chosen, features
+    raise SandboxError(f"no Python interpreter runs as the sandbox's user (tried {candidates}); "
+                       "pass Sandbox(python=...) an interpreter every user may read")
 
 
 class Sandbox:

@@ -16,8 +16,8 @@ and !=), a swapped + and -, an off-by-one integer constant, `and`/`or`, `True`/`
 compiles, changes a line that is unique in the file (so the reverse edit is well defined), makes
 the visible test fail and the hidden test fail, while the reference passes both (all checked
 in the sandbox). The visible test holds the problem's visible examples; the hidden test is the
-problem's full test. Problems where no candidate qualifies are left out (the setup says how
-many).
+problem's full test. Problems without visible examples or where no candidate qualifies are left out
+(docs/env_code.md gives the counts).
 
 Task folders (`load_task_folders`), one folder per task (its name is the task id):
     task.md            the instruction (optional; a generic one otherwise)
@@ -173,7 +173,8 @@ async def generate_tasks(sandbox: Sandbox, code_tasks: list[Task]) -> list[Task]
 def _cache_key(code_tasks: list[Task]) -> str:
     digest = hashlib.sha256(str(GENERATOR_VERSION).encode())
     for t in code_tasks:
-        digest.update(json.dumps([t.task_id, t.meta.get("reference"), t.answer], sort_keys=True).encode())
+        digest.update(json.dumps([t.task_id, t.meta.get("reference"), t.meta.get("visible_tests"), t.answer],
+                                 sort_keys=True).encode())
     return digest.hexdigest()[:16]
 
 
