@@ -23,6 +23,7 @@ count in both), "executions" (sandbox runs), "submitted" and, after a submission
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from tiderl.envs.code import harness
@@ -40,6 +41,11 @@ DEFAULT_SYSTEM_PROMPT = (
 
 _NO_CALL = ("No tool call. Call a tool as <tool_call>{\"name\": \"submit\", \"arguments\": {\"code\": \"...\"}}"
             "</tool_call>; run_tests and execute try your code first.")
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One Hermes-format tool call, as the oracles write their turns."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
 def function_spec(name: str, description: str, properties: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -293,12 +293,11 @@ class Sandbox:
                     await asyncio.sleep(0.05)
             workdir = tempfile.mkdtemp(prefix="tiderl-sbx-")
             try:
-                self._write_files(workdir, files, lease.uid)
+                # File work and the clean-up block for milliseconds: off the event loop.
+                await asyncio.to_thread(self._write_files, workdir, files, lease.uid)
                 return await self._execute(workdir, argv, stdin, limits, lease.uid)
             finally:
-                if lease.uid is not None:
-                    kill_uid(lease.uid)
-                shutil.rmtree(workdir, ignore_errors=True)
+                await asyncio.to_thread(_clean_up, workdir, lease.uid)
         finally:
             lease.release()
             with self._lock:
@@ -426,6 +425,13 @@ class Sandbox:
         except OSError as exc:
             if exc.errno not in (errno.ESRCH, errno.EPERM):
                 raise
+
+
+def _clean_up(workdir: str, uid: int | None) -> None:
+    """Kill what is left of an execution's uid (when it had its own) and delete its directory."""
+    if uid is not None:
+        kill_uid(uid)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _status(code: int | None, limits: Limits, wall: float) -> str:

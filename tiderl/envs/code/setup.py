@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tiderl.envs.code.data import HUMANEVAL_FILE, MBPP_FILE, load_humaneval, load_mbpp
-from tiderl.envs.code.env import CodeEnv
+from tiderl.envs.code.env import CodeEnv, tool_call_text
 from tiderl.envs.code.sandbox import Limits, Sandbox
 from tiderl.envs.protocol import Task
 from tiderl.envs.setup import Setup, data_root, sample_tasks
@@ -54,8 +54,6 @@ def code_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:
 
 def oracle_turns(task: Task) -> list[str]:
     """The oracle's one turn: submit the reference solution."""
-    from tiderl.envs.db.oracle import tool_call_text
-
     return [tool_call_text("submit", {"code": task.meta["reference"]})]
 
 

@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tiderl.envs.code.env import tool_call_text
 from tiderl.envs.code.setup import code_tasks, shared_sandbox
 from tiderl.envs.protocol import Task
 from tiderl.envs.repo.env import RepoEnv
@@ -35,8 +36,6 @@ def cache_dir(cfg: "RunConfig") -> Path:
 
 def oracle_turns(task: Task) -> list[str]:
     """The oracle: one turn per edit of the task's fix, then submit."""
-    from tiderl.envs.db.oracle import tool_call_text
-
     return [tool_call_text("edit_file", dict(edit)) for edit in task.meta.get("fix", [])] + [tool_call_text("submit", {})]
 
 
