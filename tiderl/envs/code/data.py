@@ -39,6 +39,15 @@ HUMANEVAL_INSTRUCTION = (
 )
 MBPP_INSTRUCTION = "{text}\nYour code should pass this test:\n{test}"
 
+# Docstring examples that HumanEval's canonical solutions contradict (measured: the reference
+# fails them); they are not shown as visible tests.
+HUMANEVAL_WRONG_EXAMPLES = frozenset({
+    "assert median([-10, 4, 6, 1000, 10, 20]) == 15.0",
+    "assert sort_array([1, 5, 2, 3, 4]) == [1, 2, 3, 4, 5]",
+    "assert sort_array([-2, -3, -4, -5, -6]) == [-6, -5, -4, -3, -2]",
+    'assert bf("Earth", "Mercury") == ("Venus")',
+})
+
 _EXAMPLE = re.compile(r"^\s*(?:>>>\s*)?(?P<call>{name}\(.*\))\s*(?:==>|==|➞|=>|->|⇒)\s*(?P<value>.+?)\s*$")
 
 
@@ -50,10 +59,22 @@ def _literal(text: str) -> bool:
     return True
 
 
+def _literal_call(source: str) -> bool:
+    """Whether `source` is one call whose arguments are all Python literals."""
+    try:
+        node = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        return False
+    if not isinstance(node, ast.Call):
+        return False
+    return all(_literal(ast.unparse(a)) for a in [*node.args, *(k.value for k in node.keywords)])
+
+
 def docstring_examples(prompt: str, entry_point: str) -> list[str]:
     """Assert statements made of the examples in a HumanEval prompt: doctest examples of a
     call whose printed result is a Python literal, then lines `f(...) ==> value` (and the
-    ==, ➞, =>, -> spellings). Examples whose value is not a literal are skipped."""
+    ==, ➞, =>, -> spellings). Examples whose arguments or value are not literals are skipped,
+    and so are `HUMANEVAL_WRONG_EXAMPLES`."""
     asserts: list[str] = []
     try:
         examples = doctest.DocTestParser().get_examples(prompt)
@@ -63,20 +84,20 @@ def docstring_examples(prompt: str, entry_point: str) -> list[str]:
         # The docstring's closing quotes often follow the last example's output directly.
         want_lines = [w for w in ex.want.splitlines() if not w.strip().startswith(('"""', "'''"))]
         source, want = ex.source.strip(), "\n".join(want_lines).strip()
-        if want and _literal(want) and "\n" not in source:
+        if want and _literal(want) and "\n" not in source and _literal_call(source):
             asserts.append(f"assert {source} == {want}")
     if not asserts:
         pattern = re.compile(_EXAMPLE.pattern.replace("{name}", re.escape(entry_point)))
         for line in prompt.splitlines():
             match = pattern.match(line)
-            if match and _literal(match["value"]):
+            if match and _literal(match["value"]) and _literal_call(match["call"]):
                 statement = f"assert {match['call']} == {match['value']}"
                 try:
                     ast.parse(statement)
                 except SyntaxError:
                     continue
                 asserts.append(statement)
-    return list(dict.fromkeys(asserts))
+    return [a for a in dict.fromkeys(asserts) if a not in HUMANEVAL_WRONG_EXAMPLES]
 
 
 def called_functions(test_code: str) -> list[str]:

@@ -81,7 +81,7 @@ def format_run(result: ExecResult) -> str:
         parts.append("stderr:\n" + result.stderr.rstrip("\n"))
     ending = {"ok": "exit code 0", "error": f"exit code {result.exit_code}",
               "timeout": "stopped: wall-clock time limit", "cpu_limit": "stopped: CPU time limit",
-              "output_limit": "stopped: too much output", "signal": f"killed by signal {-(result.exit_code or 0)}"}
+              "output_limit": "stopped: too much output", "signal": f"killed by a signal (exit status {result.exit_code})"}
     parts.append(f"[{ending.get(result.status, result.status)}]" + (" (output cut)" if result.truncated else ""))
     return "\n".join(parts)
 

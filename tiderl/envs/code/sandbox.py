@@ -89,8 +89,9 @@ class ExecResult:
     status: "ok" (exit 0), "error" (non-zero exit), "timeout" (wall-clock limit), "cpu_limit"
         (killed by SIGXCPU/SIGKILL after the CPU limit), "output_limit" (wrote more than the
         cap), "signal" (another signal ended it; e.g. SIGKILL, SIGSEGV).
-    exit_code: the exit status (negative: killed by that signal; None after a timeout or the
-        output limit, when the sandbox killed it).
+    exit_code: the exit status (negative: killed by that signal; with namespaces a program
+        killed by signal N reports 128 + N; None after a timeout or the output limit, when the
+        sandbox killed it).
     stdout, stderr: decoded UTF-8 (invalid bytes become U+FFFD), each at most
         `max_output_bytes` bytes of output; truncated says whether any was cut.
     """
