@@ -218,6 +218,7 @@ def test_config_keys_of_the_code_environments(overrides, message):
     (["eval", "--env", "code", "data.source=mbpp"], "mbpp"),
     (["eval", "--data", "mbpp"], "mbpp"),
     (["eval", "--env", "repo", "data.source=folder", "data.task_dir=/x"], "folder"),
+    (["check-env", "repo", "data.source=folder", "data.task_dir=/x"], "folder"),
     (["check-env", "kg"], "embedded"),
 ])
 def test_cli_picks_the_first_source_of_a_named_environment(argv, source, capsys):

@@ -112,6 +112,13 @@ def _default_source(args: argparse.Namespace, overrides: list[str]) -> list[str]
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "check-env":
+        # argparse gives the trailing word to `env` ("check-env repo data.source=folder" would
+        # read data.source=folder as the name): the environment is the one word without "=".
+        words = [*args.overrides, args.env]
+        names = [w for w in words if "=" not in w]
+        if len(names) == 1:
+            args.env, args.overrides = names[0], [w for w in words if "=" in w]
     if args.command == "config":
         for key, help, default in describe():
             print(f"{key} = {default!r}\n    {help}")
