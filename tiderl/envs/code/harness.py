@@ -116,7 +116,8 @@ def main():
 main()
 '''
 
-# Runs test modules (every `test_*` function, called without arguments) of a repository.
+# Runs test modules (every `test*` function a module defines, called without arguments) of a
+# repository.
 # Visible runs read the test files from disk and report each test; hidden runs read them,
 # delete them and run them under the guards, passing only when every test passes.
 _REPO_RUNNER = r'''
@@ -148,7 +149,8 @@ try:
             print("".join(traceback.format_exception(exc)[-3:]).rstrip())
             continue
         for test_name, test in list(vars(module).items()):
-            if not (test_name.startswith("test") and callable(test)):
+            # Only the module's own test functions: an imported `test_duplicate` is no test.
+            if not (test_name.startswith("test") and callable(test) and getattr(test, "__module__", None) == name):
                 continue
             total += 1
             try:

@@ -45,7 +45,7 @@ from tiderl.envs.code import harness
 from tiderl.envs.code.sandbox import Sandbox
 from tiderl.envs.protocol import Task
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 PACKAGE = "lib"
 MAX_CANDIDATES = 25
 
@@ -97,9 +97,15 @@ def _package_files(core: str, purpose: str, visible: str) -> dict[str, str]:
     }
 
 
+# The head of a generated test module: every name of lib.core (underscored ones too, which
+# `import *` would skip), then the problem's own test imports.
+_IMPORT_CORE = (f"from {PACKAGE} import core as _core\n\n"
+                "globals().update({k: v for k, v in vars(_core).items() if not k.startswith('__')})\n")
+
+
 def _test_module(body: str, name: str, imports: str = "") -> str:
     indented = "\n".join("    " + line if line.strip() else "" for line in body.strip("\n").splitlines())
-    return f"from {PACKAGE}.core import *  # noqa: F401,F403\n{imports}\n\ndef {name}():\n{indented}\n"
+    return f"{_IMPORT_CORE}{imports}\n\ndef {name}():\n{indented}\n"
 
 
 def repo_layout(code_task: Task) -> tuple[str, str, str, str] | None:
@@ -116,11 +122,13 @@ def repo_layout(code_task: Task) -> tuple[str, str, str, str] | None:
         purpose = f"`{PACKAGE}.core.{entry}`, as its docstring describes."
         hidden_body = f"check({entry})"
         helpers = tests.replace("check(" + entry + ")", "").rstrip()
-        hidden = f"from {PACKAGE}.core import *  # noqa: F401,F403\n{helpers}\n\n\ndef test_hidden():\n    {hidden_body}\n"
+        hidden = f"{_IMPORT_CORE}{helpers}\n\n\ndef test_hidden():\n    {hidden_body}\n"
+        imports = ""
     else:
         purpose = " ".join(code_task.prompt.split("\n")[0].split())
         hidden = _test_module(tests, "test_hidden")
-    return reference, purpose, _test_module("\n".join(visible), "test_examples"), hidden
+        imports = "\n".join(line for line in tests.splitlines() if line.startswith(("import ", "from ")))
+    return reference, purpose, _test_module("\n".join(visible), "test_examples", imports), hidden
 
 
 async def _check(sandbox: Sandbox, files: dict[str, str], hidden: dict[str, str],
