@@ -215,7 +215,7 @@ def test_executions_run_concurrently_without_blocking_the_loop():
 
     wall, ticks = asyncio.run(main())
     assert 1.2 <= wall < 3.5  # 8 sleeps of 0.6 s, 4 at a time: two rounds
-    assert ticks >= wall / 0.02 * 0.5  # the loop kept ticking meanwhile
+    assert ticks >= wall / 0.02 * 0.25  # the loop kept ticking meanwhile
 
 
 def test_required_features_are_checked():
