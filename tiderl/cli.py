@@ -18,7 +18,11 @@ from tiderl.config import ConfigError, RunConfig, describe, dump_yaml, load_conf
 
 
 # The built-in environment each data source needs, for the eval shortcuts.
-_ENV_OF_DATA = {source: env for env, sources in registry.DATA_SOURCES.items() for source in sources}
+# (The first environment that reads a source wins: humaneval and mbpp mean env.name=code.)
+_ENV_OF_DATA: dict[str, str] = {}
+for _env, _sources in registry.DATA_SOURCES.items():
+    for _source in _sources:
+        _ENV_OF_DATA.setdefault(_source, _env)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,15 +126,39 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
 def _load(args: argparse.Namespace) -> RunConfig:
     """The config file plus the shortcut flags, then the dotted overrides (which win)."""
     overrides = _shortcut_overrides(args) + list(args.overrides)
+    overrides = _default_source(args, overrides) + overrides
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     return load_config(args.config, overrides)
+
+
+def _default_source(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """`data.source=<its first source>` when a built-in environment is named (`--env`,
+    `check-env NAME`, or env.name=) that does not read the default source and neither the
+    config file nor an override sets data.source; else nothing."""
+    from tiderl.config import read_yaml_config
+
+    env = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("env.name=")), None)
+    file_data = read_yaml_config(args.config) if args.config else {}
+    env = env or (file_data.get("env") or {}).get("name") or getattr(args, "env", None)
+    sources = registry.DATA_SOURCES.get(env or "", ())
+    source_set = any(o.startswith("data.source=") for o in overrides) or "source" in (file_data.get("data") or {})
+    if not sources or source_set or "embedded" in sources:
+        return []
+    return [f"data.source={sources[0]}"]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "simulate":
         return cmd_simulate(args)
+    if args.command == "check-env":
+        # argparse gives the trailing word to `env` ("check-env repo data.source=folder" would
+        # read data.source=folder as the name): the environment is the one word without "=".
+        words = [*args.overrides, args.env]
+        names = [w for w in words if "=" not in w]
+        if len(names) == 1:
+            args.env, args.overrides = names[0], [w for w in words if "=" in w]
     if args.command == "config":
         for key, help, default in describe():
             print(f"{key} = {default!r}\n    {help}")

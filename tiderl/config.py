@@ -120,6 +120,8 @@ class DataConfig:
                        "read-only; write tasks run on a scratch copy).")
     questions: str = opt("", "DB, data.source=db_file: questions file, JSON lines of {question, sql or "
                          "answer} (docs/env_db.md).")
+    task_dir: str = opt(
+        "", "env.name=repo with data.source=folder: a folder of task folders (docs/env_code.md).")
 
 
 @dataclass
@@ -156,6 +158,10 @@ class EnvConfig:
     math_verify_timeout_s: float = opt(
         5.0, "math: longest math-verify check of one answer, in seconds (its worker process is "
         "killed after that and the answer counts as wrong).")
+    sandbox_cpu_s: float = opt(5.0, "code/repo: CPU seconds per sandboxed execution.")
+    sandbox_wall_s: float = opt(10.0, "code/repo: wall-clock seconds per sandboxed execution.")
+    sandbox_memory_mb: int = opt(1024, "code/repo: address-space limit of a sandboxed execution, in MiB.")
+    sandbox_concurrency: int = opt(0, "code/repo: sandboxed executions running at once (0 = one per core).")
 
 
 @dataclass
@@ -559,6 +565,10 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+# The environments that run code in the sandbox (they read env.sandbox_*).
+CODE_ENVS = ("code", "repo")
+
+
 def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     """(keys, used, why they are not): every key that some choice of backend, environment or
     algorithm does not read."""
@@ -590,10 +600,15 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "algo.overlong_buffer=0 turns the overlong penalty off"),
         (("env.db_backend", "env.db_timeout_s"), e.name != "kg", "only env.name=db reads it"),
         (("env.max_listed", "env.sparql_endpoint"), e.name != "db", "only env.name=kg reads it"),
-        (("env.math_tools", "env.math_format_penalty", "env.math_verify_timeout_s"), e.name == "math",
+        (("env.math_tools", "env.math_format_penalty", "env.math_verify_timeout_s"),
+         e.name == "math" or registry.is_import_path(e.name),
          "only env.name=math reads it"),
-        (("env.db_backend", "env.db_timeout_s", "env.max_listed", "env.sparql_endpoint"), e.name != "math",
-         "env.name=math does not read it"),
+        (("env.db_backend", "env.db_timeout_s", "env.max_listed", "env.sparql_endpoint"),
+         e.name not in CODE_ENVS and e.name != "math", f"env.name={e.name} does not read it"),
+        (("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb", "env.sandbox_concurrency"),
+         e.name in CODE_ENVS or registry.is_import_path(e.name), "only env.name=code and env.name=repo read it"),
+        (("data.task_dir",), e.name == "repo" and cfg.data.source == "folder" or registry.is_import_path(e.name),
+         "only env.name=repo with data.source=folder reads it"),
         (("env.tool_latency_s", "env.tool_latency_max_s"), e.tool_latency != "none",
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
@@ -779,6 +794,11 @@ def validate(cfg: RunConfig) -> None:
          "AgentBench KG questions need a Freebase SPARQL endpoint",
          "set env.sparql_endpoint=http://host:port/sparql")
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
+    for key in ("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb"):
+        need(_get(cfg, key) > 0, key, "must be > 0", "use the default")
+    need(cfg.env.sandbox_concurrency >= 0, "env.sandbox_concurrency", "must be >= 0", "use 0 (one per core)")
+    need(cfg.data.source != "folder" or bool(cfg.data.task_dir), "data.task_dir",
+         "data.source=folder reads task folders from it", "set data.task_dir=/path/to/tasks")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
     need(cfg.env.math_format_penalty >= 0, "env.math_format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
     need(cfg.env.math_verify_timeout_s > 0, "env.math_verify_timeout_s", "must be > 0", "use 5.0")

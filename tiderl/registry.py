@@ -24,6 +24,8 @@ ENVIRONMENTS: dict[str, str] = {
     "kg": "tiderl.envs.kg.setup:setup",
     "db": "tiderl.envs.db.setup:setup",
     "math": "tiderl.envs.math.setup:setup",
+    "code": "tiderl.envs.code.setup:setup",
+    "repo": "tiderl.envs.repo.setup:setup",
 }
 
 # The data sources each built-in environment reads (`data.source`); a user's environment reads
@@ -32,6 +34,8 @@ DATA_SOURCES: dict[str, tuple[str, ...]] = {
     "kg": ("embedded", "metaqa", "agentbench_kg"),
     "db": ("agentbench_db", "db_file"),
     "math": ("arithmetic", "gsm8k", "math500", "aime24", "aime25", "amc23"),
+    "code": ("humaneval", "mbpp"),
+    "repo": ("humaneval", "mbpp", "folder"),
 }
 
 ENGINES: dict[str, str] = {

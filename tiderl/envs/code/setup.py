@@ -1,0 +1,76 @@
+"""The code environment's setup (`env.name: code`, `data.source: humaneval | mbpp`).
+
+humaneval: evaluate on HumanEval's 164 problems; train on MBPP's training problems (HumanEval
+has no training split). mbpp: evaluate on MBPP's evaluation split (task ids 11-510), train on
+the rest (but the few-shot prompts 1-10). At most `data.eval_size` eval tasks are kept (a
+fixed-seed sample; `data.eval_size=257` keeps all of MBPP's). The oracle submits the reference
+solution. Sandbox limits come from `env.sandbox_*`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tiderl.envs.code.data import HUMANEVAL_FILE, MBPP_FILE, load_humaneval, load_mbpp
+from tiderl.envs.code.env import CodeEnv, tool_call_text
+from tiderl.envs.code.sandbox import Limits, Sandbox
+from tiderl.envs.protocol import Task
+from tiderl.envs.setup import Setup, data_root, sample_tasks
+
+if TYPE_CHECKING:
+    from tiderl.config import RunConfig
+
+SOURCES = ("humaneval", "mbpp")
+
+
+def sandbox_limits(cfg: "RunConfig") -> Limits:
+    """The per-execution limits `env.sandbox_*` set."""
+    env = cfg.env
+    return Limits(cpu_s=env.sandbox_cpu_s, wall_s=env.sandbox_wall_s, memory_mb=env.sandbox_memory_mb)
+
+
+def shared_sandbox(setup: Setup, cfg: "RunConfig") -> Sandbox:
+    """The setup's sandbox (built once per setup and process)."""
+    return setup.backend("sandbox", lambda: Sandbox(sandbox_limits(cfg), concurrency=cfg.env.sandbox_concurrency))
+
+
+def code_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:
+    """(training tasks, held-out tasks) of `data.source`."""
+    data = cfg.data
+    if data.source not in SOURCES:
+        raise ValueError(f"data.source={data.source!r} is not a code source. Fix: use one of {', '.join(SOURCES)}.")
+    root = data_root(data.data_dir)
+    needed = root / (HUMANEVAL_FILE if data.source == "humaneval" else MBPP_FILE)
+    if not needed.is_file():
+        raise FileNotFoundError(f"{data.source} data not found at {needed}. Fix: set data.data_dir to the folder "
+                                "that holds humaneval/ and mbpp/, or the TIDERL_DATA_DIR environment variable.")
+    if data.source == "humaneval":
+        held_out = load_humaneval(root)
+    else:
+        held_out = load_mbpp(root, "eval")
+    train = load_mbpp(root, "train") if (root / MBPP_FILE).is_file() else []
+    return train, sample_tasks(held_out, data.eval_size, data.seed)
+
+
+def oracle_turns(task: Task) -> list[str]:
+    """The oracle's one turn: submit the reference solution."""
+    return [tool_call_text("submit", {"code": task.meta["reference"]})]
+
+
+def setup(cfg: "RunConfig") -> Setup:
+    """Code tasks of `data.source` and a factory of `CodeEnv`s sharing one sandbox."""
+    train, held_out = code_tasks(cfg)
+    out = Setup(train, held_out, CodeEnv, cfg.data.source, oracle=oracle_turns)
+    out.make_env = _CodeFactory(out, cfg)
+    return out
+
+
+class _CodeFactory:
+    """`make_env` of a code setup: a `CodeEnv` on the setup's sandbox."""
+
+    def __init__(self, setup: Setup, cfg: "RunConfig") -> None:
+        self.setup, self.cfg = setup, cfg
+
+    def __call__(self) -> CodeEnv:
+        return CodeEnv(shared_sandbox(self.setup, self.cfg), self.cfg.env.max_observation_chars,
+                       self.cfg.env.system_prompt or None)
