@@ -19,14 +19,18 @@ from tiderl.envs.kg.env import TOOL_SCHEMAS
 from tiderl.envs.protocol import StepResult, Task
 from tiderl.envs.setup import Setup
 
-FUZZED_ENVIRONMENTS = ["kg"]
+# code and repo are fuzzed in tests/test_code_fuzz.py (the real sandbox is too slow for 1,000 outputs per test).
+# Each entry: env.name plus the overrides that make its episodes multi-turn (math is single-turn
+# unless its calculator tool is on, and then every output would be the answer).
+FUZZED_ENVIRONMENTS = [("kg",), ("db",), ("math", "env.math_tools=true")]
 OUTPUTS = 1000
 
 
-@pytest.mark.parametrize("env_name", FUZZED_ENVIRONMENTS)
-def test_no_fuzzed_output_crashes_the_environment(env_name, record_property):
+@pytest.mark.parametrize("env", FUZZED_ENVIRONMENTS, ids=lambda e: e[0])
+def test_no_fuzzed_output_crashes_the_environment(env, record_property):
+    env_name, *overrides = env
     try:
-        report = fuzz_environment(fuzz_config(env_name), outputs=OUTPUTS, seed=0)
+        report = fuzz_environment(fuzz_config(env_name, *overrides), outputs=OUTPUTS, seed=0)
     except FileNotFoundError as exc:  # the environment's setup reads data this machine lacks
         pytest.skip(f"env.name={env_name}: its data is absent ({exc})")
     print(report.text())
