@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.rollout.weights import weights_checksum
@@ -317,11 +318,13 @@ class TorchEngine:
             position_ids[g, span - len(suffix):] = torch.arange(p, p + len(suffix))
         cache = None
         if width > 0:
-            cache = DynamicCache(ddp_cache_data=[
-                tuple(_stack_right_aligned([kept[1][layer][i] if kept else None for kept in reuse], width, prefix)
-                      for i in (0, 1))
+            cache = _cache_of([
+                _GrowingLayer(*(_stack_right_aligned([kept[1][layer][i] if kept else None for kept in reuse],
+                                                     width, prefix, spare=span + _SPARE) for i in (0, 1)), width)
                 for layer in range(len(next(k for k in reuse if k)[1]))
             ])
+        elif self._plain:
+            cache = _cache_of(None)
         logits, cache, version = self._forward(input_ids.to(self.device), attention_mask.to(self.device),
                                                position_ids.to(self.device), cache)
         versions = [version if not kept or kept[2] == version else -1 for kept in reuse]
@@ -368,9 +371,9 @@ class TorchEngine:
             self._width = cache.get_seq_length()
             return
         width = max(self._width, cache.get_seq_length())
-        self._cache = DynamicCache(ddp_cache_data=[
-            tuple(torch.cat([_left_pad(old, width), _left_pad(new, width)]) for old, new in
-                  ((own.keys, joined.keys), (own.values, joined.values)))
+        self._cache = _cache_of([
+            _GrowingLayer(*(_stack_rows(old, new, width) for old, new in
+                            ((own.keys, joined.keys), (own.values, joined.values))), width)
             for own, joined in zip(self._cache.layers, cache.layers)  # type: ignore[union-attr]
         ])
         self._width = width
@@ -441,10 +444,8 @@ class TorchEngine:
             return
         longest = max(len(row.fed) for row in self._rows)
         if longest < self._width:
-            cut = self._width - longest
             for layer in self._cache.layers:  # type: ignore[union-attr]
-                layer.keys = layer.keys[:, :, cut:]
-                layer.values = layer.values[:, :, cut:]
+                layer.drop_left(self._width - longest)
             self._width = longest
 
     def _keep_cache(self, row: _Row, b: int) -> None:
@@ -578,22 +579,88 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """`t` ([batch, heads, length, dim]) with zero columns on the left up to `width`."""
-    missing = width - t.shape[2]
-    if missing <= 0:
-        return t
-    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], missing, t.shape[3]), t], dim=2)
+# Free cache columns allocated beyond what a batch holds, so that decode steps append in place.
+_SPARE = 64
 
 
-def _stack_right_aligned(parts: list[torch.Tensor | None], width: int, lengths: list[int]) -> torch.Tensor:
-    """One [len(parts), heads, width, dim] tensor: part g ([1, heads, lengths[g], dim]) in its
-    last columns, zeros elsewhere (a missing part is all zeros)."""
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that appends new keys and values in place into a buffer with
+    spare columns (doubling it when full), where `DynamicLayer` concatenates the whole cache at
+    every decode step. `keys`/`values` are views of the filled columns."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 filled: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if keys is not None and values is not None:
+            # `keys`/`values` may be buffers already (wider than `filled`), or exactly filled.
+            self._adopt(keys, values, keys.shape[2] if filled is None else filled)
+
+    def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, filled: int) -> None:
+        self._key_buffer, self._value_buffer, self._filled = key_buffer, value_buffer, filled
+        self.keys, self.values = key_buffer[:, :, :filled], value_buffer[:, :, :filled]
+        self.device = key_buffer.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        add = key_states.shape[2]
+        if not self.is_initialized:
+            self._adopt(_with_spare(key_states, _SPARE), _with_spare(value_states, _SPARE), 0)
+        filled = self._filled
+        if filled + add > self._key_buffer.shape[2]:
+            more = max(filled + add, _SPARE)
+            self._adopt(_with_spare(self.keys, more + add), _with_spare(self.values, more + add), filled)
+        self._key_buffer[:, :, filled: filled + add] = key_states
+        self._value_buffer[:, :, filled: filled + add] = value_states
+        self._adopt(self._key_buffer, self._value_buffer, filled + add)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._adopt(self._key_buffer[indices], self._value_buffer[indices], self._filled)
+
+    def drop_left(self, columns: int) -> None:
+        """Forget the first `columns` columns (padding in every row)."""
+        self._adopt(self._key_buffer[:, :, columns:], self._value_buffer[:, :, columns:], self._filled - columns)
+
+
+def _with_spare(t: torch.Tensor, spare: int) -> torch.Tensor:
+    """A buffer holding `t` ([batch, heads, length, dim]) in its first columns, `spare` more free."""
+    out = t.new_empty(t.shape[0], t.shape[1], t.shape[2] + spare, t.shape[3])
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+def _cache_of(layers: list[_GrowingLayer] | None) -> DynamicCache:
+    """A DynamicCache of growing layers (`None`: empty, the layers made on the first forward)."""
+    cache = DynamicCache()
+    if layers is None:
+        cache.layer_class_to_replicate = _GrowingLayer
+    else:
+        cache.layers = list(layers)
+        cache.layer_class_to_replicate = None
+    return cache
+
+
+def _stack_rows(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """A buffer with `old`'s rows then `new`'s ([batch, heads, length, dim] each), right-aligned at
+    `width` columns (zeros to their left), with spare columns after."""
+    rows = old.shape[0] + new.shape[0]
+    out = old.new_empty(rows, old.shape[1], width + _SPARE, old.shape[3])
+    for start, part in ((0, old), (old.shape[0], new)):
+        stop, pad = start + part.shape[0], width - part.shape[2]
+        out[start:stop, :, :pad] = 0
+        out[start:stop, :, pad:width] = part
+    return out
+
+
+def _stack_right_aligned(parts: list[torch.Tensor | None], width: int, lengths: list[int], spare: int = 0) -> torch.Tensor:
+    """One [len(parts), heads, width + spare, dim] buffer: part g ([1, heads, lengths[g], dim])
+    right-aligned in the first `width` columns, zeros to its left (a missing part: all zeros)."""
     like = next(p for p in parts if p is not None)
-    out = like.new_zeros(len(parts), like.shape[1], width, like.shape[3])
+    out = like.new_zeros(len(parts), like.shape[1], width + spare, like.shape[3])
     for g, (part, n) in enumerate(zip(parts, lengths)):
         if part is not None and n > 0:
-            out[g, :, width - n:] = part[0]
+            out[g, :, width - n: width] = part[0]
     return out
 
 
@@ -613,8 +680,8 @@ def _compact(cache: Cache, attention_mask: torch.Tensor, width: int) -> DynamicC
         for t in (layer.keys, layer.values):
             gathered = t.gather(2, index[:, None, :, None].expand(rows, t.shape[1], width, t.shape[3]))
             pair.append(gathered.masked_fill_(~valid[:, None, :, None], 0))
-        layers.append(tuple(pair))
-    return DynamicCache(ddp_cache_data=layers)
+        layers.append(_GrowingLayer(*pair))
+    return _cache_of(layers)
 
 
 def _nucleus_logprobs(logprobs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
