@@ -27,7 +27,13 @@ cancel drift on a shared machine; the load average is printed before each run.
     .venv/bin/python benchmarks/engine.py            # 16 episodes, 3 repeats, tiny and medium
     .venv/bin/python benchmarks/engine.py --quick    # 4 episodes, 1 repeat, tiny (a smoke test)
 
-Last line: engine / hf tokens per second for each model, and engine / engine-before.
+Weight sync: the seconds to hand a model's weights to the engine and check them, with the former
+check (a float64 sum of every element and its square, on both sides) against the fingerprint
+(`weights_checksum`: a few elements per tensor), on a ~100M-parameter Qwen2 (hidden 768,
+12 layers, vocab 32000; `--quick`: the tiny model).
+
+Last line: engine / hf tokens per second for each model, engine / engine-before, and the weight
+sync seconds before -> after.
 """
 
 from __future__ import annotations
@@ -51,12 +57,15 @@ from tiderl.aio import thread_budget  # noqa: E402
 from tiderl.rollout.base import SamplingParams  # noqa: E402
 from tiderl.rollout.client import BatchingEngine  # noqa: E402
 from tiderl.rollout.torch_engine import TorchEngine  # noqa: E402
+from tiderl.rollout.weights import weights_checksum  # noqa: E402
 
 MODELS = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=1024),
     "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                    intermediate_size=2048, vocab_size=8192),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32000),
 }
 PAD_ID = 0
 
@@ -196,6 +205,37 @@ def measure(model_name: str, episodes: int, repeats: int, threads: int, quick: b
     return rates
 
 
+def full_sum_checksum(state_dict) -> float:
+    """The former weight check: sum(x) + sum(x**2) in float64 over every element (NumPy)."""
+    total = 0.0
+    for name in sorted(state_dict):
+        values = state_dict[name].detach().to(device="cpu", dtype=torch.float64).numpy()
+        total += float(values.sum()) + float((values * values).sum())
+    return total
+
+
+def measure_sync(model_name: str, repeats: int) -> tuple[float, float, int]:
+    """Seconds per verified weight sync, former check and fingerprint (best of `repeats`), and the
+    parameter count."""
+    model = build_model(model_name)
+    engine = TorchEngine(model, _Tokenizer())
+    params = sum(p.numel() for p in model.parameters())
+    times: dict[str, list[float]] = {"full-sum": [], "fingerprint": []}
+    for version in range(1, repeats + 1):
+        for name, check in (("full-sum", full_sum_checksum), ("fingerprint", weights_checksum)):
+            state = model.state_dict()
+            t0 = time.perf_counter()
+            engine.update_weights(state, version)
+            with engine._lock:
+                held = check(engine.model.state_dict())
+            assert held == check(state), f"{name}: the engine does not hold what was sent"
+            times[name].append(time.perf_counter() - t0)
+    for name, values in times.items():
+        print(f"{model_name} ({params / 1e6:.0f}M params) weight sync with {name:11s} check: "
+              f"best {min(values):.3f} s, mean {statistics.mean(values):.3f} s (load {os.getloadavg()[0]:.2f})")
+    return min(times["full-sum"]), min(times["fingerprint"]), params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 episodes, 1 repeat, tiny model only")
@@ -219,6 +259,8 @@ def main() -> None:
             print(f"{name:6s} {mode:13s} {statistics.mean(values):8.1f} +- {spread:6.1f} tok/s")
         hf, before, after = (statistics.mean(rates[m]) for m in ("hf", "engine-before", "engine"))
         ratios.append(f"{name}: engine/hf {after / hf:.2f}x, engine/engine-before {after / before:.2f}x")
+    old, new, params = measure_sync("tiny" if args.quick else "100m", 1 if args.quick else 3)
+    ratios.append(f"weight sync {params / 1e6:.0f}M: {old:.3f} s -> {new:.3f} s")
     print("; ".join(ratios))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zlib
 from collections.abc import Mapping
@@ -30,6 +31,12 @@ def sample_positions(name: str, numel: int) -> np.ndarray:
     return np.unique(np.concatenate([strided, drawn]))
 
 
+@functools.lru_cache(maxsize=4096)
+def _positions(name: str, numel: int) -> torch.Tensor:
+    """`sample_positions` as a tensor, computed once per tensor name and size."""
+    return torch.from_numpy(sample_positions(name, numel))
+
+
 def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
     """A fingerprint of a set of weights that costs a few elements per tensor, not a full pass.
 
@@ -49,8 +56,7 @@ def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
     for name in sorted(state_dict):
         tensor = state_dict[name].detach()
         flat = tensor.reshape(-1)
-        positions = sample_positions(name, flat.numel())
-        values = flat[torch.from_numpy(positions).to(flat.device)].to(device="cpu")
+        values = flat[_positions(name, flat.numel()).to(flat.device)].to(device="cpu")
         if values.is_floating_point() or values.is_complex():
             values = values.to(torch.complex128 if values.is_complex() else torch.float64)
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode("utf-8"))
