@@ -260,7 +260,7 @@ def main() -> None:
         hf, before, after = (statistics.mean(rates[m]) for m in ("hf", "engine-before", "engine"))
         ratios.append(f"{name}: engine/hf {after / hf:.2f}x, engine/engine-before {after / before:.2f}x")
     old, new, params = measure_sync("tiny" if args.quick else "100m", 1 if args.quick else 3)
-    ratios.append(f"weight sync {params / 1e6:.0f}M: {old:.3f} s -> {new:.3f} s")
+    ratios.append(f"weight sync {params / 1e6:.1f}M: {old:.3f} s -> {new:.3f} s")
     print("; ".join(ratios))
 
 
