@@ -226,3 +226,27 @@ def test_the_client_passes_episodes_as_sessions_and_ends_them(model, tokenizer):
             got = fresh.generate([prompt], params)[0].token_ids
             assert got == expected
             prompt = prompt + got + [11, 12, 13]
+
+
+def test_an_engine_error_reaches_every_request_and_the_engine_stays_usable(model, tokenizer):
+    engine = TorchEngine(model, tokenizer)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    expected = engine.generate([[5, 6, 7], [8, 9]], params)
+    forward = engine._forward
+    engine._forward = lambda *args: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.generate([[5, 6, 7], [8, 9]], params)
+    engine._forward = forward
+    assert engine.generate([[5, 6, 7], [8, 9]], params) == expected
+
+
+def test_generate_from_two_threads_at_once(model, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prompts = [[list(range(5 + i, 15 + i + 3 * j)) for j in range(3)] for i in range(4)]
+    expected = [TorchEngine(model, tokenizer).generate(p, params) for p in prompts]
+    engine = TorchEngine(model, tokenizer, max_batch_size=4)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: engine.generate(p, params), prompts))
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in e] for e in expected]

@@ -144,6 +144,7 @@ class TorchEngine:
         self._cache: Cache | None = None
         self._width = 0
         self._logits: torch.Tensor | None = None
+        self._joining: list[Request] = []  # taken from the inbox, being prefilled
         # Counters: rows prefilled, prompt tokens encoded, prompt tokens reused from a kept cache,
         # decode forward passes.
         self.stats = {"requests": 0, "encoded_tokens": 0, "reused_tokens": 0, "decode_steps": 0}
@@ -189,10 +190,29 @@ class TorchEngine:
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
         for i, prompt in enumerate(prompts):
             self._check_request(prompt, params, i)
-        requests = [Request(list(p), params, sessions[i] if sessions else None) for i, p in enumerate(prompts)]
+        if not prompts:
+            return []
+        finished = threading.Event()
+        remaining = [len(prompts)]
+
+        def on_done(_: Any) -> None:
+            remaining[0] -= 1  # only the decoding thread calls it
+            if remaining[0] == 0:
+                finished.set()
+
+        requests = [Request(list(p), params, sessions[i] if sessions else None, on_done)
+                    for i, p in enumerate(prompts)]
         with self._inbox_lock:
             self._inbox.extend(requests)
-        self.serve()
+        # Decode here, unless another thread is decoding: it serves these requests too.
+        while not finished.is_set():
+            if self._serve_lock.acquire(blocking=False):
+                try:
+                    self._serve()
+                finally:
+                    self._serve_lock.release()
+            else:
+                finished.wait(0.005)
         for request in requests:
             if request.error is not None:
                 raise request.error
@@ -232,24 +252,29 @@ class TorchEngine:
         gets it through `on_done` or `Request.error`); the engine stays usable.
         """
         with self._serve_lock:
-            try:
-                while True:
-                    self._admit()
-                    if not self._rows:
-                        with self._inbox_lock:
-                            if not self._inbox:
-                                return
-                        continue
-                    self._step()
-            except Exception as exc:  # noqa: BLE001 - handed to every request it ended
-                with self._inbox_lock:
-                    failed = [row.request for row in self._rows] + list(self._inbox)
-                    self._inbox.clear()
-                self._reset_batch()
-                for request in failed:
-                    request.error = exc
-                    if request.on_done is not None and not request.cancelled:
-                        request.on_done(exc)
+            self._serve()
+
+    def _serve(self) -> None:
+        """`serve` for the thread that holds `_serve_lock`."""
+        try:
+            while True:
+                self._admit()
+                if not self._rows:
+                    with self._inbox_lock:
+                        if not self._inbox:
+                            return
+                    continue
+                self._step()
+        except Exception as exc:  # noqa: BLE001 - handed to every request it ended
+            with self._inbox_lock:
+                failed = self._joining + [row.request for row in self._rows] + list(self._inbox)
+                self._inbox.clear()
+                self._joining = []
+            self._reset_batch()
+            for request in failed:
+                request.error = exc
+                if request.on_done is not None and not request.cancelled:
+                    request.on_done(exc)
 
     def end_session(self, session: Hashable) -> None:
         """Forget `session`'s kept cache (its episode is over). Any thread."""
@@ -305,6 +330,7 @@ class TorchEngine:
             reuse = [self._take_kept(r) for r in joining]
         if not joining:
             return
+        self._joining = joining  # so that an error in their prefill reaches them
         suffixes = [r.prompt[len(kept[0]):] if kept else r.prompt for r, kept in zip(joining, reuse)]
         prefix = [len(kept[0]) if kept else 0 for kept in reuse]
         group, span, width = len(joining), max(len(s) for s in suffixes), max(prefix)
@@ -345,6 +371,7 @@ class TorchEngine:
             for r, v in zip(joining, versions)
         ]
         self._merge(rows, cache, logits)
+        self._joining = []
 
     def _take_kept(self, request: Request) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None:
         """The kept cache of `request`'s session cut to what the prompt shares with it (at least one
