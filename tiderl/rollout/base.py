@@ -46,7 +46,15 @@ class Completion:
 
 
 class Engine(Protocol):
-    """A generation backend. `version` is the weight version it currently samples with."""
+    """A generation backend. `version` is the weight version it currently samples with.
+
+    Optional, for engines that keep per-episode state (a KV cache between turns), which the
+    batching client uses when present: `generate(prompts, params, sessions=[...])` takes one
+    hashable episode identity (or None) per prompt, and `end_session(session)` is called when
+    that episode ends. An engine with `continuous()` returning True is driven token by token
+    through `submit(prompt, params, session, on_done)` / `serve()` / `pending()` instead of
+    `generate` (`TorchEngine` documents the contract).
+    """
 
     version: int
 
@@ -60,7 +68,8 @@ class Engine(Protocol):
 
     def state_checksum(self) -> float:
         """`tiderl.rollout.weights.weights_checksum` of the weights it samples with: the trainer
-        compares it with the checksum of what it sent after every sync."""
+        compares it with the fingerprint of what it sent after every sync (a few elements per
+        tensor: compute it once per weight load)."""
         ...
 
 

@@ -1,26 +1,37 @@
-"""An asyncio front for a batch engine: many episodes ask for one completion each, the client
-decodes whatever is waiting as one batch.
+"""An asyncio front for an engine: many episodes ask for one completion each, the client
+decodes whatever is waiting together.
 
 Episodes in a continuous rollout arrive at the engine at different times and with different
-token budgets. `BatchingEngine.generate(prompt, params)` queues the request; one decode loop
-takes every waiting request with compatible sampling settings (the same temperature, top-p,
-stop strings and stop ids), decodes them together with the largest `max_new_tokens` asked, and
-cuts each completion back to its own budget (a sample stopped at that length). Requests that
-arrive while a batch decodes wait for the next batch.
+token budgets. `BatchingEngine.generate(prompt, params)` queues the request. Two ways to decode:
 
-When to decode: episodes that register with `episode()` and mark their environment calls with
-`in_env()` let the client wait until every registered episode has asked for its turn, except
-those that have been inside their environment for longer than `patience_s` (a slow tool), and
-never longer than `gather_s` in all. Episodes that move together therefore decode together:
-with fast tools a staleness-0 step decodes one batch per turn, exactly like a lock-step loop,
-while a slow tool holds the others back by `patience_s` at most. Unregistered callers are
-served as soon as they ask.
+- Token-level (an engine whose `continuous()` is true, such as `TorchEngine`): the waiting
+  requests are handed to the engine (`submit`) and the engine `serve`s them; rows leave the
+  batch as they finish and, when the engine decodes on its own thread, a request that arrives
+  meanwhile joins the running batch at the next decode step. Each request keeps its own
+  sampling settings and budget. Each request names its episode (`session`), so the engine
+  reuses the episode's KV cache of the previous turn and encodes only the new tokens; the
+  episode's cache is dropped when the episode ends (`end_session`).
+- Request-level (any other Engine): one decode loop takes every waiting request with compatible
+  sampling settings (the same temperature, top-p, stop strings and stop ids), decodes them with
+  `engine.generate` using the largest `max_new_tokens` asked, and cuts each completion back to
+  its own budget (a sample stopped at that length). Requests that arrive while a batch decodes
+  wait for the next batch. An engine whose `generate` takes `sessions=` gets the episodes.
+
+When to start decoding: episodes that register with `episode()` and mark their environment calls
+with `in_env()` let the client wait until every registered episode has asked for its turn,
+except those that have been inside their environment for longer than `patience_s` (a slow
+tool), and never longer than `gather_s` in all. Episodes that move together therefore start
+together: with fast tools a staleness-0 step decodes one batch per turn, exactly like a
+lock-step loop, while a slow tool holds the others back by `patience_s` at most. Unregistered
+callers are served as soon as they ask.
 
 Where it decodes: on its own thread, so the event loop keeps serving environments, with weight
 updates on another that reach the engine between two decode steps (the engine's lock), so a
 turn in flight may carry two versions, token by token; or on an executor the caller passes
 (synchronous training and `play_episodes` pass an `InlineExecutor`: decoding in the loop's own
-thread, while no episode could run anyway).
+thread, while no episode could run anyway; there the batch decodes until its last row finishes,
+no request can join mid-way, and the sampler's random stream reaches the rows in the same order
+on every run).
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import inspect
 import itertools
 from collections.abc import Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -42,6 +55,9 @@ from tiderl.aio import cancel_and_wait
 # a batch is decoded in episode order, so the engine's random stream reaches the same episodes
 # in the same order whatever order their threads happened to finish in.
 _EPISODE: contextvars.ContextVar[int] = contextvars.ContextVar("tiderl_episode", default=-1)
+# Episode and request serials, unique in the process: an episode's serial is also its session key
+# in the engine, and several clients may share one engine (training and evaluation, say).
+_SERIALS = itertools.count()
 
 
 def _batch_key(params: SamplingParams) -> tuple[Any, ...]:
@@ -80,7 +96,14 @@ class BatchingEngine:
         self._env_since: dict[int, float] = {}  # of those, inside an environment call: since when
         # (prompt, params, future, episode serial, arrival serial)
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Completion], int, int]] = []
-        self._serials = itertools.count()
+        self._serials = _SERIALS
+        # Token-level decoding through the engine's continuous interface, when it has one.
+        continuous = getattr(engine, "continuous", None)
+        self._continuous = bool(callable(continuous) and continuous())
+        self._serving = False  # the engine is serving a batch now (token-level decoding)
+        self._submitted: dict[asyncio.Future[Completion], Any] = {}  # futures of requests in the engine
+        self._sessions = not self._continuous and _takes_sessions(engine)
+        self._end_session = getattr(engine, "end_session", None)
         self._wake = asyncio.Event()
         # Decoding and weight loads run on their own threads (`thread_init` runs first in each, e.g.
         # a torch thread budget), or on `executor` when the caller shares one compute thread
@@ -104,10 +127,13 @@ class BatchingEngine:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        for *_, future, _, _ in self._pending:
+        for handle in self._submitted.values():
+            handle.cancelled = True  # the engine drops them at its next step
+        for future in [r[2] for r in self._pending] + list(self._submitted):
             if not future.done():
                 future.set_exception(RuntimeError("the engine client was closed"))
         self._pending.clear()
+        self._submitted.clear()
         if self._own_threads:
             self._decoder.shutdown(wait=True)
             self._loader.shutdown(wait=True)
@@ -117,9 +143,43 @@ class BatchingEngine:
         if self._task is None:
             raise RuntimeError("BatchingEngine.start() was not called")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt, params, future, _EPISODE.get(), next(self._serials)))
-        self._wake.set()
+        request = (prompt, params, future, _EPISODE.get(), next(self._serials))
+        if self._serving and self._own_threads:
+            # The engine is decoding on its thread: join its batch at the next step.
+            self._submit(request)
+            self.requests += 1
+        else:
+            self._pending.append(request)
+            self._wake.set()
         return await future
+
+    def _submit(self, request: tuple[list[int], SamplingParams, asyncio.Future[Completion], int, int]) -> None:
+        """Hand one request to a continuous engine; its future resolves from the decoding thread."""
+        prompt, params, future, episode, _ = request
+        loop = asyncio.get_running_loop()
+
+        def resolve(result: Any) -> None:
+            self._submitted.pop(future, None)
+            if future.done():
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        def on_done(result: Any) -> None:  # runs on the decoding thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(resolve, result)
+
+        try:
+            handle = self.engine.submit(prompt, params, session=episode if episode >= 0 else None,  # type: ignore[attr-defined]
+                                        on_done=on_done)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails only its own episode
+            future.set_exception(exc)
+            return
+        self._submitted[future] = handle
+        # A cancelled episode's row leaves the batch at the next step.
+        future.add_done_callback(lambda f: setattr(handle, "cancelled", True) if f.cancelled() else None)
 
     @contextlib.contextmanager
     def episode(self) -> Iterator[None]:
@@ -129,6 +189,8 @@ class BatchingEngine:
         try:
             yield
         finally:
+            if self._end_session is not None:
+                self._end_session(_EPISODE.get())
             _EPISODE.reset(token)
             self._episodes -= 1
             self._wake.set()
@@ -177,11 +239,16 @@ class BatchingEngine:
         return await asyncio.get_running_loop().run_in_executor(self._loader, fn, *args)
 
     def _take_batch(self) -> list[tuple[list[int], SamplingParams, asyncio.Future[Completion], int, int]]:
-        """The oldest request and every waiting request compatible with it (up to the cap)."""
+        """The oldest request and every waiting request compatible with it (up to the cap); every
+        waiting request for a continuous engine (it batches any settings and queues beyond its
+        slots)."""
         live = [r for r in self._pending if not r[2].done()]  # drop requests of cancelled episodes
         if not live:
             self._pending = []
             return []
+        if self._continuous:
+            self._pending = []
+            return sorted(live, key=lambda r: (r[3], r[4]))
         key = _batch_key(live[0][1])
         batch, rest = [], []
         for request in live:
@@ -202,12 +269,17 @@ class BatchingEngine:
                 batch = self._take_batch()
                 if not batch:
                     break
+                if self._continuous:
+                    await self._serve(batch)
+                    continue
                 budget = max(r[1].max_new_tokens for r in batch)
                 params = dataclasses.replace(batch[0][1], max_new_tokens=budget)
                 prompts = [r[0] for r in batch]
+                sessions = {"sessions": [r[3] if r[3] >= 0 else None for r in batch]} if self._sessions else {}
                 t0 = loop.time()
                 try:
-                    completions = await loop.run_in_executor(self._decoder, self.engine.generate, prompts, params)
+                    completions = await loop.run_in_executor(
+                        self._decoder, functools.partial(self.engine.generate, prompts, params, **sessions))
                 except Exception as exc:  # noqa: BLE001 - each waiting episode gets the failure
                     for *_, future, _, _ in batch:
                         if not future.done():
@@ -220,3 +292,32 @@ class BatchingEngine:
                 for (_, p, future, _, _), completion in zip(batch, completions):
                     if not future.done():
                         future.set_result(cut_completion(completion, p.max_new_tokens))
+
+    async def _serve(self, batch: list[tuple[list[int], SamplingParams, asyncio.Future[Completion], int, int]]) -> None:
+        """Submit `batch` to the continuous engine and let it decode until nothing is left (requests
+        that arrive meanwhile join; see `generate`)."""
+        loop = asyncio.get_running_loop()
+        for request in batch:
+            self._submit(request)
+        self.requests += len(batch)
+        t0 = loop.time()
+        self._serving = True
+        try:
+            # A request submitted after the engine found its queue empty, but before this loop
+            # saw it return, would wait forever: serve again while anything is left.
+            while True:
+                await loop.run_in_executor(self._decoder, self.engine.serve)  # type: ignore[attr-defined]
+                self.batches += 1
+                if not self.engine.pending():  # type: ignore[attr-defined]
+                    break
+        finally:
+            self._serving = False
+            self.busy_s += loop.time() - t0
+
+
+def _takes_sessions(engine: Engine) -> bool:
+    """Whether `engine.generate` accepts `sessions=` (episode identities for prefix reuse)."""
+    try:
+        return "sessions" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False

@@ -1,43 +1,113 @@
-"""The embedded engine: batched KV-cache sampling with any Hugging Face causal LM, on CPU or GPU.
+"""The embedded engine: KV-cache sampling with any Hugging Face causal LM, on CPU or GPU, with
+token-level continuous batching and per-episode prefix reuse.
 
-Prompts are left-padded into one batch; `attention_mask` hides the padding and `position_ids`
-count only real tokens, so a padded row gets the same log-probs as the same prompt alone.
-Finished rows are dropped from the batch (and from the KV cache) as soon as they stop.
+The rows that decode together form one batch whose KV cache is right-aligned: row b's cached
+tokens fill the last `len(row.fed)` columns, `attention_mask` hides the columns to their left and
+`position_ids` count only real tokens, so a row gets the same log-probs as its sequence alone.
+Between two decode steps rows leave (a stop token, a stop string, `max_new_tokens`, or a
+cancelled request) and waiting requests join: they are prefilled together, then their cache is
+left-padded (or the batch's is) to a common width and appended. The cache is trimmed to the
+longest remaining row whenever rows leave, so padding never exceeds the difference between the
+longest row and each other row (what a dense attention kernel over one rectangular batch needs).
+
+Prefix reuse: a request may name a `session` (the client passes the episode's serial). When a
+row of a session finishes, the KV of every token it fed (prompt + sampled tokens but the last) is
+kept under that session; the session's next request reuses it for the longest common prefix of
+the kept tokens and its prompt (checked token by token, so a reuse is always exact) and encodes
+only the rest: the observation and the next assistant header. Kept caches are dropped when the
+session ends (`end_session`), when the weights change (`update_weights`: a cache computed with
+other weights is never reused; a row that decodes across an update keeps its cache until it
+finishes, as the per-token versions record, and its cache is then not kept), and least recently
+used first when they exceed `prefix_cache_mb`.
 
 Log-probs are those of the distribution each token was actually sampled from:
 `log_softmax(logits / temperature)`, restricted to the top-p nucleus and renormalised when
 `top_p < 1`. With `temperature == 0` the engine takes the argmax and reports the log-prob under
 the temperature-1 distribution (a greedy choice has no sampling distribution of its own, and
-the temperature-1 value is what the trainer recomputes).
+the temperature-1 value is what the trainer recomputes). Every row has its own sampling
+settings; the sampled rows of a step draw from the one `generator`, in row order.
 
-Weights can be swapped while a `generate` call runs in another thread: each decoding step holds
-a lock for its forward pass, `update_weights` takes the same lock, and every token carries the
-version of the weights that produced its logits (the KV cache of earlier tokens is kept).
+Weights can be swapped while rows decode in another thread: each forward pass holds a lock,
+`update_weights` takes the same lock, and every token carries the version of the weights that
+produced its logits.
+
+Models whose cache layers are not plain full-attention layers (sliding windows, hybrids) get no
+prefix reuse, and their waiting requests join only when the batch is empty.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.rollout.weights import weights_checksum
 
+# What a request's caller is told when it finishes: its Completion, or the exception that ended it.
+OnDone = Callable[[Any], None]
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion asked of the engine (see `TorchEngine.submit`).
+
+    Set `cancelled = True` (from any thread) to drop it: it leaves the batch at the next step
+    and its `on_done` is not called.
+    """
+
+    prompt: list[int]
+    params: SamplingParams
+    session: Hashable | None = None
+    on_done: OnDone | None = None
+    cancelled: bool = False
+    result: Completion | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request while it decodes."""
+
+    request: Request
+    fed: list[int]  # the tokens whose KV is in the batch cache, in order
+    cache_version: int  # the version all of that KV was computed with; -1 when mixed
+    stop_ids: frozenset[int]
+    stop_window: int
+    logit_version: int  # the version of the weights that computed the row's next-token logits
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Kept:
+    """The KV cache of a finished row, kept for its session's next turn."""
+
+    tokens: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, heads, len(tokens), head_dim]
+    version: int
+    nbytes: int
+
 
 class TorchEngine:
-    """Token-in/token-out generation with log-probs and versioned weights (the Engine protocol).
+    """Token-in/token-out generation with log-probs and versioned weights (the Engine protocol),
+    plus the continuous interface (`submit`, `serve`, `end_session`) the batching client uses.
 
     The engine keeps its own deep copy of `model` on `device` (so training the original does not
-    change what the engine samples until `update_weights` is called). Sampling uses a
-    `torch.Generator` seeded with `seed` at construction: a fresh engine with the same seed,
-    prompts and params returns the same completions; successive calls continue the stream.
-    Prompts are processed in chunks of at most `max_batch_size`.
+    change what the engine samples until `update_weights` is called). Sampling uses one
+    `torch.Generator` (`self.generator`) seeded with `seed` at construction: a fresh engine with
+    the same seed, prompts and params returns the same completions; successive calls continue the
+    stream. At most `max_batch_size` rows decode at once; more requests wait for a free slot.
+    Kept prefix caches take at most `prefix_cache_mb` MiB (0 turns prefix reuse off).
     """
 
     def __init__(
@@ -47,21 +117,46 @@ class TorchEngine:
         device: str | torch.device = "cpu",
         seed: int = 0,
         max_batch_size: int = 64,
+        prefix_cache_mb: float = 1024.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb={prefix_cache_mb} is negative: use 0 to keep no prefix caches")
         self.device = torch.device(device)
         self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
         self.version = 0
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the weights: one forward pass or one weight load at a time
+        self._serve_lock = threading.Lock()  # the batch: one thread decodes it at a time
+        self._inbox_lock = threading.Lock()  # the waiting requests and the kept caches
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._kept: collections.OrderedDict[Hashable, _Kept] = collections.OrderedDict()
+        self._kept_bytes = 0
+        self._fingerprint: tuple[int, float] | None = None  # (version, weights_checksum) of the held weights
+        # The running batch: rows, their KV cache (cache columns = self._width) and the logits of
+        # each row's next token.
+        self._rows: list[_Row] = []
+        self._cache: Cache | None = None
+        self._width = 0
+        self._logits: torch.Tensor | None = None
+        self._joining: list[Request] = []  # taken from the inbox, being prefilled
+        # Counters: rows prefilled, prompt tokens encoded, prompt tokens reused from a kept cache,
+        # decode forward passes.
+        self.stats = {"requests": 0, "encoded_tokens": 0, "reused_tokens": 0, "decode_steps": 0}
         self._vocab_size = self.model.get_output_embeddings().weight.shape[0]
         # Any id works under a zero attention mask; the pad id keeps debugging output readable.
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        # Plain caches (every layer full attention) can be re-laid out: joins, trims, prefix reuse.
+        text_config = self.model.config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None)
+        sliding = getattr(text_config, "use_sliding_window", False) and getattr(text_config, "sliding_window", None)
+        self._plain = not sliding and (layer_types is None or all(t == "full_attention" for t in layer_types))
         # Argument names differ across transformers versions: the KV cache is `cache` in recent 5.x
         # and `past_key_values` before; computing only the last position's logits is
         # `logits_to_keep` (>= 4.50) or `num_logits_to_keep` (4.45-4.49).
@@ -81,17 +176,119 @@ class TorchEngine:
                 ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
             )
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ the batch interface
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample one completion per prompt, in prompt order (see the module docstring)."""
-        self._check_request(prompts, params)
-        completions: list[Completion] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            completions.extend(self._generate_batch(prompts[start : start + self.max_batch_size], params))
-        return completions
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None
+    ) -> list[Completion]:
+        """Sample one completion per prompt, in prompt order (see the module docstring).
 
-    def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        `sessions[i]` (optional) names prompt i's episode: its kept cache is reused when the
+        prompt extends it, and the row's cache is kept for the session's next turn.
+        """
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
+        for i, prompt in enumerate(prompts):
+            self._check_request(prompt, params, i)
+        if not prompts:
+            return []
+        finished = threading.Event()
+        remaining = [len(prompts)]
+
+        def on_done(_: Any) -> None:
+            remaining[0] -= 1  # only the decoding thread calls it
+            if remaining[0] == 0:
+                finished.set()
+
+        requests = [Request(list(p), params, sessions[i] if sessions else None, on_done)
+                    for i, p in enumerate(prompts)]
+        with self._inbox_lock:
+            self._inbox.extend(requests)
+        # Decode here, unless another thread is decoding: it serves these requests too.
+        while not finished.is_set():
+            if self._serve_lock.acquire(blocking=False):
+                try:
+                    self._serve()
+                finally:
+                    self._serve_lock.release()
+            else:
+                finished.wait(0.005)
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [r.result for r in requests]  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ the continuous interface
+
+    def continuous(self) -> bool:
+        """Whether a client should drive this engine through `submit`/`serve` (token-level
+        joining) rather than `generate`: not when a subclass overrides `generate` (to wrap it, say),
+        since `serve` would bypass the override."""
+        return type(self).generate is TorchEngine.generate
+
+    def submit(self, prompt: list[int], params: SamplingParams, session: Hashable | None = None,
+               on_done: OnDone | None = None) -> Request:
+        """Queue one request (any thread); it joins the batch at the next step of `serve`.
+
+        Raises ValueError at once for a bad request. `on_done(result)` is called from the decoding
+        thread with the Completion, or with the exception that ended the request.
+        """
+        self._check_request(prompt, params, 0)
+        request = Request(list(prompt), params, session, on_done)
+        with self._inbox_lock:
+            self._inbox.append(request)
+        return request
+
+    def pending(self) -> int:
+        """Requests waiting to join or decoding now."""
+        with self._inbox_lock:
+            return len(self._inbox) + len(self._rows)
+
+    def serve(self) -> None:
+        """Decode until no request waits or decodes (requests submitted meanwhile join).
+
+        One thread decodes at a time; a second caller waits, and finds its requests served.
+        An exception in a forward pass ends every request in the batch and in the queue (each
+        gets it through `on_done` or `Request.error`); the engine stays usable.
+        """
+        with self._serve_lock:
+            self._serve()
+
+    def _serve(self) -> None:
+        """`serve` for the thread that holds `_serve_lock`."""
+        try:
+            while True:
+                self._admit()
+                if not self._rows:
+                    with self._inbox_lock:
+                        if not self._inbox:
+                            return
+                    continue
+                self._step()
+        except Exception as exc:  # noqa: BLE001 - handed to every request it ended
+            with self._inbox_lock:
+                failed = self._joining + [row.request for row in self._rows] + list(self._inbox)
+                self._inbox.clear()
+                self._joining = []
+            self._reset_batch()
+            for request in failed:
+                request.error = exc
+                if request.on_done is not None and not request.cancelled:
+                    request.on_done(exc)
+
+    def end_session(self, session: Hashable) -> None:
+        """Forget `session`'s kept cache (its episode is over). Any thread."""
+        with self._inbox_lock:
+            kept = self._kept.pop(session, None)
+            if kept is not None:
+                self._kept_bytes -= kept.nbytes
+
+    def kept_sessions(self) -> int:
+        """How many sessions have a kept prefix cache now."""
+        with self._inbox_lock:
+            return len(self._kept)
+
+    def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
         """Raise ValueError naming the first bad parameter or prompt, before any compute."""
         if params.temperature < 0:
             raise ValueError(f"temperature={params.temperature} is negative: use 0 for greedy or a value > 0")
@@ -99,91 +296,206 @@ class TorchEngine:
             raise ValueError(f"top_p={params.top_p} is outside (0, 1]: use 1.0 to keep the full distribution")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} must be at least 1")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise ValueError(
-                    f"prompt {i} has token ids outside [0, {self._vocab_size}): was it tokenized "
-                    "with this model's tokenizer?"
-                )
-            if self._max_positions is not None and len(prompt) + params.max_new_tokens > self._max_positions:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens, plus max_new_tokens={params.max_new_tokens} "
-                    f"exceeds the model's max_position_embeddings={self._max_positions}: shorten the "
-                    "prompt or lower max_new_tokens"
-                )
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {self._vocab_size}): was it tokenized "
+                "with this model's tokenizer?"
+            )
+        if self._max_positions is not None and len(prompt) + params.max_new_tokens > self._max_positions:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens, plus max_new_tokens={params.max_new_tokens} "
+                f"exceeds the model's max_position_embeddings={self._max_positions}: shorten the "
+                "prompt or lower max_new_tokens"
+            )
+
+    # ------------------------------------------------------------------ decoding
+
+    def _reset_batch(self) -> None:
+        self._rows, self._cache, self._width, self._logits = [], None, 0, None
 
     @torch.inference_mode()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample one left-padded batch to completion; rows leave the batch as they finish."""
-        batch = len(prompts)
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        input_ids = torch.full((batch, width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        input_ids = input_ids.to(self.device)
-        attention_mask = attention_mask.to(self.device)
-        # Positions count real tokens only, so left padding does not shift a row's positions.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        next_position = torch.tensor(lengths, dtype=torch.long, device=self.device)
-
-        stop_ids = set(params.stop_token_ids)
+    def _admit(self) -> None:
+        """Prefill waiting requests into the free slots and append them to the batch."""
+        free = self.max_batch_size - len(self._rows)
+        if free <= 0 or (self._rows and not self._plain):
+            return
+        with self._inbox_lock:
+            joining: list[Request] = []
+            while self._inbox and len(joining) < free:
+                request = self._inbox.popleft()
+                if not request.cancelled:
+                    joining.append(request)
+            reuse = [self._take_kept(r) for r in joining]
+        if not joining:
+            return
+        self._joining = joining  # so that an error in their prefill reaches them
+        suffixes = [r.prompt[len(kept[0]):] if kept else r.prompt for r, kept in zip(joining, reuse)]
+        prefix = [len(kept[0]) if kept else 0 for kept in reuse]
+        group, span, width = len(joining), max(len(s) for s in suffixes), max(prefix)
+        input_ids = torch.full((group, span), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((group, width + span), dtype=torch.long)
+        position_ids = torch.zeros((group, span), dtype=torch.long)
+        for g, (suffix, p) in enumerate(zip(suffixes, prefix)):
+            input_ids[g, span - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            attention_mask[g, width - p: width] = 1
+            attention_mask[g, width + span - len(suffix):] = 1
+            position_ids[g, span - len(suffix):] = torch.arange(p, p + len(suffix))
+        cache = None
+        if width > 0:
+            cache = _cache_of([
+                _GrowingLayer(*(_stack_right_aligned([kept[1][layer][i] if kept else None for kept in reuse],
+                                                     width, prefix, spare=span + _SPARE) for i in (0, 1)), width)
+                for layer in range(len(next(k for k in reuse if k)[1]))
+            ])
+        elif self._plain:
+            cache = _cache_of(None)
+        logits, cache, version = self._forward(input_ids.to(self.device), attention_mask.to(self.device),
+                                               position_ids.to(self.device), cache)
+        versions = [version if not kept or kept[2] == version else -1 for kept in reuse]
+        lengths = [p + len(s) for p, s in zip(prefix, suffixes)]
+        if self._plain and any(p > 0 and len(s) < span for p, s in zip(prefix, suffixes)):
+            # Rows that reused a prefix and encoded fewer tokens than the longest suffix have a gap
+            # of padding between the two parts: move each row's tokens to the right end.
+            cache = _compact(cache, attention_mask.to(self.device), max(lengths))
+        self.stats["requests"] += group
+        self.stats["encoded_tokens"] += sum(len(s) for s in suffixes)
+        self.stats["reused_tokens"] += sum(prefix)
         # A stop string completed by the newest token lies within its last `len(bytes)` tokens
         # (every token decodes to at least one byte); one more token absorbs a partial UTF-8
         # character or a stripped leading space at the window's start.
-        stop_window = max((len(s.encode("utf-8")) for s in params.stop), default=0) + 2
-
-        tokens_out: list[list[int]] = [[] for _ in range(batch)]
-        logprobs_out: list[list[float]] = [[] for _ in range(batch)]
-        versions_out: list[list[int]] = [[] for _ in range(batch)]
-        finish: list[str] = ["length"] * batch
-        active = list(range(batch))  # original row index of each row still in the batch
-
-        # The model builds its own cache on the first forward (the right layer types for
-        # sliding-window or hybrid models); later steps pass it back.
-        logits, cache, version = self._forward(input_ids, attention_mask, position_ids, None)
-        for _ in range(params.max_new_tokens):
-            sampled, sampled_logprobs = self._sample(logits, params)
-            keep: list[int] = []
-            for j, (token, logprob) in enumerate(zip(sampled.tolist(), sampled_logprobs.tolist())):
-                row = active[j]
-                tokens_out[row].append(token)
-                logprobs_out[row].append(logprob)
-                versions_out[row].append(version)
-                if token in stop_ids or (
-                    params.stop and _contains_stop(self._decode(tokens_out[row][-stop_window:]), params.stop)
-                ):
-                    finish[row] = "stop"
-                elif len(tokens_out[row]) < params.max_new_tokens:
-                    keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                # Drop finished rows so they stop costing compute.
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                cache.batch_select_indices(index)
-                attention_mask = attention_mask[index]
-                next_position = next_position[index]
-                sampled = sampled[index]
-                active = [active[j] for j in keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
-            logits, cache, version = self._forward(sampled[:, None], attention_mask, next_position[:, None], cache)
-            next_position = next_position + 1
-
-        return [
-            Completion(
-                token_ids=tokens_out[row],
-                logprobs=logprobs_out[row],
-                text=self._decode(tokens_out[row]),
-                finish_reason=finish[row],
-                policy_version=versions_out[row],
-            )
-            for row in range(batch)
+        rows = [
+            _Row(r, list(r.prompt), v, frozenset(r.params.stop_token_ids),
+                 max((len(s.encode("utf-8")) for s in r.params.stop), default=0) + 2, version)
+            for r, v in zip(joining, versions)
         ]
+        self._merge(rows, cache, logits)
+        self._joining = []
+
+    def _take_kept(self, request: Request) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None:
+        """The kept cache of `request`'s session cut to what the prompt shares with it (at least one
+        prompt token is left to encode), or None. The entry leaves the store (the row keeps it
+        again when it finishes). Caller holds `_inbox_lock`."""
+        if request.session is None or not self._plain:
+            return None
+        kept = self._kept.pop(request.session, None)
+        if kept is None:
+            return None
+        self._kept_bytes -= kept.nbytes
+        if kept.version != self.version:
+            return None
+        shared = _common_prefix(kept.tokens, request.prompt)
+        shared = min(shared, len(request.prompt) - 1)
+        if shared <= 0:
+            return None
+        return kept.tokens[:shared], [(k[:, :, :shared], v[:, :, :shared]) for k, v in kept.kv], kept.version
+
+    def _merge(self, rows: list[_Row], cache: Cache, logits: torch.Tensor) -> None:
+        """Append prefilled `rows` (their right-aligned `cache` and next-token `logits`)."""
+        if not self._rows:
+            self._rows, self._cache, self._logits = rows, cache, logits
+            self._width = cache.get_seq_length()
+            return
+        width = max(self._width, cache.get_seq_length())
+        self._cache = _cache_of([
+            _GrowingLayer(*(_stack_rows(old, new, width) for old, new in
+                            ((own.keys, joined.keys), (own.values, joined.values))), width)
+            for own, joined in zip(self._cache.layers, cache.layers)  # type: ignore[union-attr]
+        ])
+        self._width = width
+        self._rows = self._rows + rows
+        self._logits = torch.cat([self._logits, logits])  # type: ignore[list-item]
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """Sample the next token of every row; finished rows leave; the rest take one decode step."""
+        assert self._logits is not None and self._cache is not None
+        rows = self._rows
+        sampled, sampled_logprobs = self._sample(self._logits, [row.request.params for row in rows])
+        keep: list[int] = []
+        done: list[tuple[int, _Row]] = []
+        for j, (row, token, logprob) in enumerate(zip(rows, sampled.tolist(), sampled_logprobs.tolist())):
+            params = row.request.params
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.versions.append(row.logit_version)
+            if row.request.cancelled:
+                continue
+            if token in row.stop_ids or (
+                params.stop and _contains_stop(self._decode(row.tokens[-row.stop_window:]), params.stop)
+            ):
+                done.append((j, row))
+                row.request.result = self._completion(row, "stop")
+            elif len(row.tokens) >= params.max_new_tokens:
+                done.append((j, row))
+                row.request.result = self._completion(row, "length")
+            else:
+                keep.append(j)
+        for j, row in done:
+            self._keep_cache(row, j)
+        if len(keep) < len(rows):
+            if not keep:
+                self._reset_batch()
+            else:
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                self._cache.batch_select_indices(index)
+                self._rows = [rows[j] for j in keep]
+                sampled = sampled[index]
+                self._trim()
+        for _, row in done:
+            if row.request.on_done is not None:
+                row.request.on_done(row.request.result)
+        if not self._rows:
+            return
+        rows = self._rows
+        fed = torch.tensor([len(row.fed) for row in rows], device=self.device)
+        columns = torch.arange(self._width + 1, device=self.device)
+        attention_mask = (columns[None, :] >= (self._width - fed)[:, None]).long()
+        self._logits, self._cache, version = self._forward(sampled[:, None], attention_mask, fed[:, None], self._cache)
+        self._width += 1
+        self.stats["decode_steps"] += 1
+        for row, token in zip(rows, sampled.tolist()):
+            row.fed.append(token)
+            row.logit_version = version
+            if row.cache_version != version:
+                row.cache_version = -1
+
+    def _completion(self, row: _Row, finish: str) -> Completion:
+        return Completion(token_ids=row.tokens, logprobs=row.logprobs, text=self._decode(row.tokens),
+                          finish_reason=finish, policy_version=row.versions)
+
+    def _trim(self) -> None:
+        """Drop cache columns that are padding in every remaining row."""
+        if not self._plain:
+            return
+        longest = max(len(row.fed) for row in self._rows)
+        if longest < self._width:
+            for layer in self._cache.layers:  # type: ignore[union-attr]
+                layer.drop_left(self._width - longest)
+            self._width = longest
+
+    def _keep_cache(self, row: _Row, b: int) -> None:
+        """Keep a finished row's cache for its session's next turn (when it is all of the current
+        weights and fits the memory bound)."""
+        session = row.request.session
+        if session is None or not self._plain or self.prefix_cache_bytes == 0 or row.cache_version != self.version:
+            return
+        n = len(row.fed)
+        kv = [(layer.keys[b: b + 1, :, self._width - n:].clone(), layer.values[b: b + 1, :, self._width - n:].clone())
+              for layer in self._cache.layers]  # type: ignore[union-attr]
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if nbytes > self.prefix_cache_bytes:
+            return
+        with self._inbox_lock:
+            old = self._kept.pop(session, None)
+            if old is not None:
+                self._kept_bytes -= old.nbytes
+            self._kept[session] = _Kept(list(row.fed), kv, row.cache_version, nbytes)
+            self._kept_bytes += nbytes
+            while self._kept_bytes > self.prefix_cache_bytes:
+                _, evicted = self._kept.popitem(last=False)
+                self._kept_bytes -= evicted.nbytes
 
     def _forward(
         self,
@@ -207,16 +519,31 @@ class TorchEngine:
         new_cache = output["cache"] if "cache" in output else output["past_key_values"]
         return output.logits[:, -1].float(), new_cache, version
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled token per row and its log-prob under the distribution it was drawn from."""
-        if params.temperature == 0:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled token per row and its log-prob under the distribution it was drawn from.
+
+        Greedy rows take the argmax (log-prob at temperature 1) and draw nothing; the other rows
+        draw together, in row order, from `self.generator`.
+        """
+        temperatures = [p.temperature for p in params]
+        if not any(temperatures):
             tokens = logits.argmax(dim=-1)
             logprobs = torch.log_softmax(logits, dim=-1)
-        else:
-            logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-            if params.top_p < 1.0:
-                logprobs = _nucleus_logprobs(logprobs, params.top_p)
+            return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
+        logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+        nucleus = [j for j, p in enumerate(params) if p.temperature > 0 and p.top_p < 1.0]
+        if nucleus:
+            index = torch.tensor(nucleus, device=logits.device)
+            top_p = torch.tensor([params[j].top_p for j in nucleus], device=logits.device)
+            logprobs[index] = _nucleus_logprobs(logprobs[index], top_p[:, None])
+        drawn = [j for j, t in enumerate(temperatures) if t > 0]
+        if len(drawn) == len(params):
             tokens = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(-1)
+        else:
+            index = torch.tensor(drawn, device=logits.device)
+            tokens = logits.argmax(dim=-1)
+            tokens[index] = torch.multinomial(logprobs[index].exp(), 1, generator=self.generator).squeeze(-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
     # ------------------------------------------------------------------ weights
@@ -225,7 +552,8 @@ class TorchEngine:
         """Load `state_dict` into the engine's model (all keys, same shapes) and set `version`.
 
         A version lower than the current one is refused (weights never go back in time); the
-        same version may be loaded again. Nothing is changed when the check fails.
+        same version may be loaded again. Nothing is changed when the check fails. Kept prefix
+        caches are dropped (they were computed with the weights being replaced).
         """
         if version < self.version:
             raise ValueError(
@@ -250,19 +578,142 @@ class TorchEngine:
         with self._lock:
             self.model.load_state_dict(state_dict, strict=True)
             self.version = version
+            self._fingerprint = None
+            with self._inbox_lock:
+                self._kept.clear()
+                self._kept_bytes = 0
 
     def state_checksum(self) -> float:
-        """`weights_checksum` of the engine's current weights."""
+        """`weights_checksum` of the engine's current weights (computed once per weight load)."""
         with self._lock:
-            return weights_checksum(self.model.state_dict())
+            if self._fingerprint is None:
+                self._fingerprint = weights_checksum(self.model.state_dict())
+            return self._fingerprint
 
 
 def _contains_stop(text: str, stops: list[str]) -> bool:
     return any(stop in text for stop in stops)
 
 
-def _nucleus_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p`; renormalise.
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+# Free cache columns allocated beyond what a batch holds, so that decode steps append in place.
+_SPARE = 64
+
+
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that appends new keys and values in place into a buffer with
+    spare columns (doubling it when full), where `DynamicLayer` concatenates the whole cache at
+    every decode step. `keys`/`values` are views of the filled columns."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 filled: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if keys is not None and values is not None:
+            # `keys`/`values` may be buffers already (wider than `filled`), or exactly filled.
+            self._adopt(keys, values, keys.shape[2] if filled is None else filled)
+
+    def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, filled: int) -> None:
+        self._key_buffer, self._value_buffer, self._filled = key_buffer, value_buffer, filled
+        self.keys, self.values = key_buffer[:, :, :filled], value_buffer[:, :, :filled]
+        self.device = key_buffer.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        add = key_states.shape[2]
+        if not self.is_initialized:
+            self._adopt(_with_spare(key_states, _SPARE), _with_spare(value_states, _SPARE), 0)
+        filled = self._filled
+        if filled + add > self._key_buffer.shape[2]:
+            more = max(filled + add, _SPARE)
+            self._adopt(_with_spare(self.keys, more + add), _with_spare(self.values, more + add), filled)
+        self._key_buffer[:, :, filled: filled + add] = key_states
+        self._value_buffer[:, :, filled: filled + add] = value_states
+        self._adopt(self._key_buffer, self._value_buffer, filled + add)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._adopt(self._key_buffer[indices], self._value_buffer[indices], self._filled)
+
+    def drop_left(self, columns: int) -> None:
+        """Forget the first `columns` columns (padding in every row)."""
+        self._adopt(self._key_buffer[:, :, columns:], self._value_buffer[:, :, columns:], self._filled - columns)
+
+
+def _with_spare(t: torch.Tensor, spare: int) -> torch.Tensor:
+    """A buffer holding `t` ([batch, heads, length, dim]) in its first columns, `spare` more free."""
+    out = t.new_empty(t.shape[0], t.shape[1], t.shape[2] + spare, t.shape[3])
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+def _cache_of(layers: list[_GrowingLayer] | None) -> DynamicCache:
+    """A DynamicCache of growing layers (`None`: empty, the layers made on the first forward)."""
+    cache = DynamicCache()
+    if layers is None:
+        cache.layer_class_to_replicate = _GrowingLayer
+    else:
+        cache.layers = list(layers)
+        cache.layer_class_to_replicate = None
+    return cache
+
+
+def _stack_rows(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """A buffer with `old`'s rows then `new`'s ([batch, heads, length, dim] each), right-aligned at
+    `width` columns (zeros to their left), with spare columns after."""
+    rows = old.shape[0] + new.shape[0]
+    out = old.new_empty(rows, old.shape[1], width + _SPARE, old.shape[3])
+    for start, part in ((0, old), (old.shape[0], new)):
+        stop, pad = start + part.shape[0], width - part.shape[2]
+        out[start:stop, :, :pad] = 0
+        out[start:stop, :, pad:width] = part
+    return out
+
+
+def _stack_right_aligned(parts: list[torch.Tensor | None], width: int, lengths: list[int], spare: int = 0) -> torch.Tensor:
+    """One [len(parts), heads, width + spare, dim] buffer: part g ([1, heads, lengths[g], dim])
+    right-aligned in the first `width` columns, zeros to its left (a missing part: all zeros)."""
+    like = next(p for p in parts if p is not None)
+    out = like.new_zeros(len(parts), like.shape[1], width + spare, like.shape[3])
+    for g, (part, n) in enumerate(zip(parts, lengths)):
+        if part is not None and n > 0:
+            out[g, :, width - n: width] = part[0]
+    return out
+
+
+def _compact(cache: Cache, attention_mask: torch.Tensor, width: int) -> DynamicCache:
+    """`cache` with each row's unmasked columns moved, in order, to the last columns of a cache
+    `width` wide (zeros to their left)."""
+    rows = attention_mask.shape[0]
+    index = torch.zeros((rows, width), dtype=torch.long, device=attention_mask.device)
+    valid = torch.zeros((rows, width), dtype=torch.bool, device=attention_mask.device)
+    for g in range(rows):
+        columns = attention_mask[g].nonzero().squeeze(-1)
+        index[g, width - len(columns):] = columns
+        valid[g, width - len(columns):] = True
+    layers = []
+    for layer in cache.layers:
+        pair = []
+        for t in (layer.keys, layer.values):
+            gathered = t.gather(2, index[:, None, :, None].expand(rows, t.shape[1], width, t.shape[3]))
+            pair.append(gathered.masked_fill_(~valid[:, None, :, None], 0))
+        layers.append(_GrowingLayer(*pair))
+    return _cache_of(layers)
+
+
+def _nucleus_logprobs(logprobs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (a float, or one
+    value per row shaped [rows, 1]); renormalise.
 
     Tokens outside the nucleus get -inf. The most likely token is always kept.
     """

@@ -2,22 +2,63 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import zlib
 from collections.abc import Mapping
 
+import numpy as np
 import torch
+
+# Elements read per tensor: evenly strided ones (every region of the tensor, whatever its layout)
+# plus the same number at pseudo-random positions fixed by the tensor's name and size.
+STRIDED_ELEMENTS = 64
+RANDOM_ELEMENTS = 64
+
+
+def sample_positions(name: str, numel: int) -> np.ndarray:
+    """The flat positions of `name`'s tensor that `weights_checksum` reads (sorted, unique).
+
+    They depend only on the name and the element count, so every process that fingerprints the
+    same model reads the same elements: the first and the last, `STRIDED_ELEMENTS` evenly spaced,
+    and `RANDOM_ELEMENTS` drawn by a generator seeded from the name and size.
+    """
+    if numel <= STRIDED_ELEMENTS + RANDOM_ELEMENTS:
+        return np.arange(numel, dtype=np.int64)
+    strided = np.linspace(0, numel - 1, STRIDED_ELEMENTS).astype(np.int64)
+    rng = np.random.default_rng([zlib.crc32(name.encode("utf-8")), numel])
+    drawn = rng.integers(0, numel, RANDOM_ELEMENTS, dtype=np.int64)
+    return np.unique(np.concatenate([strided, drawn]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(name: str, numel: int) -> torch.Tensor:
+    """`sample_positions` as a tensor, computed once per tensor name and size."""
+    return torch.from_numpy(sample_positions(name, numel))
 
 
 def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
-    """A cheap fingerprint of a set of weights: sum over tensors of sum(x) + sum(x**2) in float64.
+    """A fingerprint of a set of weights that costs a few elements per tensor, not a full pass.
 
-    Keys are visited in sorted order and each tensor is summed by NumPy (pairwise, one thread),
-    so the result does not depend on the thread that computes it: torch's parallel reduction
-    adds in an order that follows the calling thread's torch thread count, and the trainer and
-    the engine compute this on threads with different budgets. Trainer and engine each compute
-    it on their side to check a weight sync; the squares make a sign flip visible.
+    A hash (BLAKE2b) over the tensors in sorted key order of each one's name, shape, dtype and
+    the exact values at `sample_positions` (converted to float64, which every float dtype fits
+    exactly), returned as a float (the first 52 bits of the digest) so that it compares with `==`.
+    It reads about 130 elements per tensor: a few milliseconds for a 100M-parameter model, where
+    summing every element (the former checksum) took seconds.
+
+    What it catches: a missing, renamed, reshaped or re-typed tensor, and weights of another
+    step or another model (a stale or wrong load): an optimizer step moves essentially every
+    element, and two different models differ at almost every position. What it cannot catch: a
+    change confined to elements it does not read (a single corrupted element, say). It is
+    deterministic across processes and thread counts (no floating-point reduction is involved).
     """
-    total = 0.0
+    digest = hashlib.blake2b(digest_size=16)
     for name in sorted(state_dict):
-        values = state_dict[name].detach().to(device="cpu", dtype=torch.float64).numpy()
-        total += float(values.sum()) + float((values * values).sum())
-    return total
+        tensor = state_dict[name].detach()
+        flat = tensor.reshape(-1)
+        values = flat[_positions(name, flat.numel()).to(flat.device)].to(device="cpu")
+        if values.is_floating_point() or values.is_complex():
+            values = values.to(torch.complex128 if values.is_complex() else torch.float64)
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode("utf-8"))
+        digest.update(values.contiguous().numpy().tobytes())
+    return float(int.from_bytes(digest.digest()[:7], "big") >> 4)
