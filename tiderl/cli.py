@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--pass-k", type=int, help="shortcut for eval.pass_k=K (K samples per task)")
     ev.add_argument("--oracle", action="store_true",
                     help="evaluate the scripted oracle instead of a model: the environment's ceiling")
+    ev.add_argument("--transcripts", type=int, default=0, metavar="N",
+                    help="write the first N episodes of each mode as JSONL and Markdown transcripts")
+    ev.add_argument("--transcripts-out", metavar="PREFIX",
+                    help="where transcripts go: PREFIX_<mode>.jsonl/.md (default <run_dir>/transcripts/eval)")
     pv = add("pretrain-value", "fit a critic to Monte-Carlo returns of trajectories (for algo.value_init)")
     pv.add_argument("--trajectories", help="JSON-lines trajectories to fit (default: roll out the policy)")
     pv.add_argument("--episodes", type=int, default=512, help="episodes to roll out when no file is given")
@@ -78,6 +82,10 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"data.split={args.split}")
     if getattr(args, "pass_k", None) is not None:
         out.append(f"eval.pass_k={args.pass_k}")
+    if getattr(args, "model", None):
+        # The model to evaluate is model.path, so the config checks the model actually used
+        # (not the embedded tiny one's limits).
+        out.append(f"model.path={args.model}")
     return out
 
 
@@ -103,10 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dump_yaml(cfg), end="")
         return 0
+    from tiderl.models.startup import StartupError
+
+    try:
+        return _dispatch(args, cfg)
+    except StartupError as exc:
+        print(f"tiderl: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
+    """Run the parsed command."""
     if args.command == "train":
         return cmd_train(cfg)
     if args.command == "eval":
-        return cmd_eval(cfg, args.model, args.json, oracle=args.oracle)
+        return cmd_eval(cfg, args.model, args.json, oracle=args.oracle, transcripts=args.transcripts,
+                        transcripts_out=args.transcripts_out)
     if args.command == "demo":
         return cmd_demo(cfg)
     if args.command == "pretrain-value":
@@ -134,23 +154,31 @@ def cmd_train(cfg: RunConfig) -> int:
 
 
 def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
-               tasks: list, chunk_size: int = 0) -> dict[str, Any]:
+               tasks: list, chunk_size: int = 0, watch: Any = None) -> dict[str, Any]:
     """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
-    task and also runs when only eval.pass_k > 1 asks for it."""
+    task and also runs when only eval.pass_k > 1 asks for it. `watch(mode, episodes)`, when
+    given, returns the `on_episode` callback of that mode's run (an `EvalProgress`)."""
     from tiderl.evaluate import evaluate
+
+    def run(mode: str, greedy: bool, samples: int) -> dict[str, Any]:
+        watcher = watch(mode, len(tasks) * samples) if watch else None
+        try:
+            return evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, greedy,
+                            samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher)
+        finally:
+            if watcher is not None:
+                watcher.close()
 
     out = {}
     if cfg.eval.greedy:
-        out["greedy"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, True,
-                                 chunk_size=chunk_size)
+        out["greedy"] = run("greedy", True, 1)
     if cfg.eval.sampled or cfg.eval.pass_k > 1:
-        out["sampled"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, False,
-                                  samples_per_task=cfg.eval.pass_k, chunk_size=chunk_size)
+        out["sampled"] = run("sampled", False, cfg.eval.pass_k)
     return out
 
 
 def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
-                 chunk_size: int) -> tuple[dict[str, Any], str]:
+                 chunk_size: int, watch: Any = None) -> tuple[dict[str, Any], str]:
     """The scripted oracle (`Setup.oracle`) through `evaluate` (greedy only: a script is
     deterministic). Tokenizer: the one of `--model` or `model.path`, else one trained here on
     the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used)."""
@@ -172,23 +200,40 @@ def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
                                     vocab_size=cfg.model.tiny.vocab_size)
         source = f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"
     env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
-    result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
-                      rollout, True, chunk_size=chunk_size or 256)
-    return {"greedy": result}, source
+    watcher = watch("greedy", len(tasks)) if watch else None
+    try:
+        result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
+                          rollout, True, chunk_size=chunk_size or 256, on_episode=watcher)
+    finally:
+        if watcher is not None:
+            watcher.close()
+    return {"greedy": result}, source, tokenizer
 
 
 def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
-             oracle: bool = False) -> int:
+             oracle: bool = False, transcripts: int = 0, transcripts_out: str | None = None) -> int:
     """Evaluate `model` (or model.path, or with `oracle` the scripted oracle) on the held-out
-    tasks; print a Markdown table, write the results to `json_path` (else print them)."""
+    tasks with a progress bar (log.progress); print a Markdown table and a table per stop
+    reason, write the results to `json_path` (else print them) and, with `transcripts` > 0,
+    that many episodes per mode as JSONL and Markdown (`transcripts_out`_<mode>)."""
     from tiderl.envs.setup import load_setup
-    from tiderl.evaluate import markdown_table, result_rows
+    from tiderl.evaluate import (EvalProgress, markdown_table, result_rows, stop_reason_table,
+                                 write_transcripts)
 
+    if transcripts < 0:
+        print("tiderl: --transcripts must be >= 0", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     setup = load_setup(cfg)
     make_env, chunk_size = setup.make_env, setup.eval_chunk_size
+    watchers: dict[str, Any] = {}
+
+    def watch(mode: str, episodes: int) -> Any:
+        watchers[mode] = EvalProgress(episodes, mode, cfg.log.progress, keep=transcripts)
+        return watchers[mode]
+
     if oracle:
-        results, tokenizer_source = _oracle_eval(cfg, setup, make_env, model, chunk_size)
+        results, tokenizer_source, tokenizer = _oracle_eval(cfg, setup, make_env, model, chunk_size, watch)
         what, label = "oracle", (lambda mode: "oracle")
     else:
         if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa"):
@@ -199,21 +244,35 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         import torch
 
         from tiderl.models.loading import load_model, load_tokenizer
+        from tiderl.models.startup import check_model_and_budgets
         from tiderl.rollout import make_engine
         from tiderl.run import resolve_model_path
 
         torch.manual_seed(cfg.seed)
         path = model or resolve_model_path(cfg, setup)
         tokenizer = load_tokenizer(path)
-        engine = make_engine(cfg, load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
-                             seed=cfg.seed)
-        results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size)
+        policy = load_model(path, cfg.model.dtype, cfg.model.device).eval()
+        report = check_model_and_budgets(cfg, tokenizer, setup,
+                                         getattr(policy.config, "max_position_embeddings", None), str(path))
+        print(f"[tiderl] chat template: {report.template}; tool calls: {report.tool_call_format}; longest "
+              f"prompt {report.prompt_tokens} of env.max_total_tokens={report.max_total_tokens} tokens",
+              file=sys.stderr)
+        engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed)
+        results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""
     print(f"## tiderl eval: {what} on {setup.name}{split} (env {cfg.env.name}, "
           f"{len(setup.eval_tasks)} tasks)\n")
     print(markdown_table(result_rows(results, label)))
+    for mode, result in results.items():
+        print(f"\nstop reasons ({label(mode)}):\n\n{stop_reason_table(result['by_stop_reason'])}")
+    if transcripts:
+        prefix = Path(transcripts_out or Path(cfg.run_dir) / "transcripts" / "eval")
+        for mode, watcher in watchers.items():
+            paths = write_transcripts(tokenizer, watcher.kept, prefix.with_name(f"{prefix.name}_{mode}"),
+                                      f"tiderl eval: {what} on {setup.name}, {label(mode)}")
+            print(f"\ntranscripts ({mode}, {len(watcher.kept)} episodes): {paths[0]} {paths[1]}")
     payload = {**results, "eval": {
         "model": what, "data": setup.name, "split": setup.split, "env": cfg.env.name,
         "hops": list(cfg.data.hops) if setup.name in ("embedded", "metaqa") else None,
