@@ -194,10 +194,11 @@ def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
 
 
 def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
-                 chunk_size: int, watch: Any = None) -> tuple[dict[str, Any], str]:
+                 chunk_size: int, watch: Any = None) -> tuple[dict[str, Any], str, Any]:
     """The scripted oracle (`Setup.oracle`) through `evaluate` (greedy only: a script is
     deterministic). Tokenizer: the one of `--model` or `model.path`, else one trained here on
-    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used)."""
+    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used).
+    Returns (results, where the tokenizer came from, the tokenizer); `watch` as in `_eval_both`."""
     from tiderl.evaluate import evaluate, oracle_engine, oracle_limits, oracle_texts
 
     tasks = setup.eval_tasks
