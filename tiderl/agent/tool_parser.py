@@ -290,7 +290,7 @@ def _bare_attempts(text: str, covered: list[tuple[int, int]]) -> list[_Attempt]:
                 # "[ {"name": ..." need not be a list of calls: try the object on its own.
                 search_from = start + len(match.group(1))
                 continue
-            out.append((start, None, f"invalid JSON ({exc.msg} at column {exc.pos - start + 1} of the call); "
+            out.append((start, None, f"invalid JSON ({exc.msg}; column {exc.pos - start + 1} of the call); "
                                      f"{_EXPECTED_JSON}"))
             search_from = start + 1
             # A broken object swallows nothing: the next "name" object is tried on its own.
