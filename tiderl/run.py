@@ -22,6 +22,7 @@ from tiderl.config import RunConfig
 from tiderl.envs.protocol import Task
 from tiderl.envs.setup import Setup, load_setup
 from tiderl.models.loading import load_model, load_tokenizer
+from tiderl.models.startup import check_model_and_budgets
 from tiderl.rewards.curiosity import CuriosityShaper
 from tiderl.rollout import Engine, make_engine
 from tiderl.rollout.weights import weights_checksum
@@ -95,6 +96,9 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
     model_path = resolve_model_path(cfg, setup)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    # Before any episode: the template shows the tools, the prompts fit the budgets.
+    check_model_and_budgets(cfg, tokenizer, setup, getattr(policy.config, "max_position_embeddings", None),
+                            model_path)
     t = cfg.train
     learner = dict(weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), grad_clip=t.grad_clip)
     critic = None

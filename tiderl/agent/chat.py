@@ -113,9 +113,11 @@ class ChatFormat:
         """Like `observation_ids`, for an environment that answers in a plain user turn."""
         return self._continuation_ids([{"role": "user", "content": content}])
 
-    def answer_ids(self, observations: list[str], continue_message: str = CONTINUE_MESSAGE) -> list[int]:
+    def answer_ids(self, observations: list[str], continue_message: str = CONTINUE_MESSAGE,
+                   as_tool_responses: bool = True) -> list[int]:
         """The tokens of an environment's answer to a turn, as an episode gets them: the
-        observations as tool messages (`observation_ids`), or `continue_message` as a user turn
+        observations as tool messages (`observation_ids`), or, when the turn called no tool
+        (`as_tool_responses=False`), joined into one user turn; `continue_message` as a user turn
         when there is none. TypeError, naming the problem, when `observations` is not a list of
         text (a bug of the environment, not of the model)."""
         if not isinstance(observations, list):
@@ -125,8 +127,10 @@ class ChatFormat:
         if bad is not None:
             raise TypeError(f"an observation is a {type(bad).__name__} ({bad!r:.80}); an environment must return "
                             "each observation as str")
-        if observations:
+        if observations and as_tool_responses:
             return self.observation_ids(observations)
+        if observations:
+            return self.user_message_ids("\n\n".join(observations))
         return self.user_message_ids(continue_message)
 
     def _continuation_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:

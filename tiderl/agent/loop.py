@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, TemplateError, chat_format
-from tiderl.agent.tool_parser import parse_hermes_tool_calls
+from tiderl.agent.tool_parser import parse_tool_calls, tool_call_format_of
 from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
 from tiderl.rollout.base import Completion, Engine, SamplingParams
@@ -158,11 +158,12 @@ def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenize
 
     # Decoding (not re-tokenizing) the sampled ids is how the environment gets to read them.
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return parse_hermes_tool_calls(text, strip=(episode.fmt.end_of_turn,))
+    return parse_tool_calls(text, tool_call_format_of(tokenizer), strip=(episode.fmt.end_of_turn,))
 
 
 def _apply_result(
-    episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int, continue_message: str
+    episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int, continue_message: str,
+    action: Action | None = None,
 ) -> None:
     """Close the episode on `result`, or append the environment's answer for the next turn."""
     assert episode.fmt is not None
@@ -173,8 +174,11 @@ def _apply_result(
     if episode.num_turns >= max_turns:
         episode.stop_early("max_turns")
         return
+    # A turn without any tool call has nothing for a tool response to answer: the environment's
+    # nudge ("no tool call ...") goes back as a user turn, as a chat model expects.
+    called = action is None or bool(action.tool_calls or action.parse_errors)
     try:
-        answer = episode.fmt.answer_ids(result.observations, continue_message)
+        answer = episode.fmt.answer_ids(result.observations, continue_message, as_tool_responses=called)
     except TemplateError:
         raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
     except Exception as exc:  # noqa: BLE001 - one environment's answer must not end the batch
@@ -211,9 +215,11 @@ async def play_episode(
     tokenizer's chat template rendering of them. Each turn the engine samples a completion
     (loss_mask 1, its log-probs and per-token versions kept as they are). The turn text (the kept
     sampled ids decoded; `Completion.text` is not used, so a cut turn reads as what was kept) is
-    parsed into an Action (`parse_hermes_tool_calls`) and given to `env.step`; its observations
-    are appended as tool messages rendered by the template (loss_mask 0). An environment that
-    returns no observation for a non-final turn gets `continue_message` as a user turn instead.
+    parsed into an Action (`parse_tool_calls` in the tokenizer's `tool_call_format_of`, "auto"
+    unless set) and given to `env.step`; its observations are appended as tool messages rendered
+    by the template (loss_mask 0). A turn without any tool call (well-formed or not) gets the
+    environment's observations (its nudge) as one user turn instead, and `continue_message` as
+    a user turn when the environment returns no observation.
 
     Promises:
     - every turn ends with the end-of-turn token: when a completion stops without it (hit its
@@ -270,7 +276,7 @@ async def play_episode(
                 except Exception as exc:  # noqa: BLE001 - one environment's failure ends only its episode
                     episode.fail(exc, "env.step")
                     break
-                _apply_result(episode, result, max_turns, max_total_tokens, continue_message)
+                _apply_result(episode, result, max_turns, max_total_tokens, continue_message, action)
     assert episode.trajectory is not None
     return episode.trajectory
 
@@ -287,6 +293,7 @@ def play_episodes(
     max_batch_size: int = 64,
     continue_message: str = CONTINUE_MESSAGE,
     threads: int = 0,
+    on_episode: Callable[[int, Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """Play one episode per task concurrently (`play_episode`) on `engine`; blocking.
 
@@ -294,7 +301,8 @@ def play_episodes(
     becomes trajectory i's group_id. Runs its own event loop; called from inside a running one
     (a training observer, say) it blocks that loop until its episodes are done. The engine
     decodes in the loop's own thread (`InlineExecutor`: nothing else runs torch meanwhile) with
-    `threads` torch threads (0 = the cores other processes leave free).
+    `threads` torch threads (0 = the cores other processes leave free). `on_episode(i, trajectory)`
+    is called as each episode ends (i = its index in `tasks`), for progress displays.
     """
     if group_ids is not None and len(group_ids) != len(tasks):
         raise ValueError(f"{len(group_ids)} group ids for {len(tasks)} tasks: give one per task")
@@ -305,11 +313,16 @@ def play_episodes(
         loop.set_default_executor(ThreadPoolExecutor(max(4, min(len(tasks), 256)), thread_name_prefix="tiderl-env"))
         client = BatchingEngine(engine, max_batch_size, executor=InlineExecutor(threads))
         client.start()
+        async def one(i: int, task: Task) -> Trajectory:
+            trajectory = await play_episode(client, tokenizer, make_env, task, params, max_turns, max_total_tokens,
+                                            group_id=group_ids[i] if group_ids else None,
+                                            continue_message=continue_message)
+            if on_episode is not None:
+                on_episode(i, trajectory)
+            return trajectory
+
         try:
-            return list(await asyncio.gather(*(
-                play_episode(client, tokenizer, make_env, task, params, max_turns, max_total_tokens,
-                             group_id=group_ids[i] if group_ids else None, continue_message=continue_message)
-                for i, task in enumerate(tasks))))
+            return list(await asyncio.gather(*(one(i, task) for i, task in enumerate(tasks))))
         finally:
             await client.close()
 

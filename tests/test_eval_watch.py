@@ -1,0 +1,80 @@
+"""Watching `tiderl eval`: a progress callback per episode with the running success, a table
+per stop reason, and transcripts (JSONL and Markdown) of the first N episodes."""
+
+from __future__ import annotations
+
+import json
+
+from tiderl.agent.loop import ScriptedEngine
+from tiderl.cli import main
+from tiderl.config import EnvConfig, RolloutConfig
+from tiderl.envs.protocol import Action, StepResult, Task
+from tiderl.evaluate import EvalProgress, evaluate, stop_reason_table, transcript
+from tiderl.models.tiny import train_tokenizer
+
+SMALL = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=6"]
+
+
+class CountdownEnv:
+    """Succeeds when the turn says "done"; any other turn gets an observation."""
+
+    def system_prompt(self) -> str:
+        return "Say done."
+
+    def tool_schemas(self) -> list:
+        return []
+
+    def reset(self, task: Task) -> str:
+        return task.prompt
+
+    def step(self, action: Action) -> StepResult:
+        if "done" in action.text:
+            return StepResult([], reward=1.0, done=True, info={"success": 1})
+        return StepResult(["not yet"])
+
+    def finish(self, reason: str) -> StepResult:
+        return StepResult([], done=True, info={"success": 0})
+
+
+def test_progress_stop_reasons_and_transcripts_of_an_evaluation():
+    tok = train_tokenizer(["Say done.", "task one", "task two", "task three", "not yet", "done", "wait"] * 4,
+                          vocab_size=300)
+    tasks = [Task("t1", "task one", ""), Task("t2", "task two", ""), Task("t3", "task three", "")]
+    scripts = {"task one": ["done"], "task two": ["wait", "wait"], "task three": ["wait", "done"]}
+    progress = EvalProgress(len(tasks), "greedy", enabled=False, keep=2)
+    result = evaluate(ScriptedEngine(tok, scripts), tok, CountdownEnv, tasks,
+                      EnvConfig(max_turns=2, max_total_tokens=400), RolloutConfig(), True, on_episode=progress)
+    assert progress.done == 3 and progress.successes == 2
+    assert progress.status() == "success 0.667, answer 2, max_turns 1"
+    rows = result["by_stop_reason"]
+    assert list(rows) == ["answer", "max_turns"]  # most frequent first
+    assert rows["answer"]["episodes"] == 2 and rows["answer"]["success"] == 1.0
+    assert rows["max_turns"]["success"] == 0.0 and rows["max_turns"]["turns"] == 2.0
+    assert abs(rows["answer"]["share"] - 2 / 3) < 1e-9
+    table = stop_reason_table(rows)
+    assert "| answer | 2 | 0.667 | 1.000 |" in table and "| max_turns | 1 | 0.333 | 0.000 |" in table
+    # Transcripts: the kept episodes, their segments joined are the decoded episode.
+    assert len(progress.kept) == 2
+    task, trajectory = progress.kept[0]
+    record = transcript(tok, task, trajectory)
+    assert "".join(s["text"] for s in record["segments"]) == tok.decode(trajectory.tokens, skip_special_tokens=False)
+    assert [s["role"] for s in record["segments"]][:2] == ["context", "model"]
+    assert json.loads(json.dumps(record))["task_id"] == task.task_id
+
+
+def test_eval_command_shows_progress_stop_reasons_and_writes_transcripts(tmp_path, capsys):
+    prefix = tmp_path / "tr" / "run"
+    code = main(["eval", "--oracle", "--transcripts", "2", "--transcripts-out", str(prefix), *SMALL,
+                 "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "eval greedy" in err and "success 1.000" in err  # the progress bar (the oracle solves all)
+    assert "stop reasons (oracle)" in out and "| answer | 6 | 1.000 | 1.000 |" in out
+    records = [json.loads(line) for line in (tmp_path / "tr" / "run_greedy.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["success"] == 1 and r["stop_reason"] == "answer" for r in records)
+    assert any(s["role"] == "model" and "<tool_call>" in s["text"] for s in records[0]["segments"])
+    markdown = (tmp_path / "tr" / "run_greedy.md").read_text()
+    assert markdown.count("\n## ") == 2 and "**model**" in markdown and "**environment**" in markdown
+    assert records[0]["prompt"] in markdown
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["greedy"]["by_stop_reason"]["answer"]["episodes"] == 6
