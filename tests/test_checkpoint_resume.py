@@ -172,11 +172,14 @@ def _ledger_balances(run_dir):
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_kill_9_then_resume_accounts_for_every_task(parity_model, tmp_path, staleness):
-    steps, batch = 10, 4
+    steps, batch = 8, 4
     rng = random.Random(1000 + staleness)
     run_dir = tmp_path / "killed"
     args = overrides(parity_model, run_dir, f"train.steps={steps}", "train.checkpoint_every=2",
-                     "train.resume=auto", *([f"system.max_staleness={staleness}"] if staleness else []))
+                     "train.resume=auto",
+                     # Asynchronous: a tool call takes 0.4 s, longer than a step, so episodes are in flight at checkpoints.
+                     *([f"system.max_staleness={staleness}", "env.tool_latency=fixed", "env.tool_latency_s=0.4"]
+                       if staleness else []))
     t0 = time.monotonic()
     delay = _kill_after_first_checkpoint(args, run_dir, rng)
     t_kill = time.monotonic() - t0
@@ -196,12 +199,18 @@ def test_kill_9_then_resume_accounts_for_every_task(parity_model, tmp_path, stal
     lost_expected = sum(e["ev"] == "started" for p in cut for e in read_events(p))
     assert summary["lost"] == lost_expected
     resume = next(e for e in read_events(run_dir / "ledger.jsonl") if e["ev"] == "resume")
+    # What the checkpoint held in flight was queued again; what it held finished was trained.
+    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["scheduler"]
+    assert summary["requeued"] == len(saved["inflight"])
+    assert saved["ledger"]["started"] - sum(saved["ledger"][b] for b in ("trained", "dropped_stale", "failed",
+                                                                          "retried", "restarted", "filtered")) \
+        == len(saved["inflight"]) + len(saved["buffered"])
     assert all(n >= 0 for n in per_task.values()) and sum(per_task.values()) == summary["unsettled"]
     print(f"\nstaleness {staleness}: killed {delay:.2f} s after the first checkpoint ({t_kill:.1f} s), resumed "
-          f"from {checkpoint.name} (step {resume['step']}) to step {done[-1]['step']} ({t_resume:.1f} s); "
-          f"ledger {summary}")
+          f"from {checkpoint.name} (step {resume['step']}: {len(saved['inflight'])} in flight, "
+          f"{len(saved['buffered'])} buffered) to step {done[-1]['step']} ({t_resume:.1f} s); ledger {summary}")
     if staleness == 0:
-        assert summary["requeued"] == 0  # nothing is in flight between two synchronous steps
+        assert not saved["inflight"] and not saved["buffered"]  # nothing in flight between synchronous steps
         assert main(["train", *overrides(parity_model, tmp_path / "whole", f"train.steps={steps}",
                                          "train.save_final=false")]) == 0
         for x, y in zip(rows(tmp_path / "whole"), done, strict=True):
