@@ -120,9 +120,10 @@ def test_checkpoints_are_atomic_pruned_and_complete(parity_model, tmp_path):
     shutil.rmtree(root / "step_3" / "critic")
     with pytest.raises(ValueError, match="algo.name"):
         load_checkpoint(root / "step_3", run.actor, run.critic)
-    # save_final=false: no final checkpoint.
-    assert main(["train", *overrides(parity_model, tmp_path / "nf", "train.steps=1", "train.save_final=false")]) == 0
-    assert not (tmp_path / "nf" / "checkpoints").exists()
+    # save_final=false: no final checkpoint; a time interval saves after every step that passes it.
+    assert main(["train", *overrides(parity_model, tmp_path / "nf", "train.steps=2", "train.save_final=false",
+                                     "train.checkpoint_every_s=0.001")]) == 0
+    assert sorted(p.name for p in (tmp_path / "nf" / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
 # ------------------------------------------------------------------ kill -9
@@ -230,6 +231,22 @@ def test_nan_reward_stops_the_step_naming_task_and_env(parity_model, tmp_path):
     history, _ = train(skip)
     assert history[0]["nonfinite/skipped_trajectories"] == 4
     assert all(torch.equal(v, skip.actor.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_nan_loss_or_gradient_stops_the_step_before_the_weights_change(parity_model, tmp_path):
+    from tiderl.run import Trainer
+    from tiderl.types import Trajectory
+
+    run = build_run(load_config(None, overrides(parity_model, tmp_path, "algo.critic_warmup_steps=0")))
+    ids = run.tokenizer("Is 3 even or odd? odd")["input_ids"]
+    batch = [Trajectory(tokens=ids, loss_mask=[0] * 5 + [1] * (len(ids) - 5),
+                        behavior_logprobs=[0.0] * 5 + [float("nan")] * (len(ids) - 5),
+                        policy_version=[-1] * 5 + [0] * (len(ids) - 5), reward=1.0, task_id=f"n{i}",
+                        group_id=f"n{i}#0") for i in range(2)]
+    before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=r"env.name=resume_env:LengthReward.*actor (loss|gradient).*n0, n1"):
+        Trainer(run, []).step(batch, version=0)
+    assert all(torch.equal(v, run.actor.model.state_dict()[k]) for k, v in before.items())
 
 
 def test_env_whose_reset_always_fails_ends_the_run_fast_naming_it(parity_model, tmp_path):
