@@ -27,7 +27,7 @@ from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokeniz
 from tiderl.recipe import train
 from tiderl.run import build_run
 from tiderl.system.ledger import read_events, replay
-from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint
+from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
 
 import user_env
 
@@ -113,6 +113,9 @@ def test_checkpoints_are_atomic_pruned_and_complete(parity_model, tmp_path):
     shutil.copytree(root / "step_4", half)
     (half / "tiderl_checkpoint.json").unlink()
     assert latest_checkpoint(root) == root / "step_4"
+    stale = root / ".step_5.tmp-999999"  # a save whose process died
+    shutil.copytree(half, stale)
+    assert stale in prune_checkpoints(root, keep_last=0) and (root / "step_3").is_dir()
     run = build_run(cfg)
     with pytest.raises(FileNotFoundError, match="half-written.*train.resume=auto"):
         load_checkpoint(half, run.actor, run.critic)

@@ -100,13 +100,17 @@ def latest_checkpoint(checkpoints: str | Path) -> Path | None:
 
 def prune_checkpoints(checkpoints: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the `keep_last` newest complete `step_N` checkpoints (0 = keep all), and
-    any half-written ones older than the newest complete one; returns what it deleted."""
+    the temporary directories of saves that never finished (left by a process that died while
+    saving; this process's own are in use); returns what it deleted."""
     root = Path(checkpoints)
-    if keep_last <= 0 or not root.is_dir():
+    if not root.is_dir():
         return []
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := _STEP_DIR.match(p.name)) and is_complete(p))
-    gone = [p for _, p in steps[:-keep_last]]
+    gone = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(".") and ".tmp-" in p.name
+            and not p.name.endswith(f".tmp-{os.getpid()}")]
+    if keep_last > 0:
+        steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                       if (m := _STEP_DIR.match(p.name)) and is_complete(p))
+        gone += [p for _, p in steps[:-keep_last]]
     for p in gone:
         shutil.rmtree(p)
     return gone

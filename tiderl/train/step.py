@@ -192,7 +192,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
                              f"a reward shaper) produced it. {_SKIP_FIX}")
     if bad:
         metrics["nonfinite/skipped_trajectories"] = float(len(bad))
-        trajectories = [t for i, t in enumerate(trajectories) if i not in set(bad)]
+        trajectories = [t for i, t in enumerate(trajectories) if math.isfinite(t.reward)]
         if not trajectories:
             return metrics
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
