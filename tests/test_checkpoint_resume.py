@@ -174,6 +174,7 @@ def _ledger_balances(run_dir):
     return summary, per_task
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_kill_9_then_resume_accounts_for_every_task(parity_model, tmp_path, staleness):
     steps, batch = 8, 4
