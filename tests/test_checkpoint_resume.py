@@ -148,7 +148,7 @@ def _kill_after_first_checkpoint(args, run_dir, rng):
             assert proc.poll() is None, (run_dir.parent / f"{run_dir.name}.log").read_text()
             assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.02)
-        delay = rng.uniform(0.0, 0.5)
+        delay = rng.uniform(0.0, 0.3)
         time.sleep(delay)
         assert proc.poll() is None, "the run finished before it could be killed: give it more steps"
         os.killpg(proc.pid, signal.SIGKILL)
@@ -177,7 +177,7 @@ def _ledger_balances(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_kill_9_then_resume_accounts_for_every_task(parity_model, tmp_path, staleness):
-    steps, batch = 8, 4
+    steps, batch = 14, 4
     rng = random.Random(1000 + staleness)
     run_dir = tmp_path / "killed"
     args = overrides(parity_model, run_dir, f"train.steps={steps}", "train.checkpoint_every=2",
