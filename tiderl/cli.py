@@ -171,7 +171,17 @@ def _default_source(args: argparse.Namespace, overrides: list[str]) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Dotted overrides may come before, between or after the flags (`--config X a=1 --run-dir D
+    # b=2`): argparse leaves the ones after a flag unparsed, and they are overrides all the same.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like key=value)")
+    if rest:
+        if not hasattr(args, "overrides"):
+            parser.error(f"{args.command} takes no overrides: {' '.join(rest)}")
+        args.overrides = list(args.overrides) + rest
     if args.command == "simulate":
         return cmd_simulate(args)
     if args.command == "check-env":

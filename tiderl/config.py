@@ -310,7 +310,19 @@ class TrainConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     checkpoint_every: int = opt(0, "Save a checkpoint every N steps (0 = only at the end).")
-    resume: str = opt("", "Checkpoint directory to resume from.")
+    resume: str = opt("", "Checkpoint directory to resume from; 'auto' = the latest complete checkpoint "
+                          "of run_dir (none: start from scratch).")
+    checkpoint_every_s: float = opt(0.0, "Also save a checkpoint when this many seconds passed since the "
+                                         "last one (checked after each step; 0 = off).")
+    keep_last: int = opt(0, "Keep only the newest N step checkpoints (0 = keep all; `final` is kept).")
+    save_final: bool = opt(True, "Save the full checkpoint `checkpoints/final` at the end of the run.")
+    nonfinite: str = opt("error", "A NaN/inf reward, loss or gradient: 'error' stops the step naming the "
+                                  "task; 'skip' leaves the trajectory out (or skips the optimizer step) "
+                                  "and counts it (nonfinite/*).", ("error", "skip"))
+    reproducible: bool = opt(False, "Make a max_staleness=0 run repeatable bit for bit on CPU, and its "
+                                     "resume exact: the local engine decodes only once every running "
+                                     "episode has asked for its turn, however long its tools take (no "
+                                     "20 ms patience). Needs system.trainer_threads > 0 (a fixed thread count).")
 
 
 @dataclass
@@ -760,6 +772,15 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.env.max_total_tokens > cfg.rollout.max_new_tokens, "env.max_total_tokens",
          "must exceed rollout.max_new_tokens", "raise env.max_total_tokens")
     need(cfg.train.steps >= 0, "train.steps", "must be >= 0", "use e.g. 100")
+    need(cfg.train.checkpoint_every >= 0, "train.checkpoint_every", f"{cfg.train.checkpoint_every} must be >= 0",
+         "use 0 (only the final checkpoint) or e.g. 50")
+    need(cfg.train.checkpoint_every_s >= 0, "train.checkpoint_every_s", "must be >= 0", "use 0 (off) or e.g. 600")
+    need(cfg.train.keep_last >= 0, "train.keep_last", "must be >= 0", "use 0 (keep all) or e.g. 3")
+    need(not cfg.train.reproducible or (cfg.system.max_staleness == 0 and cfg.system.trainer_threads > 0
+                                        and cfg.system.backend == "local"),
+         "train.reproducible", "needs system.max_staleness=0 (asynchronous runs overlap on timing), a fixed "
+         "system.trainer_threads (thread counts change float sums) and system.backend=local",
+         "set system.max_staleness=0 system.trainer_threads=1 (or more), or train.reproducible=false")
     need(cfg.train.micro_batch_tokens >= cfg.env.max_total_tokens, "train.micro_batch_tokens",
          "must hold at least one whole episode (env.max_total_tokens)",
          "raise train.micro_batch_tokens")

@@ -8,7 +8,11 @@ only decides where episodes run: `local` in this process, `ray` in Ray actors.
 
     run = build_run(cfg)              # tasks, model, engine, critic, reference (tiderl.run)
     history, summary = train(run)     # the scheduler, until train.steps
-    save_run_checkpoint(run, ...)     # a Hugging Face actor dir, critic, optimizers
+    save_run_checkpoint(run, ...)     # the full state: weights, optimizers, RNGs, the schedule
+
+Checkpoints (`run_dir/checkpoints/step_N`, every `train.checkpoint_every` steps or
+`train.checkpoint_every_s` seconds) hold everything a resume needs (docs/architecture.md,
+"Checkpoints and resume"); `train.resume=auto` continues from the latest complete one.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from tiderl.metrics.logger import MetricsLogger
 from tiderl.metrics.summary import rollout_metrics
 from tiderl.registry import BACKENDS, resolve
 from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
-from tiderl.run import Run, Trainer, build_run, preparations_for, save_run_checkpoint, sync_weights
+from tiderl.run import (Checkpoints, Run, Trainer, build_run, open_ledger, preparations_for, resume_schedule,
+                        save_run_checkpoint, sync_weights)
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.scheduler import Scheduler, SchedulerSettings
 from tiderl.types import Trajectory
@@ -36,10 +41,12 @@ Observer = Callable[[int, dict[str, float], list[Trajectory]], None]
 
 
 def main(cfg: RunConfig) -> Path:
-    """`tiderl train`: build, train for `train.steps`, save the final checkpoint; returns its path."""
+    """`tiderl train`: build (or resume), train up to `train.steps`, save the final checkpoint
+    (unless `train.save_final` is off); returns the run dir's checkpoints folder or final."""
     run = build_run(cfg)
     train(run)
-    return save_run_checkpoint(run, Path(cfg.run_dir) / "checkpoints" / "final")
+    final = Path(cfg.run_dir) / "checkpoints" / "final"
+    return save_run_checkpoint(run, final) if cfg.train.save_final else final.parent
 
 
 def train(run: Run, steps: int | None = None, observer: Observer | None = None,
@@ -65,6 +72,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     rollout = resolve(BACKENDS, s.backend, "system.backend").from_run(run, preparations, executor=compute)
     trainer = Trainer(run, preparations)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
+    checkpoints = Checkpoints(run)
 
     def on_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> None:
         metrics.update(rollout_metrics(batch))
@@ -73,9 +81,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         logger.log(version, metrics)
         if observer is not None:
             observer(version, metrics, batch)
-        every = cfg.train.checkpoint_every
-        if every > 0 and version % every == 0:  # between steps: the trainer thread is idle
-            save_run_checkpoint(run, run_dir / "checkpoints" / f"step_{version}")
+        checkpoints.after_step(version)  # between steps: the trainer thread is idle
 
     def informative(group: list[Trajectory]) -> bool:  # dynamic sampling: equal rewards teach nothing
         return has_signal([t.reward for t in group])
@@ -86,14 +92,17 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.most_slots() + 4))
         buffer = ReadyBuffer(preparations, group_size=settings.group_size, thread_init=thread_budget(s.prep_threads),
                              accept_group=informative if cfg.algo.dynamic_sampling else None, executor=compute)
+        ledger, lost = open_ledger(run)  # run_dir/ledger.jsonl, cut back to the checkpoint on resume
         scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer, on_step=on_step,
-                              start_version=run.step, shape=run.shape, trainer_executor=compute,
+                              start_version=run.step, shape=run.shape, trainer_executor=compute, ledger_log=ledger,
                               trainer_thread_init=thread_budget(s.trainer_threads or max(1, cores() - cores() // 2)))
+        resume_schedule(run, scheduler, lost)
         await rollout.start()
         try:
             history = await scheduler.run(steps, stop)
         finally:
             await rollout.close()
+            ledger.close()
         return history, {**scheduler.summary(), "backend": rollout.report()}
 
     try:

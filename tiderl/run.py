@@ -10,28 +10,35 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tiderl.algos.registry import needs_critic, needs_ref
 from tiderl.config import RunConfig
 from tiderl.envs.protocol import Task
 from tiderl.envs.setup import Setup, load_setup
-from tiderl.models.loading import load_model, load_tokenizer
+from tiderl.metrics.logger import cut_metrics
+from tiderl.models.loading import check_device, load_model, load_tokenizer
 from tiderl.models.startup import check_model_and_budgets
 from tiderl.rewards.curiosity import CuriosityShaper
 from tiderl.rollout import Engine, make_engine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
-from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
+from tiderl.system.ledger import LedgerLog, cut_back
+from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.learner import Learner
-from tiderl.train.step import train_step
+from tiderl.train.step import NonFiniteError, train_step
 from tiderl.types import Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 class TaskStream:
@@ -53,6 +60,26 @@ class TaskStream:
             out.append(self.tasks[self.order.pop()])
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is: its random state and what is left of the current pass."""
+        return {"rng": self.rng.getstate(), "order": list(self.order), "size": len(self.tasks)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != len(self.tasks):
+            raise ValueError(f"the checkpoint's task stream has {state['size']} tasks, this run has "
+                             f"{len(self.tasks)}: resume with the data.* settings it was trained with")
+        self.rng.setstate(state["rng"])
+        self.order = list(state["order"])
+
+    def task(self, task_id: str) -> Task:
+        """The training task with this id (to queue a checkpoint's attempts again)."""
+        if not hasattr(self, "_by_id"):
+            self._by_id = {t.task_id: t for t in self.tasks}
+        if task_id not in self._by_id:
+            raise ValueError(f"the checkpoint names task {task_id!r}, which this run's training tasks lack: "
+                             "resume with the data.* settings it was trained with")
+        return self._by_id[task_id]
+
 
 @dataclass
 class Run:
@@ -69,6 +96,9 @@ class Run:
     ref: torch.nn.Module | None = None  # frozen initial policy, when the algorithm has a KL term
     step: int = 0
     model_path: str = ""
+    resume_state: dict[str, Any] | None = None  # the checkpoint's trainer state, until train() uses it
+    resumed_from: str = ""
+    scheduler: Any = None  # the scheduler of the latest train(): its state goes into checkpoints
 
     @property
     def make_env(self) -> Any:
@@ -90,7 +120,10 @@ def resolve_model_path(cfg: RunConfig, setup: Setup) -> str:
 
 def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
     """Load tasks, model, engine, critic, reference and optimizers for `cfg` (resuming from
-    `train.resume` when set)."""
+    `train.resume` when set; `auto` = the latest complete checkpoint of run_dir, if any). The
+    run dir and the device are checked before any work."""
+    check_device(cfg.model.device)
+    check_writable(Path(cfg.run_dir))
     torch.manual_seed(cfg.seed)
     setup = setup or load_setup(cfg)
     model_path = resolve_model_path(cfg, setup)
@@ -112,13 +145,45 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
     run = Run(cfg, setup, tokenizer, make_engine(cfg, policy, tokenizer, seed=cfg.seed),
               Learner(policy, cfg.algo.actor_lr, **learner), critic, TaskStream(setup.train_tasks, cfg.seed),
               CuriosityShaper(cfg.curiosity), ref=ref, model_path=model_path)
-    if t.resume:
-        run.step = load_checkpoint(t.resume, run.actor, critic)
-        state = Path(t.resume) / "curiosity.json"
-        if state.is_file():
-            run.curiosity.load_state_dict(json.loads(state.read_text()))
-        sync_weights(run)
+    resume = t.resume
+    if resume == "auto":
+        found = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+        logger.info("train.resume=auto: %s", f"resuming from {found}" if found else "no complete checkpoint, starting")
+        resume = str(found) if found else ""
+    if resume:
+        resume_run(run, Path(resume))
     return run
+
+
+def resume_run(run: Run, path: Path) -> None:
+    """Load checkpoint `path` into `run`: weights, optimizers, curiosity counts, every random
+    state (torch, Python, NumPy, the engine's sampler, the task stream); the schedule waits in
+    `run.resume_state` for `train()`. `metrics.jsonl` is cut back to the checkpoint's step."""
+    state = load_checkpoint(path, run.actor, run.critic)
+    run.step, run.resume_state, run.resumed_from = int(state["step"]), state, str(path)
+    curiosity = path / "curiosity.json"
+    if curiosity.is_file():
+        run.curiosity.load_state_dict(json.loads(curiosity.read_text()))
+    if "tasks" in state:
+        run.tasks.load_state_dict(state["tasks"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+        if state.get("engine_rng") is not None and hasattr(run.engine, "set_rng_state"):
+            run.engine.set_rng_state(state["engine_rng"])
+    cut_metrics(Path(run.cfg.run_dir) / "metrics.jsonl", run.step)
+    sync_weights(run)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Fail now, not at the first checkpoint, when run_dir cannot be written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".tiderl-write-check-{id(run_dir)}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(f"run_dir={run_dir} cannot be written ({exc.strerror or exc}). Fix: pass a "
+                              "run_dir you can write (run_dir=DIR or --run-dir DIR).") from exc
 
 
 def preparations_for(run: Run) -> list[Preparation]:
@@ -143,9 +208,13 @@ class Trainer:
 
     def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
         run, cfg = self.run, self.run.cfg
-        metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo, pad_id=run.tokenizer.pad_token_id,
-                             micro_batch_tokens=cfg.train.micro_batch_tokens,
-                             train_actor=version >= cfg.algo.critic_warmup_steps, device=cfg.model.device)
+        try:
+            metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo, pad_id=run.tokenizer.pad_token_id,
+                                 micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=cfg.model.device,
+                                 nonfinite=cfg.train.nonfinite)
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"step {version + 1} (env.name={cfg.env.name}): {exc}") from None
         if run.critic is not None:
             for p in self.refreshers:
                 p.refresh(run.critic.model)
@@ -159,10 +228,63 @@ class Trainer:
 
 
 def save_run_checkpoint(run: Run, path: Path) -> Path:
-    """Actor, critic, optimizers and the curiosity counts (so a resume pays the same bonuses)."""
-    path = save_checkpoint(path, run.step, run.actor, run.critic, run.tokenizer)
-    (path / "curiosity.json").write_text(json.dumps(run.curiosity.state_dict()))
+    """The whole state of the run, atomically: actor, critic, optimizers, the curiosity counts
+    (so a resume pays the same bonuses), every random state and the schedule (when a scheduler
+    ran). Call it between steps."""
+    rng = getattr(run.engine, "rng_state", None)
+    state = {"tasks": run.tasks.state_dict(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
+             "engine_rng": rng() if rng is not None else None, "run_dir": str(Path(run.cfg.run_dir).resolve())}
+    if run.scheduler is not None:
+        state["scheduler"] = run.scheduler.state_dict()
+    elif run.resume_state is not None and "scheduler" in run.resume_state:
+        state["scheduler"] = run.resume_state["scheduler"]  # resumed, not trained since
+    path = save_checkpoint(path, run.step, run.actor, run.critic, run.tokenizer, state=state,
+                           curiosity=run.curiosity.state_dict(), meta={"algo": run.cfg.algo.name})
+    log = getattr(run.scheduler, "ledger_log", None)
+    if log is not None:
+        log.append({"ev": "checkpoint", "step": run.step, "path": str(path)})
     return path
+
+
+class Checkpoints:
+    """When the recipe saves: every `train.checkpoint_every` steps and every
+    `train.checkpoint_every_s` seconds, as `run_dir/checkpoints/step_N`, keeping the newest
+    `train.keep_last`."""
+
+    def __init__(self, run: Run):
+        self.run, self.root, self.last = run, Path(run.cfg.run_dir) / "checkpoints", time.monotonic()
+
+    def after_step(self, version: int) -> Path | None:
+        t = self.run.cfg.train
+        due = (t.checkpoint_every > 0 and version % t.checkpoint_every == 0) or (
+            t.checkpoint_every_s > 0 and time.monotonic() - self.last >= t.checkpoint_every_s)
+        if not due:
+            return None
+        path = save_run_checkpoint(self.run, self.root / f"step_{version}")
+        self.last = time.monotonic()
+        prune_checkpoints(self.root, t.keep_last)
+        return path
+
+
+def open_ledger(run: Run) -> tuple[LedgerLog, list[dict[str, Any]]]:
+    """The run's ledger file (`run_dir/ledger.jsonl`), cut back to the checkpoint when the run
+    resumes in the run dir that wrote it; returns it and the attempts the cut counts as lost."""
+    path = Path(run.cfg.run_dir) / "ledger.jsonl"
+    lost: list[dict[str, Any]] = []
+    sched = (run.resume_state or {}).get("scheduler")
+    if sched is not None and sched.get("ledger_offset") is not None \
+            and run.resume_state.get("run_dir") == str(Path(run.cfg.run_dir).resolve()):
+        lost = cut_back(path, sched["ledger_offset"], run.step, run.resumed_from)
+    return LedgerLog(path), lost
+
+
+def resume_schedule(run: Run, scheduler: Any, lost: list[dict[str, Any]]) -> None:
+    """Hand a resumed checkpoint's schedule (queue, in-flight attempts, buffer, ledger) to
+    `scheduler`, once; remember the scheduler for the checkpoints that follow."""
+    run.scheduler = scheduler
+    sched = (run.resume_state or {}).pop("scheduler", None)
+    if sched is not None:
+        scheduler.load_state_dict(sched, run.tasks.task, lost)
 
 
 def sync_weights(run: Run) -> None:

@@ -56,6 +56,30 @@ class MetricsLogger:
         self._file.close()
 
 
+def cut_metrics(path: str | Path, step: int) -> int:
+    """Keep only the rows of `path` (a metrics.jsonl) up to `step`: a run resumed from step
+    `step` logs the later steps again, so each step keeps one row. A torn last line is dropped.
+    Returns the number of rows removed."""
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in p.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step")
+        except json.JSONDecodeError:
+            removed += 1
+            continue
+        if isinstance(row_step, int) and row_step > step:
+            removed += 1
+        else:
+            kept.append(line + "\n")
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(p)
+    return removed
+
+
 def _plain(v: Any) -> Any:
     """JSON-safe scalars (tensors and numpy numbers become floats)."""
     if hasattr(v, "item"):

@@ -67,6 +67,27 @@ def _check_source(path_or_name: str | Path) -> str:
     return source
 
 
+def check_device(device: str | torch.device) -> None:
+    """Fail with the fix when `device` (model.device) is not available in this torch build."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "no CUDA device is visible")
+        raise ValueError(f"model.device={device}: {why} (torch {torch.__version__}). Fix: model.device=cpu, "
+                         "or install a CUDA build of torch on a machine with a GPU.")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"model.device={device}: MPS is not available here. Fix: model.device=cpu.")
+
+
+def check_finite_weights(model: torch.nn.Module, source: str) -> None:
+    """Refuse a model whose weights hold NaN or infinity, naming the first such tensor."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: weight {name} holds {bad} non-finite values (NaN or inf). Fix: load "
+                             "an earlier checkpoint (train.resume=<run_dir>/checkpoints/step_N) or re-export the model.")
+
+
 def load_model(
     path_or_name: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
@@ -77,6 +98,7 @@ def load_model(
     """
     source = _check_source(path_or_name)
     torch_dtype = _resolve_dtype(dtype)
+    check_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     except OSError as err:
@@ -84,6 +106,16 @@ def load_model(
             f"could not load a causal LM from {source!r}: it is neither a local model directory "
             f"nor a hub model available here ({err})"
         ) from err
+    except Exception as err:  # safetensors raises its own error type, without the file
+        if "safetensor" not in type(err).__name__.lower() and "safetensor" not in str(err).lower():
+            raise
+        files = sorted(p.name for p in Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
+        raise ValueError(
+            f"the weights of {source} cannot be read ({type(err).__name__}: {err}); files: {files}. The file is "
+            "corrupt or truncated (a copy or save that did not finish). Fix: copy the model again, or resume "
+            "from another checkpoint."
+        ) from err
+    check_finite_weights(model, source)
     return model.to(device).eval()
 
 

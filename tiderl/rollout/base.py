@@ -72,6 +72,10 @@ class Engine(Protocol):
         tensor: compute it once per weight load)."""
         ...
 
+    # Optional (checkpoints): an engine with `rng_state() -> Any` and `set_rng_state(state)` has
+    # its sampler's random state saved and restored, so a resumed run draws what the original
+    # would have. Without them a resume re-seeds nothing and draws a different stream.
+
 
 def sampling_params(rollout: Any, eos_id: int, greedy: bool) -> SamplingParams:
     """The sampling of a `RolloutConfig` (or greedy decoding), stopping at the end-of-turn token."""

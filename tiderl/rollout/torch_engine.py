@@ -546,6 +546,14 @@ class TorchEngine:
             tokens[index] = torch.multinomial(logprobs[index].exp(), 1, generator=self.generator).squeeze(-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
+    def rng_state(self) -> torch.Tensor:
+        """The sampler's random state (for checkpoints)."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Continue the sampler's stream from `rng_state()`'s output."""
+        self.generator.set_state(state)
+
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:

@@ -50,6 +50,8 @@ class ReadyBuffer:
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="tiderl-prep", initializer=thread_init)
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
+        self._abort: BaseException | None = None  # raised by take(): the run cannot go on
+        self._preparing: list[Trajectory] = []  # taken from _waiting, being prepared
         self.prep_busy: list[tuple[float, float]] = []
         # Complete groups failing `accept_group` (e.g. all rewards equal, for dynamic sampling)
         # are handed to `on_reject` instead of the trainer; the scheduler settles and counts them.
@@ -79,6 +81,24 @@ class ReadyBuffer:
         self._waiting.append(trajectory)
         self._wake_prep.set()
 
+    def abort(self, error: BaseException) -> None:
+        """Make every `take` (now and later) raise `error`."""
+        self._abort = error
+        self._changed.set()
+
+    def contents(self) -> list[Trajectory]:
+        """Every finished trajectory held (ready, being prepared, waiting, in incomplete
+        groups), oldest first: what a checkpoint saves."""
+        partial = [t for group in self._partial.values() for t in group]
+        return [*self._ready, *partial, *self._preparing, *self._waiting]
+
+    def restore(self, trajectories: list[Trajectory]) -> None:
+        """Put a checkpoint's `contents()` back; they are prepared again (annotations from the
+        restored critic) before they are ready."""
+        for t in trajectories:
+            t.annotations.clear()
+            self.put(t)
+
     def discard(self, trajectories: list[Trajectory]) -> None:
         """Remove ready trajectories (the scheduler's own bookkeeping put them back)."""
         ids = {id(t) for t in trajectories}
@@ -91,6 +111,8 @@ class ReadyBuffer:
             raise ValueError(f"take({n}) must be a multiple of group_size={self.group_size}")
         deadline = time.monotonic() + timeout_s
         while len(self._ready) < n:
+            if self._abort is not None:
+                raise self._abort
             if self._error is not None:
                 raise RuntimeError(f"a preparation failed: {self._error!r}") from self._error
             left = deadline - time.monotonic()
@@ -114,6 +136,7 @@ class ReadyBuffer:
             self._wake_prep.clear()
             while self._waiting:
                 batch, self._waiting = self._waiting[: self.max_prep_batch], self._waiting[self.max_prep_batch:]
+                self._preparing = batch
                 if self.preparations:
                     t0 = time.perf_counter()
                     try:
@@ -125,6 +148,7 @@ class ReadyBuffer:
                     self.prep_busy.append((t0, time.perf_counter()))
                 for trajectory in batch:
                     self._admit(trajectory)
+                self._preparing = []
                 self._changed.set()
 
     def _prepare(self, batch: list[Trajectory]) -> None:

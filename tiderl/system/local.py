@@ -27,14 +27,17 @@ class LocalRollout:
 
     def __init__(self, engine: Engine, tokenizer: Any, make_env: Any, params: SamplingParams,
                  max_turns: int, max_total_tokens: int, max_batch_size: int, thread_init: Any = None,
-                 executor: Any = None):
+                 executor: Any = None, wait_for_all_s: float = 0.0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.params = params
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
-        self.client = BatchingEngine(engine, max_batch_size, thread_init=thread_init, executor=executor)
+        # wait_for_all_s > 0: every batch waits (up to that long) for every running episode, so
+        # batches, and the sampler's stream, never depend on timing (train.reproducible).
+        timing = dict(patience_s=wait_for_all_s, gather_s=wait_for_all_s) if wait_for_all_s > 0 else {}
+        self.client = BatchingEngine(engine, max_batch_size, thread_init=thread_init, executor=executor, **timing)
 
     @classmethod
     def from_run(cls, run: "Run", preparations: list[Any], executor: Any = None) -> "LocalRollout":
@@ -45,7 +48,8 @@ class LocalRollout:
                    sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False),
                    cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size,
                    # Beside the trainer (asynchronous training): half the cores unless configured.
-                   thread_init=thread_budget(cfg.system.decode_threads or max(1, cores() // 2)), executor=executor)
+                   thread_init=thread_budget(cfg.system.decode_threads or max(1, cores() // 2)), executor=executor,
+                   wait_for_all_s=cfg.system.wait_timeout_s if cfg.train.reproducible else 0.0)
 
     @property
     def version(self) -> int:

@@ -21,13 +21,15 @@ and Ray backends plug in the same way, and the tests drive it with fakes.
 Every task attempt ends in exactly one ledger bucket: trained, dropped as stale, failed (its
 retries used up), retried (it faulted and went back to the queue), restarted (cancelled by new
 weights in restart mode), filtered (its complete group carried no signal, with dynamic
-sampling), or still unsettled when the run stops.
+sampling), re-queued (in flight at a checkpoint a run resumed from), lost (started after the
+checkpoint a run resumed from: its work was not saved), or still unsettled when the run stops.
+Every event is also appended to the ledger file as it happens (`tiderl.system.ledger`), and
+`state_dict` / `load_state_dict` carry the schedule through a checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -97,6 +99,7 @@ class SchedulerSettings:
     max_task_retries: int = 2
     wait_timeout_s: float = 600.0
     group_size: int = 1
+    env_name: str = ""  # named in the error when every task keeps failing
 
     def initial_slots(self) -> int:
         return self.slots or (self.max_staleness + 1) * self.batch_size
@@ -113,7 +116,7 @@ class SchedulerSettings:
                    partial_rollout=s.partial_rollout, slots=s.slots, min_slots=s.min_slots,
                    max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
-                   group_size=cfg.algo.group_size)
+                   group_size=cfg.algo.group_size, env_name=cfg.env.name)
 
 
 @dataclass
@@ -127,11 +130,16 @@ class Ledger:
     retried: int = 0
     restarted: int = 0
     filtered: int = 0  # complete groups set aside as uninformative (dynamic sampling)
+    requeued: int = 0  # in flight at the checkpoint a run resumed from; queued again
+    lost: int = 0  # started after the checkpoint a run resumed from (the stop lost their work)
     failures: list[dict[str, Any]] = field(default_factory=list)
 
     def settled(self) -> int:
         return (self.trained + self.dropped_stale + self.failed + self.retried + self.restarted
-                + self.filtered)
+                + self.filtered + self.requeued + self.lost)
+
+    def counts(self) -> dict[str, int]:
+        return {k: v for k, v in self.__dict__.items() if k != "failures"}
 
 
 @dataclass
@@ -140,6 +148,10 @@ class _Attempt:
     group_id: str
     attempt: int = 0
     start_version: int = 0
+    over: bool = False  # its episode returned (buffered, or faulted and settled)
+
+    def record(self) -> dict[str, Any]:
+        return {"task": self.task.task_id, "group": self.group_id, "attempt": self.attempt}
 
 
 class Scheduler:
@@ -157,6 +169,7 @@ class Scheduler:
         shape: Callable[[Trajectory], Trajectory] = lambda t: t,
         trainer_thread_init: Callable[[], None] | None = None,
         trainer_executor: Executor | None = None,
+        ledger_log: Any = None,
     ):
         s = settings
         if s.batch_size % s.group_size:
@@ -179,8 +192,11 @@ class Scheduler:
         self.max_slots = s.max_slots or self.slots
         self.slot_events: list[dict[str, Any]] = []
         self._queue: deque[_Attempt] = deque()  # retried/restarted attempts and pending group members
-        self._group_serial = itertools.count()
+        self._group_serial = 0
         self._inflight: dict[asyncio.Task[None], _Attempt] = {}
+        self._stopped: list[_Attempt] = []  # in flight when the run stopped (unsettled)
+        self._failed_in_a_row = 0  # tasks failed after their retries, no clean episode between
+        self.ledger_log = ledger_log  # LedgerLog (or None): every ledger event, appended as it happens
         self._changed = asyncio.Event()
         # The trainer steps on its own thread (`trainer_thread_init` runs there first, e.g. its torch
         # thread budget), or on a compute thread the caller shares with decoding and preparation.
@@ -223,6 +239,7 @@ class Scheduler:
                 task.cancel()
             await asyncio.gather(fill, elastic, return_exceptions=True)
             inflight = list(self._inflight)
+            self._stopped = [a for a in self._inflight.values() if not a.over]
             for task in inflight:
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
@@ -230,6 +247,55 @@ class Scheduler:
             if self._own_trainer_exec:
                 self._trainer_exec.shutdown(wait=True)
         return history
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this schedule: the version, the ledger, the
+        queue (retried attempts, pending group members), the attempts in flight (as task ids with
+        their attempt counts, to queue again), the finished trajectories in the buffer, the
+        staleness gate's counts and the throughput counters. Call it between steps."""
+        inflight = [a for a in self._inflight.values() if not a.over] + self._stopped
+        return {
+            "version": self.version,
+            "ledger": self.ledger.counts(),
+            "failures": list(self.ledger.failures),
+            "queue": [a.record() for a in self._queue],
+            "inflight": [a.record() for a in inflight],
+            "buffered": self.buffer.contents(),
+            "histogram": dict(self.gate.histogram),
+            "gate_dropped": self.gate.dropped,
+            "group_serial": self._group_serial,
+            "generated_tokens": self.generated_tokens,
+            "trained_tokens": self.trained_tokens,
+            "ledger_offset": self.ledger_log.offset if self.ledger_log is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], task_of: Callable[[str], Task],
+                        lost: list[dict[str, Any]] = ()) -> None:
+        """Continue from `state_dict()`'s output: the attempts that were in flight go to the
+        front of the queue with their attempt counts (counted `requeued`), the buffered
+        trajectories back into the buffer, and each of `lost` (attempts the stop lost, see
+        `tiderl.system.ledger.cut_back`) is counted. Call before `run`."""
+        self.version = state["version"]
+        self.ledger = Ledger(**state["ledger"], failures=list(state["failures"]))
+        self._event("resume", step=self.version, counts=self.ledger.counts())
+        for e in lost:
+            self.ledger.started += 1
+            self.ledger.lost += 1
+            self._event("lost", **{k: e.get(k) for k in ("task", "group", "attempt", "reason")})
+        queue = []
+        for r in state["inflight"]:
+            self.ledger.requeued += 1
+            self._event("requeued", **r, reason=f"in flight at the checkpoint of step {self.version}")
+            queue.append(r)
+        queue.extend(state["queue"])
+        self._queue = deque(_Attempt(task_of(r["task"]), r["group"], r["attempt"]) for r in queue)
+        self.buffer.restore(state["buffered"])
+        self.gate.outstanding = len(state["buffered"])
+        self.gate.histogram.update({int(k): v for k, v in state["histogram"].items()})
+        self.gate.dropped = state["gate_dropped"]
+        self._group_serial = state["group_serial"]
+        self.generated_tokens = state["generated_tokens"]
+        self.trained_tokens = state["trained_tokens"]
 
     def unsettled(self) -> int:
         """Attempts started but not in any ledger bucket (in flight or waiting in the buffer)."""
@@ -239,8 +305,7 @@ class Scheduler:
         """Run totals: the ledger, the staleness histogram, the slot changes."""
         wall = time.monotonic() - self._t0
         return {
-            "ledger": {**{k: v for k, v in self.ledger.__dict__.items() if k != "failures"},
-                       "unsettled": self.unsettled()},
+            "ledger": {**self.ledger.counts(), "unsettled": self.unsettled()},
             "failures": self.ledger.failures,
             "staleness_histogram": dict(sorted(self.gate.histogram.items())),
             "slot_events": self.slot_events,
@@ -257,7 +322,8 @@ class Scheduler:
     def _next_attempt(self) -> _Attempt:
         if not self._queue:
             task = self.next_task()
-            group = f"{task.task_id}#{next(self._group_serial)}"
+            group = f"{task.task_id}#{self._group_serial}"
+            self._group_serial += 1
             for _ in range(self.settings.group_size):
                 self._queue.append(_Attempt(task, group))
         return self._queue.popleft()
@@ -274,6 +340,7 @@ class Scheduler:
                 attempt.start_version = self.rollout.version
                 self.gate.started()
                 self.ledger.started += 1
+                self._event("started", **attempt.record(), version=attempt.start_version)
                 task = asyncio.create_task(self._play(attempt), name=f"episode {attempt.group_id}")
                 self._inflight[task] = attempt
                 task.add_done_callback(self._episode_done)
@@ -287,30 +354,56 @@ class Scheduler:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a worker failure costs one attempt, not the run
+            attempt.over = True
             self._fault(attempt, f"rollout worker: {exc!r}")
             return
+        attempt.over = True
         self.generated_tokens += trajectory.num_action_tokens
         if trajectory.stop_reason == "error":
-            self._fault(attempt, f"environment: {trajectory.env_info.get('error', '?')}")
+            where = trajectory.env_info.get("error_in", "")
+            self._fault(attempt, f"environment{' ' + where if where else ''}: {trajectory.env_info.get('error', '?')}")
             return
-        self.buffer.put(self.shape(trajectory))
+        self._failed_in_a_row = 0
+        try:
+            shaped = self.shape(trajectory)
+        except Exception as exc:  # noqa: BLE001 - a shaping bug must end the run with its cause, not a timeout
+            self.buffer.abort(RuntimeError(f"shaping the reward of task {attempt.task.task_id} failed: {exc}"))
+            raise
+        self.buffer.put(shaped)
+
+    def _event(self, ev: str, **fields: Any) -> None:
+        if self.ledger_log is not None:
+            self.ledger_log.append({"ev": ev, **fields})
 
     def _fault(self, attempt: _Attempt, reason: str) -> None:
         """Queue the task again, or count it as failed once its retries are used up."""
         self.gate.settled()
         if attempt.attempt < self.settings.max_task_retries:
             self.ledger.retried += 1
+            self._event("retried", **attempt.record(), reason=reason)
             self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt + 1))
             logger.warning("task %s attempt %d failed (%s); retrying", attempt.task.task_id, attempt.attempt, reason)
         else:
             self.ledger.failed += 1
             self.ledger.failures.append({"task_id": attempt.task.task_id, "attempts": attempt.attempt + 1,
                                          "reason": reason})
+            self._event("failed", **attempt.record(), reason=reason)
             logger.error("task %s failed after %d attempts: %s", attempt.task.task_id, attempt.attempt + 1, reason)
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= self.settings.batch_size:
+                env = f"env.name={self.settings.env_name}" if self.settings.env_name else "the environment"
+                self.buffer.abort(RuntimeError(
+                    f"{self._failed_in_a_row} tasks in a row failed after {attempt.attempt + 1} attempts each "
+                    f"(system.max_task_retries={self.settings.max_task_retries}) and no episode finished "
+                    f"cleanly in between: {env} keeps failing. Last: task {attempt.task.task_id}: {reason}. "
+                    "Fix: the environment's error above (run `tiderl check-env` on it)"))
+                self._changed.set()
 
     def _filtered(self, group: list[Trajectory]) -> None:
         self.gate.settled(len(group))
         self.ledger.filtered += len(group)
+        for t in group:
+            self._event("filtered", task=t.task_id, group=t.group_id, version=self.version)
         self._changed.set()
 
     def _episode_done(self, task: asyncio.Task[None]) -> None:
@@ -318,6 +411,7 @@ class Scheduler:
         if task.cancelled() and attempt is not None and not self._stopping:
             self.gate.settled()
             self.ledger.restarted += 1
+            self._event("restarted", **attempt.record(), reason=f"new weights (version {self.version})")
             self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt))
         self._changed.set()
 
@@ -345,6 +439,8 @@ class Scheduler:
                     self.gate.dropped += verdicts.count(True)
                     self.gate.settled(len(group))
                     self.ledger.dropped_stale += len(group)
+                    for t in group:
+                        self._event("dropped_stale", task=t.task_id, group=t.group_id, version=self.version)
                     self._changed.set()
         return fresh
 
@@ -372,6 +468,8 @@ class Scheduler:
                                f"checksum {held!r}, the trainer sent {sent!r}")
         self.gate.settled(len(batch))
         self.ledger.trained += len(batch)
+        for t in batch:
+            self._event("trained", task=t.task_id, group=t.group_id, version=self.version)
         self.trained_tokens += sum(len(t.tokens) for t in batch)
         if self.settings.partial_rollout == "restart":
             self._restart_older_than(self.version)

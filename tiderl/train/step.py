@@ -27,6 +27,10 @@ never straddles micro-batches, so the micro-batch split changes neither loss nor
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -53,7 +57,41 @@ from tiderl.types import Trajectory
 if TYPE_CHECKING:
     from tiderl.config import AlgoConfig
 
-__all__ = ["train_step"]
+__all__ = ["NonFiniteError", "train_step"]
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(FloatingPointError):
+    """A reward, loss or gradient of the step is NaN or infinite (the message names where)."""
+
+
+_SKIP_FIX = "Fix: find the cause there, or set train.nonfinite=skip to skip and count such data."
+
+
+def _tasks(trajectories: list[Trajectory], rows: list[int] | None = None) -> str:
+    picked = trajectories if rows is None else [trajectories[i] for i in rows]
+    ids = sorted({t.task_id for t in picked})
+    return ", ".join(ids[:8]) + (f" (+{len(ids) - 8} more)" if len(ids) > 8 else "")
+
+
+@contextlib.contextmanager
+def _finite_guard(learner: Learner, what: str, trajectories: list[Trajectory]) -> Iterator[None]:
+    """Refuse the optimizer step of `learner` while any gradient is non-finite (checked after
+    clipping: a non-finite norm makes every clipped gradient NaN), so the weights stay as they were."""
+
+    def check(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    raise NonFiniteError(f"the {what} gradient is non-finite (NaN or inf) on the batch of tasks "
+                                         f"{_tasks(trajectories)}; the weights were not updated. {_SKIP_FIX}")
+
+    handle = learner.optimizer.register_step_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @dataclass
@@ -106,6 +144,7 @@ def train_step(
     micro_batch_tokens: int,
     train_actor: bool,
     device: torch.device | str = "cpu",
+    nonfinite: str = "error",
 ) -> dict[str, float]:
     """One optimizer step of the algorithm `cfg` describes; returns its metrics (docs/metrics.md,
     docs/algorithms.md).
@@ -114,7 +153,24 @@ def train_step(
     one), needed iff `registry.needs_ref(cfg)` unless every trajectory carries
     `annotations["ref_logprobs"]`. Micro-batches hold at most `micro_batch_tokens` padded tokens
     (a longer trajectory gets one of its own). train_actor=False trains only the critic.
+    nonfinite: "error" raises `NonFiniteError` naming the trajectory (task) whose reward, or the
+    tasks of the micro-batch whose loss or gradient, is NaN/inf; "skip" leaves such trajectories
+    out (`nonfinite/skipped_trajectories`) or skips the optimizer step (`nonfinite/skipped_step`).
     """
+    if nonfinite == "skip":
+        try:
+            return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor,
+                               device, skip=True)
+        except NonFiniteError as exc:  # train.nonfinite=skip: counted, logged, the weights unchanged
+            logger.warning("skipping the optimizer step: %s", exc)
+            return {"nonfinite/skipped_step": 1.0}
+    return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
+                       skip=False)
+
+
+def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner | None,
+                ref: torch.nn.Module | Learner | None, cfg: AlgoConfig, pad_id: int, micro_batch_tokens: int,
+                train_actor: bool, device: torch.device | str, skip: bool) -> dict[str, float]:
     if not trajectories:
         raise ValueError("train_step() got no trajectories")
     if registry.needs_critic(cfg) and critic is None:
@@ -127,6 +183,18 @@ def train_step(
     metrics: dict[str, float] = {}
 
     # 1. Rewards and the sampling-side filters.
+    bad = [i for i, t in enumerate(trajectories) if not math.isfinite(t.reward)]
+    if bad and not skip:
+        t = trajectories[bad[0]]
+        raise NonFiniteError(f"{len(bad)} of {len(trajectories)} trajectories have a non-finite reward; the first: "
+                             f"trajectory {bad[0]} of the batch, task {t.task_id!r} (group {t.group_id!r}), reward "
+                             f"{t.reward!r}, parts {t.reward_parts}, env info {t.env_info}: the environment (or "
+                             f"a reward shaper) produced it. {_SKIP_FIX}")
+    if bad:
+        metrics["nonfinite/skipped_trajectories"] = float(len(bad))
+        trajectories = [t for i, t in enumerate(trajectories) if math.isfinite(t.reward)]
+        if not trajectories:
+            return metrics
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     if cfg.overlong_buffer > 0:
         lengths = torch.tensor([t.num_action_tokens for t in trajectories], dtype=torch.float32)
@@ -212,7 +280,7 @@ def train_step(
             values = _forward_all(micros, shape, critic_forward)
         _, returns = skip_observation_gae(token_rewards, values, mask, cfg.gamma,
                                           cfg.critic_lambda)
-        metrics.update(_train_critic(critic, micros, cfg, values, returns, mask, n_tokens))
+        metrics.update(_train_critic(critic, micros, cfg, values, returns, mask, n_tokens, trajectories))
         if cfg.advantage_values == "after":
             critic_model.eval()
             values = _forward_all(micros, shape, critic_forward)
@@ -230,13 +298,20 @@ def train_step(
     # 5. The actor.
     if train_actor:
         normalizer = loss_normalizer(mask, cfg.loss_agg, norm_length=cfg.loss_agg_length)
-        metrics.update(_train_actor(actor, micros, cfg, old, ref_lp, advantages, normalizer))
+        metrics.update(_train_actor(actor, micros, cfg, old, ref_lp, advantages, normalizer, trajectories))
     metrics["micro_batches"] = float(len(micros))
     return metrics
 
 
+def _check_loss(loss: torch.Tensor, what: str, m: _Micro, trajectories: list[Trajectory]) -> None:
+    if not bool(torch.isfinite(loss.detach())):
+        raise NonFiniteError(f"the {what} loss is {float(loss.detach())} on the micro-batch of tasks "
+                             f"{_tasks(trajectories, m.rows.tolist())}; the weights were not updated. {_SKIP_FIX}")
+
+
 def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values: torch.Tensor,
-                  returns: torch.Tensor, mask: torch.Tensor, n_tokens: float) -> dict[str, float]:
+                  returns: torch.Tensor, mask: torch.Tensor, n_tokens: float,
+                  trajectories: list[Trajectory]) -> dict[str, float]:
     """`cfg.critic_updates` critic optimizer steps towards `returns` (token-mean value loss)."""
     on = mask > 0
     metrics = {
@@ -249,11 +324,14 @@ def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values
 
     def loss_fn(m: _Micro) -> tuple[torch.Tensor, dict[str, float]]:
         v = token_values(critic.model, m.batch.input_ids, m.batch.attention_mask)
-        return value_loss(v, m.take(returns), m.batch.action_mask, n_tokens,
-                          old_values=m.take(values) if clip else None, clip_eps=clip)
+        loss, out = value_loss(v, m.take(returns), m.batch.action_mask, n_tokens,
+                               old_values=m.take(values) if clip else None, clip_eps=clip)
+        _check_loss(loss, "critic", m, trajectories)
+        return loss, out
 
     for k in range(cfg.critic_updates):
-        cm = critic.step(micros, loss_fn)
+        with _finite_guard(critic, "critic", trajectories):
+            cm = critic.step(micros, loss_fn)
         if k == 0:
             metrics["value/loss_first"] = cm["loss"]
         metrics["value/loss"] = cm["loss"]
@@ -262,8 +340,8 @@ def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values
 
 
 def _train_actor(actor: Learner, micros: list[_Micro], cfg: AlgoConfig, old: torch.Tensor,
-                 ref_lp: torch.Tensor | None, advantages: torch.Tensor, normalizer: float
-                 ) -> dict[str, float]:
+                 ref_lp: torch.Tensor | None, advantages: torch.Tensor, normalizer: float,
+                 trajectories: list[Trajectory]) -> dict[str, float]:
     """`cfg.actor_updates` actor optimizer steps on the batch."""
     policy_loss = registry.policy_loss_fn(cfg.policy_loss)
     kl_in_loss = ref_lp is not None and not cfg.kl_in_reward
@@ -291,11 +369,13 @@ def _train_actor(actor: Learner, micros: list[_Micro], cfg: AlgoConfig, old: tor
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * aggregate(ent, b.action_mask, cfg.loss_agg, normalizer)
         out["policy/entropy"] = float(ent.detach()[on].sum()) / n
+        _check_loss(loss, "actor", m, trajectories)
         return loss, out
 
     metrics: dict[str, float] = {}
     for k in range(cfg.actor_updates):
-        am = actor.step(micros, loss_fn)
+        with _finite_guard(actor, "actor", trajectories):
+            am = actor.step(micros, loss_fn)
         if k == 0:
             metrics["policy/loss_first"] = am["loss"]
         # Learner averages metrics over micro-batches; the loss terms are sums over them.
