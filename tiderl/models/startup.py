@@ -143,9 +143,14 @@ def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions:
             f"(max_position_embeddings={max_positions}). Fix: env.max_total_tokens={max_positions} or less")
     tasks = list(setup.eval_tasks[:PROMPTS_CHECKED // 2]) + list(setup.train_tasks[:PROMPTS_CHECKED // 2])
     longest = 0
+    failures: list[str] = []
     for task in tasks:
         env = setup.make_env()
-        first = env.reset(task)
+        try:
+            first = env.reset(task)
+        except Exception as exc:  # noqa: BLE001 - an environment failure is retried at run time
+            failures.append(f"task {task.task_id}: {type(exc).__name__}: {exc}")
+            continue
         tools = env.tool_schemas()
         messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": first}]
         text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
@@ -161,6 +166,12 @@ def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions:
                 "model.chat_template=/path/to/template.jinja")
         # The ChatFormat checks that the template can be assembled turn by turn.
         longest = max(longest, len(chat_format(tokenizer, tools).prompt_ids(messages)))
+    if tasks and len(failures) == len(tasks):
+        # Not a StartupError (a config problem): the environment itself is broken.
+        raise RuntimeError(
+            f"env.name={env_cfg.name} keeps failing at reset: all {len(tasks)} tasks checked at start-up "
+            f"failed (first: {failures[0]}). Fix the environment (its data, service or credentials) "
+            "before training; tiderl checks this before loading any more.")
     if tasks and longest + rollout.max_new_tokens + 1 > env_cfg.max_total_tokens:
         suggestion = _suggest_budget(longest, env_cfg.max_turns, rollout.max_new_tokens)
         raise StartupError(
