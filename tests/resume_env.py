@@ -29,3 +29,17 @@ class ResetFails(ParityEnv):
 
     def reset(self, task):
         raise ConnectionError("database at db.example:5432 refused the connection")
+
+
+class ResetFailsAfterStartUp(ParityEnv):
+    """Resets work for tiderl's start-up check, then every later one fails (the database went
+    down once the run had started): the scheduler, not the start-up check, must name it."""
+
+    resets = 0
+    START_UP_RESETS = 16  # tiderl.models.startup checks this many tasks' prompts
+
+    def reset(self, task):
+        type(self).resets += 1
+        if type(self).resets > self.START_UP_RESETS:
+            raise ConnectionError("database at db.example:5432 refused the connection")
+        return super().reset(task)

@@ -262,6 +262,19 @@ def test_env_whose_reset_always_fails_ends_the_run_fast_naming_it(parity_model, 
     assert time.monotonic() - t0 < 30
 
 
+def test_env_that_fails_once_running_ends_the_run_fast_naming_it(parity_model, tmp_path):
+    from resume_env import ResetFailsAfterStartUp
+
+    ResetFailsAfterStartUp.resets = 0
+    cfg = load_config(None, overrides(parity_model, tmp_path, "env.name=resume_env:ResetFailsAfterStartUp",
+                                      "train.steps=1", "system.max_task_retries=1"))
+    run = build_run(cfg)  # the start-up check's resets succeed
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"keeps failing.*refused the connection"):
+        train(run)
+    assert time.monotonic() - t0 < 30
+
+
 def test_bad_model_files_and_devices_are_named(parity_model, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(parity_model, broken)
@@ -269,6 +282,15 @@ def test_bad_model_files_and_devices_are_named(parity_model, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match=f"{broken}.*corrupt"):
         load_model(broken)
+    # The same for a critic's files (a checkpoint's critic/ or algo.value_init).
+    from tiderl.train.critic import ValueModel
+
+    critic_dir = tmp_path / "critic"
+    ValueModel.from_policy(load_model(parity_model)).save(critic_dir)
+    head = critic_dir / "value_head.safetensors"
+    head.write_bytes(head.read_bytes()[:50])
+    with pytest.raises(ValueError, match=f"{critic_dir}.*corrupt"):
+        ValueModel.load(critic_dir)
     nan = tmp_path / "nan"
     model = load_model(parity_model)
     with torch.no_grad():

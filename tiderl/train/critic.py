@@ -56,10 +56,19 @@ class ValueModel(torch.nn.Module):
                 f"{path} is not a tiderl value model (no value_head.safetensors). Fix: point "
                 "algo.value_init at a directory written by ValueModel.save or a checkpoint's critic/."
             )
-        config = AutoConfig.from_pretrained(path / "backbone")
-        backbone = AutoModel.from_pretrained(path / "backbone", config=config, dtype=dtype)
-        head = torch.nn.Linear(config.hidden_size, 1).to(dtype)
-        head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+        try:
+            config = AutoConfig.from_pretrained(path / "backbone")
+            backbone = AutoModel.from_pretrained(path / "backbone", config=config, dtype=dtype)
+            head = torch.nn.Linear(config.hidden_size, 1).to(dtype)
+            head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+        except Exception as err:
+            # safetensors' own errors name neither the file nor the fix.
+            if "safetensor" not in type(err).__name__.lower() and "safetensor" not in str(err).lower():
+                raise
+            raise ValueError(
+                f"the value model at {path} cannot be read ({type(err).__name__}: {err}): a weights file is "
+                "corrupt or truncated (a copy or save that did not finish). Fix: resume from another "
+                "checkpoint, or point algo.value_init at an intact critic directory.") from err
         return cls(backbone, head)
 
 
