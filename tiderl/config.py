@@ -271,6 +271,13 @@ class TrainConfig:
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     checkpoint_every: int = opt(0, "Save a checkpoint every N steps (0 = only at the end).")
     resume: str = opt("", "Checkpoint directory to resume from.")
+    parallel: str = opt(
+        "none", "Data-parallel trainer: none (one process: the driver), ddp or fsdp2 (train.world_size "
+        "ranks as Ray actors in a placement group, torch.distributed with gloo on CPU and NCCL on "
+        "GPU; needs system.backend=ray). The loss and gradients equal the single-process ones. "
+        "docs/ray.md", ("none", "ddp", "fsdp2"))
+    world_size: int = opt(1, "Trainer ranks with train.parallel=ddp/fsdp2 (one process, and with "
+                          "model.device=cuda one GPU, each).")
 
 
 @dataclass
@@ -546,6 +553,7 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     return [
         (("system.ray_address", "system.ray_workers", "system.ray_remote_critic"), s.backend != "local",
          "only the Ray backend reads it and system.backend=local"),
+        (("train.world_size",), cfg.train.parallel != "none", "train.parallel=none trains in one process"),
         (("system.elastic_interval_s",), elastic,
          "the rollout slots are fixed (system.min_slots and system.max_slots give no range)"),
         (("system.partial_rollout",), s.max_staleness > 0,
@@ -706,6 +714,17 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.train.micro_batch_tokens >= cfg.env.max_total_tokens, "train.micro_batch_tokens",
          "must hold at least one whole episode (env.max_total_tokens)",
          "raise train.micro_batch_tokens")
+    t = cfg.train
+    need(t.world_size >= 1, "train.world_size", "must be >= 1", "use 2 with train.parallel=fsdp2")
+    need(t.parallel == "none" or t.world_size >= 2, "train.world_size",
+         f"is {t.world_size} with train.parallel={t.parallel}: one rank is one process",
+         "use train.world_size >= 2, or train.parallel=none")
+    need(t.parallel == "none" or cfg.system.backend == "ray", "train.parallel",
+         f"{t.parallel} runs its ranks as Ray actors, and system.backend={cfg.system.backend}",
+         "set system.backend=ray, or train.parallel=none")
+    need(t.parallel == "none" or not t.resume, "train.resume",
+         f"resuming restores the optimizer state into one process, not into train.parallel={t.parallel} ranks",
+         "resume with train.parallel=none")
     need(bool(cfg.data.hops) and all(h in (1, 2, 3) for h in cfg.data.hops), "data.hops",
          f"{cfg.data.hops} must be a non-empty list of 1, 2, 3", "use [1, 2]")
     need(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", "use 0.2")
