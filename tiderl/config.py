@@ -69,6 +69,19 @@ class WarmStartConfig:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters on the policy (through `peft`, the optional extra `lora`): only the adapters
+    train, and only they travel to the engines, which merge them into their base weights."""
+
+    r: int = opt(0, "LoRA rank (0 = off: full fine-tuning).")
+    alpha: float = opt(16.0, "LoRA scale numerator: the update is (alpha / r) * B A.")
+    target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "Names of the linear layers that get adapters (Qwen2/Llama attention by default; add "
+        "gate_proj, up_proj, down_proj for the MLP).")
+
+
+@dataclass
 class ModelConfig:
     """Which policy model to train."""
 
@@ -85,6 +98,7 @@ class ModelConfig:
     device: str = opt("cpu", "Torch device for trainer and engine ('cpu', 'cuda', 'cuda:1').")
     tiny: TinyModelConfig = section(TinyModelConfig, "Shape of the embedded default model.")
     warmstart: WarmStartConfig = section(WarmStartConfig, "Supervised warm-start of the tiny model.")
+    lora: LoraSettings = section(LoraSettings, "LoRA adapters on the policy (the critic stays fully trained).")
 
 
 @dataclass
@@ -554,6 +568,7 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
         (("system.ray_address", "system.ray_workers", "system.ray_remote_critic"), s.backend != "local",
          "only the Ray backend reads it and system.backend=local"),
         (("train.world_size",), cfg.train.parallel != "none", "train.parallel=none trains in one process"),
+        (("model.lora.alpha", "model.lora.target_modules"), cfg.model.lora.r > 0, "model.lora.r=0 turns LoRA off"),
         (("system.elastic_interval_s",), elastic,
          "the rollout slots are fixed (system.min_slots and system.max_slots give no range)"),
         (("system.partial_rollout",), s.max_staleness > 0,
@@ -725,6 +740,16 @@ def validate(cfg: RunConfig) -> None:
     need(t.parallel == "none" or not t.resume, "train.resume",
          f"resuming restores the optimizer state into one process, not into train.parallel={t.parallel} ranks",
          "resume with train.parallel=none")
+    lora = cfg.model.lora
+    need(lora.r >= 0, "model.lora.r", "must be >= 0", "use 0 (off) or e.g. 8")
+    need(lora.alpha > 0, "model.lora.alpha", "must be > 0", "use e.g. 16")
+    need(lora.r == 0 or bool(lora.target_modules), "model.lora.target_modules", "is empty",
+         "name the layers to adapt, e.g. [q_proj, v_proj]")
+    need(lora.r == 0 or t.parallel == "none", "model.lora.r",
+         f"LoRA is not built for train.parallel={t.parallel} yet", "use train.parallel=none with LoRA")
+    need(lora.r == 0 or cfg.rollout.engine == "torch", "model.lora.r",
+         f"only the torch engine merges adapters, not rollout.engine={cfg.rollout.engine}",
+         "use rollout.engine=torch with LoRA")
     need(bool(cfg.data.hops) and all(h in (1, 2, 3) for h in cfg.data.hops), "data.hops",
          f"{cfg.data.hops} must be a non-empty list of 1, 2, 3", "use [1, 2]")
     need(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", "use 0.2")

@@ -29,6 +29,7 @@ from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
 from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.learner import Learner
+from tiderl.train.lora import policy_state
 from tiderl.train.step import train_step
 from tiderl.types import Trajectory
 
@@ -105,6 +106,10 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
             freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
         critic = Learner(critic_model, cfg.algo.critic_lr, **learner)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if needs_ref(cfg.algo) else None
+    if cfg.model.lora.r > 0:  # LoRA: only adapters train and sync; critic and reference stay full models
+        from tiderl.train.lora import apply_lora
+
+        policy = apply_lora(policy, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
     run = Run(cfg, setup, tokenizer, make_engine(cfg, policy, tokenizer, seed=cfg.seed),
               Learner(policy, cfg.algo.actor_lr, **learner), critic, TaskStream(setup.train_tasks, cfg.seed),
               CuriosityShaper(cfg.curiosity), ref=ref, model_path=model_path)
@@ -148,7 +153,7 @@ class Trainer:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return self.run.actor.model.state_dict()
+        return policy_state(self.run.actor.model)  # the adapters alone for a LoRA policy
 
     def checksum(self, state_dict: dict[str, Any]) -> float:
         return weights_checksum(state_dict)
@@ -163,7 +168,7 @@ def save_run_checkpoint(run: Run, path: Path) -> Path:
 
 def sync_weights(run: Run) -> None:
     """Hand the actor's weights to the run's engine as version `run.step`, and check they arrived."""
-    state = run.actor.model.state_dict()
+    state = policy_state(run.actor.model)
     run.engine.update_weights(state, version=run.step)
     sent, held = weights_checksum(state), run.engine.state_checksum()
     if sent != held:

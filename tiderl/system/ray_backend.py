@@ -52,6 +52,7 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.system.latency import training_env_factory
 from tiderl.system.scheduler import SchedulerSettings
 from tiderl.train.annotate import CriticSnapshot
+from tiderl.train.lora import policy_state  # what engines hold: the adapters alone for a LoRA policy
 from tiderl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -355,7 +356,7 @@ class RayRollout:
         self._check_resources()
         model = _cpu_module(self._model)
         self._latest = _Weights(self._start_version, None,
-                                asyncio.ensure_future(asyncio.to_thread(weights_checksum, model.state_dict())))
+                                asyncio.ensure_future(asyncio.to_thread(weights_checksum, policy_state(model))))
         self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup))
         self._model = None  # the object store has it now; the trainer keeps its own
         pool = [self._spawn() for _ in range(self.num_workers)]
