@@ -65,34 +65,40 @@ def measure(size: str, repeats: int) -> dict[str, float]:
     ray.get([r.join.remote(init) for r in ranks], timeout=600)
     engine = ray.remote(EngineHost).options(num_cpus=0).remote(model)
     del model
-    times: dict[str, list[float]] = {"direct": [], "via_driver": []}
+    times: dict[str, list[float]] = {"direct": [], "via_driver": [], "gather": [], "load": []}
     version = 0
     for rep in range(repeats + 1):  # the first round warms up (first gather, first load) and is not counted
         for path in ("direct", "via_driver"):
             version += 1
             t0 = time.perf_counter()
             (ref,), sent = ray.get([r.publish.remote(version) for r in ranks], timeout=600)[0]
+            t1 = time.perf_counter()
             if path == "via_driver":
                 ref = ray.put(ray.get(ref, timeout=600))
+            t2 = time.perf_counter()
             held = ray.get(engine.load.remote(ref, version), timeout=600)
             if rep > 0:
                 times[path].append(time.perf_counter() - t0)
+                times["gather"].append(t1 - t0)
+                if path == "direct":
+                    times["load"].append(time.perf_counter() - t2)
             if held != sent:
                 raise RuntimeError(f"{size} {path}: the engine holds checksum {held}, rank 0 sent {sent}")
     for actor in (*ranks, engine):
         ray.kill(actor)
     out = {k: statistics.median(v) for k, v in times.items()}
     print(f"{size}: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB fp32): "
-          f"direct {out['direct']:.3f}s, via driver {out['via_driver']:.3f}s per sync "
-          f"(median of {repeats})", flush=True)
+          f"direct {out['direct']:.3f}s (gather, checksum and put on rank 0 {out['gather']:.3f}s, engine "
+          f"load and checksum {out['load']:.3f}s), via driver {out['via_driver']:.3f}s per sync (median of {repeats})", flush=True)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model only, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    sizes, repeats = (["tiny"], 1) if args.quick else (["tiny", "100m"], 3)
+    sizes, repeats = (["tiny"], 1) if args.quick else (["tiny", "100m"], args.repeats)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         results = {size: measure(size, repeats) for size in sizes}
