@@ -138,3 +138,21 @@ def test_micro_batches_are_balanced_by_tokens_and_padded_with_ghosts():
     assert assign_micro_batches([5], 3) == [[0], [None], [None]]
     with pytest.raises(ValueError):
         assign_micro_batches([1], 0)
+
+
+def test_bf16_autocast_keeps_fp32_master_weights():
+    from tiderl.train.precision import trainer_autocast
+
+    cfg, micro_tokens = CASES["sao"]
+    plain = one_step(cfg, micro_tokens, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
+    with trainer_autocast("bfloat16", "cpu"):
+        mixed = one_step(cfg, micro_tokens, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
+    grads = [k for k in plain["actor"] if k.startswith("grad/")]
+    assert all(mixed["actor"][k].dtype == torch.float32 for k in plain["actor"])
+    # bf16 matmuls: the same step to bf16 precision, not bit for bit.
+    assert any(not torch.equal(mixed["actor"][k], plain["actor"][k]) for k in grads)
+    for k in grads:
+        scale = plain["actor"][k].abs().max().clamp_min(1e-6)
+        assert (mixed["actor"][k] - plain["actor"][k]).abs().max() / scale < 0.1, k
+    with pytest.raises(ValueError, match="train.autocast"):
+        trainer_autocast("float8", "cpu")

@@ -80,5 +80,7 @@ def test_parallel_config_errors(tmp_path):
         load_config(None, base + ["train.parallel=zero3"])
     with pytest.raises(ConfigError, match="train.resume"):
         load_config(None, base + ["train.parallel=ddp", "train.world_size=2", "train.resume=ckpt"])
+    with pytest.raises(ConfigError, match="train.autocast.*model.dtype=float32"):
+        load_config(None, ["train.autocast=bfloat16", "model.dtype=bfloat16"])
     cfg = load_config(None, base + ["train.parallel=fsdp2", "train.world_size=2"])
     assert (cfg.train.parallel, cfg.train.world_size) == ("fsdp2", 2)

@@ -292,6 +292,10 @@ class TrainConfig:
         "docs/ray.md", ("none", "ddp", "fsdp2"))
     world_size: int = opt(1, "Trainer ranks with train.parallel=ddp/fsdp2 (one process, and with "
                           "model.device=cuda one GPU, each).")
+    autocast: str = opt(
+        "none", "Mixed precision of training passes: none (the weights' dtype) or bfloat16 "
+        "(torch.autocast over fp32 master weights: matmuls in bf16, weights, gradients and AdamW state "
+        "in fp32).", ("none", "bfloat16"))
 
 
 @dataclass
@@ -740,6 +744,9 @@ def validate(cfg: RunConfig) -> None:
     need(t.parallel == "none" or not t.resume, "train.resume",
          f"resuming restores the optimizer state into one process, not into train.parallel={t.parallel} ranks",
          "resume with train.parallel=none")
+    need(t.autocast == "none" or cfg.model.dtype == "float32", "train.autocast",
+         f"{t.autocast} keeps fp32 master weights, but model.dtype={cfg.model.dtype}",
+         "use model.dtype=float32 with train.autocast=bfloat16")
     lora = cfg.model.lora
     need(lora.r >= 0, "model.lora.r", "must be >= 0", "use 0 (off) or e.g. 8")
     need(lora.alpha > 0, "model.lora.alpha", "must be > 0", "use e.g. 16")

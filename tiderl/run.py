@@ -30,6 +30,7 @@ from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.learner import Learner
 from tiderl.train.lora import policy_state
+from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import train_step
 from tiderl.types import Trajectory
 
@@ -144,9 +145,10 @@ class Trainer:
 
     def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
         run, cfg = self.run, self.run.cfg
-        metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo, pad_id=run.tokenizer.pad_token_id,
-                             micro_batch_tokens=cfg.train.micro_batch_tokens,
-                             train_actor=version >= cfg.algo.critic_warmup_steps, device=cfg.model.device)
+        with trainer_autocast(cfg.train.autocast, cfg.model.device):  # bf16 matmuls when train.autocast=bfloat16
+            metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo, pad_id=run.tokenizer.pad_token_id,
+                                 micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=cfg.model.device)
         if run.critic is not None:
             for p in self.refreshers:
                 p.refresh(run.critic.model)

@@ -35,6 +35,7 @@ from tiderl.config import RunConfig
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect
 from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
+from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import train_step
 from tiderl.types import Trajectory
 
@@ -97,9 +98,10 @@ class TrainerRank:
         batch's metrics)."""
         assert self.actor is not None, "TrainerRank.join() was not called"
         cfg = self.bundle.cfg
-        metrics = train_step(batch, self.actor, self.critic, self.ref, cfg.algo, pad_id=self.bundle.pad_id,
-                             micro_batch_tokens=cfg.train.micro_batch_tokens,
-                             train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device)
+        with trainer_autocast(cfg.train.autocast, self.device):
+            metrics = train_step(batch, self.actor, self.critic, self.ref, cfg.algo, pad_id=self.bundle.pad_id,
+                                 micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device)
         self.steps += 1
         return metrics
 
