@@ -292,6 +292,13 @@ class TrainConfig:
         "docs/ray.md", ("none", "ddp", "fsdp2"))
     world_size: int = opt(1, "Trainer ranks with train.parallel=ddp/fsdp2 (one process, and with "
                           "model.device=cuda one GPU, each).")
+    rank_resources: dict[str, float] = opt(
+        {}, "Extra Ray resources each trainer rank's placement-group bundle asks for, beside its CPU (and "
+        "GPU): custom node labels declared with `ray start --resources`, e.g. {trainer_node: 1}, to "
+        "place the ranks on chosen nodes (docs/ray.md).")
+    placement: str = opt(
+        "pack", "How the trainer ranks' placement group spreads over nodes: pack (as few nodes as "
+        "possible) or spread (one rank per node where it can).", ("pack", "spread"))
     autocast: str = opt(
         "none", "Mixed precision of training passes: none (the weights' dtype) or bfloat16 "
         "(torch.autocast over fp32 master weights: matmuls in bf16, weights, gradients and AdamW state "
@@ -549,7 +556,7 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     when it is not a config section, e.g. curiosity.kind_weights)."""
     out: set[str] = set()
     for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("kind_weights",):
+        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources"):
             out |= _leaf_keys(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")
@@ -571,7 +578,8 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     return [
         (("system.ray_address", "system.ray_workers", "system.ray_remote_critic"), s.backend != "local",
          "only the Ray backend reads it and system.backend=local"),
-        (("train.world_size",), cfg.train.parallel != "none", "train.parallel=none trains in one process"),
+        (("train.world_size", "train.rank_resources", "train.placement"), cfg.train.parallel != "none",
+         "train.parallel=none trains in one process"),
         (("model.lora.alpha", "model.lora.target_modules"), cfg.model.lora.r > 0, "model.lora.r=0 turns LoRA off"),
         (("system.elastic_interval_s",), elastic,
          "the rollout slots are fixed (system.min_slots and system.max_slots give no range)"),

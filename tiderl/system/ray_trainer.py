@@ -90,7 +90,7 @@ class TrainerRank:
             self.critic = ParallelLearner(self.bundle.critic, t.parallel, cfg.algo.critic_lr, **opts)
         self.ref = self.bundle.ref.to(self.device).eval() if self.bundle.ref is not None else None
         self.bundle = RankBundle(cfg, None, None, None, self.bundle.pad_id)  # the learners own them now
-        return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": self.device}
 
     def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
@@ -162,9 +162,11 @@ class RayParallelTrainer:
             return
         connect(self.cfg.system.ray_address)
         gpu = self.cfg.model.device.startswith("cuda")
-        bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        self._get(self.pg.ready(), f"placing {self.world_size} ranks ({bundle} each)")
+        bundle = {"CPU": 1, **({"GPU": 1} if gpu else {}), **self.cfg.train.rank_resources}
+        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)],
+                                  strategy=self.cfg.train.placement.upper())
+        self._get(self.pg.ready(), f"placing {self.world_size} ranks ({bundle} each; the cluster has "
+                                   f"{ray.cluster_resources()})")
         run = self.run
         models = RankBundle(self.cfg, _cpu(run.actor.model), _cpu(run.critic.model) if run.critic else None,
                             _cpu(run.ref) if run.ref is not None else None, run.tokenizer.pad_token_id)
