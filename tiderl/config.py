@@ -70,6 +70,19 @@ class WarmStartConfig:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters on the policy (through `peft`, the optional extra `lora`): only the adapters
+    train, and only they travel to the engines, which merge them into their base weights."""
+
+    r: int = opt(0, "LoRA rank (0 = off: full fine-tuning).")
+    alpha: float = opt(16.0, "LoRA scale numerator: the update is (alpha / r) * B A.")
+    target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "Names of the linear layers that get adapters (Qwen2/Llama attention by default; add "
+        "gate_proj, up_proj, down_proj for the MLP).")
+
+
+@dataclass
 class ModelConfig:
     """Which policy model to train."""
 
@@ -98,6 +111,7 @@ class ModelConfig:
         "Replace the tokenizer's chat template: '' = keep it, 'chatml' = tiderl's ChatML template with "
         "tools (for models whose own template ignores tools=), or a path to a Jinja template file.",
     )
+    lora: LoraSettings = section(LoraSettings, "LoRA adapters on the policy (the critic stays fully trained).")
 
 
 @dataclass
@@ -323,6 +337,24 @@ class TrainConfig:
                                      "resume exact: the local engine decodes only once every running "
                                      "episode has asked for its turn, however long its tools take (no "
                                      "20 ms patience). Needs system.trainer_threads > 0 (a fixed thread count).")
+    parallel: str = opt(
+        "none", "Data-parallel trainer: none (one process: the driver), ddp or fsdp2 (train.world_size "
+        "ranks as Ray actors in a placement group, torch.distributed with gloo on CPU and NCCL on "
+        "GPU; needs system.backend=ray). The loss and gradients equal the single-process ones. "
+        "docs/ray.md", ("none", "ddp", "fsdp2"))
+    world_size: int = opt(1, "Trainer ranks with train.parallel=ddp/fsdp2 (one process, and with "
+                          "model.device=cuda one GPU, each).")
+    rank_resources: dict[str, float] = opt(
+        {}, "Extra Ray resources each trainer rank's placement-group bundle asks for, beside its CPU (and "
+        "GPU): custom node labels declared with `ray start --resources`, e.g. {trainer_node: 1}, to "
+        "place the ranks on chosen nodes (docs/ray.md).")
+    placement: str = opt(
+        "pack", "How the trainer ranks' placement group spreads over nodes: pack (as few nodes as "
+        "possible) or spread (one rank per node where it can).", ("pack", "spread"))
+    autocast: str = opt(
+        "none", "Mixed precision of training passes: none (the weights' dtype) or bfloat16 "
+        "(torch.autocast over fp32 master weights: matmuls in bf16, weights, gradients and AdamW state "
+        "in fp32).", ("none", "bfloat16"))
 
 
 @dataclass
@@ -576,7 +608,7 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     when it is not a config section, e.g. curiosity.kind_weights)."""
     out: set[str] = set()
     for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("kind_weights",):
+        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources"):
             out |= _leaf_keys(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")
@@ -602,6 +634,9 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     return [
         (("system.ray_address", "system.ray_workers", "system.ray_remote_critic"), s.backend != "local",
          "only the Ray backend reads it and system.backend=local"),
+        (("train.world_size", "train.rank_resources", "train.placement"), cfg.train.parallel != "none",
+         "train.parallel=none trains in one process"),
+        (("model.lora.alpha", "model.lora.target_modules"), cfg.model.lora.r > 0, "model.lora.r=0 turns LoRA off"),
         (("system.elastic_interval_s",), elastic,
          "the rollout slots are fixed (system.min_slots and system.max_slots give no range)"),
         (("system.partial_rollout",), s.max_staleness > 0,
@@ -784,6 +819,30 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.train.micro_batch_tokens >= cfg.env.max_total_tokens, "train.micro_batch_tokens",
          "must hold at least one whole episode (env.max_total_tokens)",
          "raise train.micro_batch_tokens")
+    t = cfg.train
+    need(t.world_size >= 1, "train.world_size", "must be >= 1", "use 2 with train.parallel=fsdp2")
+    need(t.parallel == "none" or t.world_size >= 2, "train.world_size",
+         f"is {t.world_size} with train.parallel={t.parallel}: one rank is one process",
+         "use train.world_size >= 2, or train.parallel=none")
+    need(t.parallel == "none" or cfg.system.backend == "ray", "train.parallel",
+         f"{t.parallel} runs its ranks as Ray actors, and system.backend={cfg.system.backend}",
+         "set system.backend=ray, or train.parallel=none")
+    need(t.parallel == "none" or not t.resume, "train.resume",
+         f"resuming restores the optimizer state into one process, not into train.parallel={t.parallel} ranks",
+         "resume with train.parallel=none")
+    need(t.autocast == "none" or cfg.model.dtype == "float32", "train.autocast",
+         f"{t.autocast} keeps fp32 master weights, but model.dtype={cfg.model.dtype}",
+         "use model.dtype=float32 with train.autocast=bfloat16")
+    lora = cfg.model.lora
+    need(lora.r >= 0, "model.lora.r", "must be >= 0", "use 0 (off) or e.g. 8")
+    need(lora.alpha > 0, "model.lora.alpha", "must be > 0", "use e.g. 16")
+    need(lora.r == 0 or bool(lora.target_modules), "model.lora.target_modules", "is empty",
+         "name the layers to adapt, e.g. [q_proj, v_proj]")
+    need(lora.r == 0 or t.parallel == "none", "model.lora.r",
+         f"LoRA is not built for train.parallel={t.parallel} yet", "use train.parallel=none with LoRA")
+    need(lora.r == 0 or cfg.rollout.engine == "torch", "model.lora.r",
+         f"only the torch engine merges adapters, not rollout.engine={cfg.rollout.engine}",
+         "use rollout.engine=torch with LoRA")
     need(bool(cfg.data.hops) and all(h in (1, 2, 3) for h in cfg.data.hops), "data.hops",
          f"{cfg.data.hops} must be a non-empty list of 1, 2, 3", "use [1, 2]")
     need(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", "use 0.2")

@@ -70,7 +70,12 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     # on its own thread with its own budget (system.*_threads).
     compute = InlineExecutor(s.trainer_threads) if s.max_staleness == 0 else None
     rollout = resolve(BACKENDS, s.backend, "system.backend").from_run(run, preparations, executor=compute)
-    trainer = Trainer(run, preparations)
+    if cfg.train.parallel == "none":
+        trainer = Trainer(run, preparations)
+    else:  # data-parallel ranks as Ray actors (docs/ray.md)
+        from tiderl.system.ray_trainer import RayParallelTrainer
+
+        trainer = RayParallelTrainer(run, preparations)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     checkpoints = Checkpoints(run)
 
@@ -101,6 +106,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         try:
             history = await scheduler.run(steps, stop)
         finally:
+            getattr(trainer, "close", lambda: None)()  # data-parallel ranks hand back their weights and stop
             await rollout.close()
             ledger.close()
         return history, {**scheduler.summary(), "backend": rollout.report()}

@@ -35,6 +35,8 @@ from tiderl.system.ledger import LedgerLog, cut_back
 from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.learner import Learner
+from tiderl.train.lora import policy_state
+from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import NonFiniteError, train_step
 from tiderl.types import Trajectory
 
@@ -142,6 +144,10 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
             freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
         critic = Learner(critic_model, cfg.algo.critic_lr, **learner)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if needs_ref(cfg.algo) else None
+    if cfg.model.lora.r > 0:  # LoRA: only adapters train and sync; critic and reference stay full models
+        from tiderl.train.lora import apply_lora
+
+        policy = apply_lora(policy, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
     run = Run(cfg, setup, tokenizer, make_engine(cfg, policy, tokenizer, seed=cfg.seed),
               Learner(policy, cfg.algo.actor_lr, **learner), critic, TaskStream(setup.train_tasks, cfg.seed),
               CuriosityShaper(cfg.curiosity), ref=ref, model_path=model_path)
@@ -209,10 +215,12 @@ class Trainer:
     def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
         run, cfg = self.run, self.run.cfg
         try:
-            metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo, pad_id=run.tokenizer.pad_token_id,
-                                 micro_batch_tokens=cfg.train.micro_batch_tokens,
-                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=cfg.model.device,
-                                 nonfinite=cfg.train.nonfinite)
+            with trainer_autocast(cfg.train.autocast, cfg.model.device):  # bf16 matmuls when train.autocast=bfloat16
+                metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo,
+                                     pad_id=run.tokenizer.pad_token_id,
+                                     micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                     train_actor=version >= cfg.algo.critic_warmup_steps,
+                                     device=cfg.model.device, nonfinite=cfg.train.nonfinite)
         except NonFiniteError as exc:
             raise NonFiniteError(f"step {version + 1} (env.name={cfg.env.name}): {exc}") from None
         if run.critic is not None:
@@ -221,7 +229,7 @@ class Trainer:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return self.run.actor.model.state_dict()
+        return policy_state(self.run.actor.model)  # the adapters alone for a LoRA policy
 
     def checksum(self, state_dict: dict[str, Any]) -> float:
         return weights_checksum(state_dict)
@@ -289,7 +297,7 @@ def resume_schedule(run: Run, scheduler: Any, lost: list[dict[str, Any]]) -> Non
 
 def sync_weights(run: Run) -> None:
     """Hand the actor's weights to the run's engine as version `run.step`, and check they arrived."""
-    state = run.actor.model.state_dict()
+    state = policy_state(run.actor.model)
     run.engine.update_weights(state, version=run.step)
     sent, held = weights_checksum(state), run.engine.state_checksum()
     if sent != held:

@@ -21,5 +21,9 @@ __all__ = ["Completion", "Engine", "SamplingParams", "make_engine", "sampling_pa
 def make_engine(cfg: "RunConfig", model: Any, tokenizer: Any, seed: int) -> Engine:
     """The engine `rollout.engine` names, holding its own copy of `model`'s weights."""
     engine_cls = resolve(ENGINES, cfg.rollout.engine, "rollout.engine")
+    if getattr(model, "peft_config", None) and cfg.rollout.engine == "torch":  # LoRA: merge synced adapters
+        from tiderl.rollout.lora import LoraTorchEngine
+
+        engine_cls = LoraTorchEngine
     return engine_cls(model, tokenizer, device=cfg.model.device, seed=seed,
                       max_batch_size=cfg.rollout.engine_batch_size)

@@ -52,6 +52,7 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.system.latency import training_env_factory
 from tiderl.system.scheduler import SchedulerSettings
 from tiderl.train.annotate import CriticSnapshot
+from tiderl.train.lora import policy_state  # what engines hold: the adapters alone for a LoRA policy
 from tiderl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -254,6 +255,17 @@ class _Weights:
 
 
 @dataclass
+class PublishedWeights:
+    """Policy weights a trainer rank already put in the object store (`ref`), with the checksum
+    it computed over them: `RayRollout.update_weights` hands the reference to the workers as it
+    is, so the weights never pass through the driver (tiderl/system/ray_trainer.py)."""
+
+    ref: Any
+    checksum: float
+    version: int
+
+
+@dataclass
 class _Worker:
     serial: int
     handle: Any
@@ -344,7 +356,7 @@ class RayRollout:
         self._check_resources()
         model = _cpu_module(self._model)
         self._latest = _Weights(self._start_version, None,
-                                asyncio.ensure_future(asyncio.to_thread(weights_checksum, model.state_dict())))
+                                asyncio.ensure_future(asyncio.to_thread(weights_checksum, policy_state(model))))
         self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup))
         self._model = None  # the object store has it now; the trainer keeps its own
         pool = [self._spawn() for _ in range(self.num_workers)]
@@ -402,9 +414,13 @@ class RayRollout:
         the scheduler awaits this call). A worker that dies meanwhile is replaced with these
         weights; one that disagrees fails the sync (RuntimeError naming every worker's checksum).
         """
-        state = _cpu_state(state_dict)
-        ref = ray.put(state)
-        latest = _Weights(version, ref, asyncio.ensure_future(asyncio.to_thread(weights_checksum, state)))
+        if isinstance(state_dict, PublishedWeights):  # already in the object store, checksummed
+            known: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+            known.set_result(state_dict.checksum)
+            latest = _Weights(version, state_dict.ref, known)
+        else:
+            state = _cpu_state(state_dict)
+            latest = _Weights(version, ray.put(state), asyncio.ensure_future(asyncio.to_thread(weights_checksum, state)))
         self._latest = latest  # booting replacements catch up with this from now on
         targets = list(self._workers.values())
         jobs = [self._load(w, latest) for w in targets]

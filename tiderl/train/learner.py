@@ -49,3 +49,14 @@ class Learner:
         out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         self.optimizer.step()
         return out
+
+    # Data-parallel hooks (`tiderl.train.parallel.ParallelLearner` overrides both): a single
+    # process trains on every micro-batch and its batch-wide tensors are already whole.
+
+    def local_share(self, micro_batches: Sequence[Any]) -> list[Any]:
+        """The micro-batches this process runs: all of them."""
+        return list(micro_batches)
+
+    def sum_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel ranks: itself, in one process."""
+        return tensor

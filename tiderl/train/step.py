@@ -101,6 +101,9 @@ class _Micro:
 
     rows: torch.Tensor
     batch: Batch
+    # A copy that a data-parallel rank runs with weight 0, only so that every rank runs as many
+    # forward/backward passes as the others (tiderl.train.parallel.assign_micro_batches).
+    ghost: bool = False
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a batch-wide [N, T] tensor, on its device."""
@@ -114,6 +117,8 @@ def _forward_all(micros: list[_Micro], shape: torch.Size,
     full = torch.zeros(shape, dtype=torch.float32)
     for m in micros:
         out = fn(m.batch)
+        if m.ghost:
+            continue
         out = torch.where(m.batch.attention_mask > 0, out, torch.zeros_like(out))
         full[m.rows, : out.shape[1]] = out.float().cpu()
     return full
@@ -237,13 +242,16 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     micros = [_Micro(torch.tensor(rows), slice_batch(full, rows).to(device))
               for rows in micro_batch_indices(full.attention_mask.sum(dim=1).tolist(),
                                               micro_batch_tokens)]
+    # This process's share of them (all, unless the learner is a data-parallel rank, whose
+    # no-grad passes then fill only their rows and are summed across the ranks).
+    local = actor.local_share(micros)
 
     # 3. No-grad passes.
     old = full.behavior_logprobs
     if registry.recomputes_old_logprobs(cfg):
         actor.model.eval()
-        old = _forward_all(micros, shape, lambda b: token_logprobs(
-            actor.model, b.input_ids, b.attention_mask)[0])
+        old = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
+            actor.model, b.input_ids, b.attention_mask)[0]))
         metrics["policy/behavior_gap"] = float(
             ((old - full.behavior_logprobs).abs() * mask).sum() / n_tokens)
     ref_lp = None
@@ -255,8 +263,8 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
             ref_model = ref.model if isinstance(ref, Learner) else ref
             assert ref_model is not None
             ref_model.eval()
-            ref_lp = _forward_all(micros, shape, lambda b: token_logprobs(
-                ref_model, b.input_ids, b.attention_mask)[0])
+            ref_lp = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
+                ref_model, b.input_ids, b.attention_mask)[0]))
 
     # 4. Rewards per token, the critic, the advantages of the whole batch.
     token_rewards = outcome_token_rewards(rewards, mask)
@@ -277,13 +285,13 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
         metrics["value/precomputed"] = float(values is not None)
         if values is None:
             critic_model.eval()
-            values = _forward_all(micros, shape, critic_forward)
+            values = critic.sum_across_ranks(_forward_all(local, shape, critic_forward))
         _, returns = skip_observation_gae(token_rewards, values, mask, cfg.gamma,
                                           cfg.critic_lambda)
-        metrics.update(_train_critic(critic, micros, cfg, values, returns, mask, n_tokens, trajectories))
+        metrics.update(_train_critic(critic, local, cfg, values, returns, mask, n_tokens, trajectories))
         if cfg.advantage_values == "after":
             critic_model.eval()
-            values = _forward_all(micros, shape, critic_forward)
+            values = critic.sum_across_ranks(_forward_all(local, shape, critic_forward))
     inputs = AdvantageInputs(rewards, token_rewards, mask, full.num_action_tokens, groups, values)
     advantages = registry.advantage_fn(cfg.advantage)(inputs, cfg)
     if advantages.shape != shape:
@@ -298,7 +306,8 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     # 5. The actor.
     if train_actor:
         normalizer = loss_normalizer(mask, cfg.loss_agg, norm_length=cfg.loss_agg_length)
-        metrics.update(_train_actor(actor, micros, cfg, old, ref_lp, advantages, normalizer, trajectories))
+        metrics.update(_train_actor(actor, local, len(micros), cfg, old, ref_lp, advantages, normalizer,
+                                    trajectories))
     metrics["micro_batches"] = float(len(micros))
     return metrics
 
@@ -339,10 +348,11 @@ def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values
     return metrics
 
 
-def _train_actor(actor: Learner, micros: list[_Micro], cfg: AlgoConfig, old: torch.Tensor,
+def _train_actor(actor: Learner, micros: list[_Micro], n_micros: int, cfg: AlgoConfig, old: torch.Tensor,
                  ref_lp: torch.Tensor | None, advantages: torch.Tensor, normalizer: float,
                  trajectories: list[Trajectory]) -> dict[str, float]:
-    """`cfg.actor_updates` actor optimizer steps on the batch."""
+    """`cfg.actor_updates` actor optimizer steps on the batch (`micros`: this process's share of
+    the batch's `n_micros` micro-batches)."""
     policy_loss = registry.policy_loss_fn(cfg.policy_loss)
     kl_in_loss = ref_lp is not None and not cfg.kl_in_reward
 
@@ -381,7 +391,7 @@ def _train_actor(actor: Learner, micros: list[_Micro], cfg: AlgoConfig, old: tor
         # Learner averages metrics over micro-batches; the loss terms are sums over them.
         for key in ("pg_loss", "kl_loss"):
             if key in am:
-                metrics[f"policy/{key}"] = am.pop(key) * len(micros)
+                metrics[f"policy/{key}"] = am.pop(key) * n_micros
         metrics.update(am)
     metrics["policy/loss"] = metrics.pop("loss")
     metrics["policy/grad_norm"] = metrics.pop("grad_norm")

@@ -1,0 +1,106 @@
+"""LoRA through peft: only the adapters train (through the real `train_step`), only they sync,
+and after a step and a sync the engine samples from exactly the trainer's merged model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from tiderl.config import AlgoConfig, ConfigError, load_config, preset_defaults  # noqa: E402
+from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
+from tiderl.rollout.lora import LoraTorchEngine  # noqa: E402
+from tiderl.rollout.weights import weights_checksum  # noqa: E402
+from tiderl.train.critic import ValueModel  # noqa: E402
+from tiderl.train.learner import Learner  # noqa: E402
+from tiderl.train.lora import adapter_state, apply_lora, merged_copy, policy_state  # noqa: E402
+from tiderl.train.step import train_step  # noqa: E402
+
+from test_parallel import trajectories  # noqa: E402  (9 trajectories of the same tiny shape)
+
+MODEL_CFG = tiny_qwen2_config(50, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                              max_position_embeddings=64)
+TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj"]
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+
+def test_only_adapters_train_and_sync_and_the_engine_matches_the_merged_model():
+    base = init_tiny_model(MODEL_CFG, seed=0)
+    critic = Learner(ValueModel.from_policy(base), lr=1e-3)  # the critic stays a full model
+    policy = apply_lora(base, r=4, alpha=8.0, target_modules=TARGETS)
+    frozen_before = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" not in k}
+    adapters_before = {k: v.clone() for k, v in adapter_state(policy).items()}
+    actor = Learner(policy, lr=1e-2)
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == set(adapters_before)
+
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    engine = LoraTorchEngine(policy, tokenizer)
+    ids = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3]])
+    torch.testing.assert_close(logits(engine.model, ids), logits(policy, ids), atol=1e-6, rtol=0)
+
+    cfg = AlgoConfig(**{**preset_defaults("sao"), "entropy_coef": 0.01})
+    train_step(trajectories(), actor, critic, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
+
+    after = policy.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen_before.items())  # base weights untouched
+    assert all(not torch.equal(after[k], v) for k, v in adapters_before.items() if ".lora_B." in k)
+    sent = policy_state(policy)
+    assert set(sent) == set(adapters_before)
+    engine.update_weights(sent, version=1)
+    assert engine.version == 1 and engine.state_checksum() == weights_checksum(sent)
+    merged = merged_copy(policy)
+    torch.testing.assert_close(logits(engine.model, ids), logits(merged, ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(engine.model, ids), logits(policy, ids), atol=1e-5, rtol=0)
+    # The sync carries the adapters only: a small fraction of the model's bytes.
+    sync_bytes = sum(v.numel() * v.element_size() for v in sent.values())
+    full_bytes = sum(v.numel() * v.element_size() for v in merged.state_dict().values())
+    assert sync_bytes < 0.2 * full_bytes
+
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        engine.update_weights(merged.state_dict(), version=2)
+    with pytest.raises(ValueError, match="versions must not decrease"):
+        engine.update_weights(sent, version=0)
+
+
+def test_apply_lora_names_unknown_target_modules():
+    with pytest.raises(ValueError, match="model.lora.target_modules.*qkv"):
+        apply_lora(init_tiny_model(MODEL_CFG, seed=0), r=4, alpha=8.0, target_modules=["qkv"])
+
+
+def test_lora_config_fields():
+    cfg = load_config(None, ["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"])
+    assert (cfg.model.lora.r, cfg.model.lora.target_modules) == (8, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match="model.lora.r.*>= 0"):
+        load_config(None, ["model.lora.r=-1"])
+    with pytest.raises(ConfigError, match="model.lora.alpha.*model.lora.r=0"):
+        load_config(None, ["model.lora.alpha=32"])
+    with pytest.raises(ConfigError, match="model.lora.target_modules.*empty"):
+        load_config(None, ["model.lora.r=8", "model.lora.target_modules=[]"])
+    with pytest.raises(ConfigError, match="model.lora.r.*train.parallel"):
+        load_config(None, ["model.lora.r=8", "system.backend=ray", "train.parallel=ddp", "train.world_size=2"])
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_and_syncs_adapters(tmp_path):
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    cfg = load_config("configs/kg_sao_tiny.yaml", [
+        "data.num_films=40", "data.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
+        "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+        "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
+        "rollout.batch_size=4", "env.max_turns=2", "rollout.max_new_tokens=24", "algo.critic_warmup_steps=0",
+        "algo.entropy_coef=0.01", "log.progress=false", "log.tensorboard=false", "train.steps=1",
+        "model.lora.r=4", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
+    run = build_run(cfg)
+    assert isinstance(run.engine, LoraTorchEngine)
+    before = {k: v.clone() for k, v in adapter_state(run.actor.model).items()}
+    history, _ = train(run)  # the scheduler checks the engine's adapter checksum against the trainer's
+    assert len(history) == 1 and run.engine.version == 1
+    assert any(not torch.equal(v, adapter_state(run.actor.model)[k]) for k, v in before.items())
+    assert run.engine.state_checksum() == weights_checksum(adapter_state(run.actor.model))

@@ -1,0 +1,258 @@
+"""Data-parallel training: the same `train_step` on every rank of a torch.distributed group.
+
+Every rank receives the whole batch of trajectories and computes everything batch-wide itself
+(rewards, masks, the loss normaliser, advantages): these are cheap and deterministic, so all
+ranks agree on them bit for bit. Only the model passes are split: the batch's micro-batches are
+shared out by tokens (`assign_micro_batches`), each rank runs its share, the no-grad passes
+(critic values, reference and recomputed log-probs) fill their own rows of a zero `[N, T]`
+tensor that is then summed across ranks, and the gradients are summed across ranks by DDP or
+FSDP2. Every micro-batch loss is already divided by the whole batch's normaliser, so the sum
+over ranks of the per-rank gradient sums is the single-process gradient: the loss, the
+gradients and the optimizer step equal the single-process ones up to float rounding
+(`tests/test_parallel.py` checks 2 gloo ranks against 1 process to 1e-6).
+
+Process groups use gloo on the CPU and NCCL on CUDA (`backend_for`). Where the ranks run (Ray
+actors, `tiderl.system.ray_trainer`; or any launcher that starts one process per rank) is not
+this module's concern.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiderl.train.learner import Learner, LossFn
+
+PARALLEL_MODES = ("none", "ddp", "fsdp2")
+
+__all__ = ["PARALLEL_MODES", "ParallelLearner", "assign_micro_batches", "backend_for",
+           "full_state_dict", "init_rank", "wrap_model"]
+
+
+def backend_for(device: str) -> str:
+    """The torch.distributed backend for a device: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def init_rank(rank: int, world_size: int, init_method: str, device: str = "cpu",
+              timeout_s: float = 600.0) -> None:
+    """Join the process group (`init_method` like 'tcp://127.0.0.1:29500'), once per process."""
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise RuntimeError(f"this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
+                               f"not rank {rank} of {world_size}")
+        return
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    import datetime
+
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def assign_micro_batches(tokens: Sequence[int], world_size: int) -> list[list[int | None]]:
+    """Micro-batch indices for each rank, balanced by (padded) tokens: the largest first, each to
+    the rank with the fewest tokens so far among those with a free place. Every rank gets the
+    same number of places, ceil(M / world_size); a place left empty is None (a ghost: the rank
+    runs some micro-batch with weight 0, because FSDP2 and DDP need every rank to make the same
+    collective calls). Every index appears exactly once."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    places = max(1, math.ceil(len(tokens) / world_size))
+    shares: list[list[int | None]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        r = min((r for r in range(world_size) if len(shares[r]) < places), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += tokens[i]
+    for share in shares:
+        share.extend([None] * (places - len(share)))
+    return shares
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of every `ModuleList` in `model` (a transformer's decoder layers)."""
+    return [layer for m in model.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+
+
+def wrap_model(model: torch.nn.Module, mode: str, device: str = "cpu") -> torch.nn.Module:
+    """`model` on `device`, ready for data-parallel training: wrapped in DDP, or sharded in place
+    with FSDP2 (`fully_shard` on each decoder layer, then on the whole model). The process group
+    must exist."""
+    model = model.to(device)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [torch.device(device).index] if str(device).startswith("cuda") else None
+        # Buffers (rotary frequencies) are equal on every rank and never trained: no broadcast.
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    raise ValueError(f"train.parallel: {mode!r} is not a data-parallel mode; use ddp or fsdp2")
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (an FSDP2 model is its own module)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+
+
+def full_state_dict(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU, on rank 0 (other ranks get {}). A collective: every
+    rank must call it."""
+    if mode == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return {}
+    return {k: v.detach().to("cpu") for k, v in unwrapped(model).state_dict().items()}
+
+
+def _all_sum_objects(values: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, values)
+    return out
+
+
+class ParallelLearner(Learner):
+    """A `Learner` on one rank of a data-parallel group (DDP or FSDP2).
+
+    `local_share` picks this rank's micro-batches (ghosts marked), `sum_across_ranks` sums a
+    batch-wide tensor over the ranks, and `step` accumulates this rank's gradients, lets DDP or
+    FSDP2 sum them across ranks (each loss is scaled by the world size, because both average),
+    clips by the global norm and steps; its loss and metrics are those of the whole batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, mode: str, lr: float, device: str = "cpu",
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 grad_clip: float = 1.0):
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelLearner needs a torch.distributed process group: call init_rank first")
+        self.mode = mode
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device
+        # Wrapped (and for FSDP2, sharded) before the optimizer sees the parameters.
+        super().__init__(wrap_model(model, mode, device), lr, weight_decay=weight_decay, betas=betas,
+                         grad_clip=grad_clip)
+
+    def local_share(self, micro_batches: Sequence[Any]) -> list[Any]:
+        micro_batches = list(micro_batches)
+        tokens = [int(m.batch.input_ids.numel()) for m in micro_batches]
+        share = assign_micro_batches(tokens, self.world_size)[self.rank]
+        smallest = min(range(len(micro_batches)), key=lambda i: tokens[i])
+        return [micro_batches[i] if i is not None else dataclasses.replace(micro_batches[smallest], ghost=True)
+                for i in share]
+
+    def sum_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(self.device) if backend_for(self.device) == "nccl" else tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out.to(tensor.device)
+
+    @contextlib.contextmanager
+    def _accumulating(self, accumulate: bool) -> Iterator[None]:
+        """Gradients of this backward stay on the rank (the last micro-batch sums them)."""
+        if self.mode == "ddp" and accumulate:
+            with self.model.no_sync():
+                yield
+        elif self.mode == "fsdp2":
+            self.model.set_requires_gradient_sync(not accumulate)
+            yield
+        else:
+            yield
+
+    def step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this rank's `micro_batches` (the same count on every rank)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        loss_total, count = 0.0, 0
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            ghost = getattr(mb, "ghost", False)
+            with self._accumulating(i < last):
+                loss, metrics = loss_fn(mb)
+                (loss * (0.0 if ghost else float(self.world_size))).backward()
+            if ghost:
+                continue
+            count += 1
+            loss_total += float(loss.detach())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        everyone = _all_sum_objects((loss_total, count, totals))
+        count = sum(c for _, c, _ in everyone)
+        summed: dict[str, float] = {}
+        for _, _, t in everyone:
+            for k, v in t.items():
+                summed[k] = summed.get(k, 0.0) + v
+        out = {k: v / max(count, 1) for k, v in summed.items()}
+        out["loss"] = sum(lt for lt, _, _ in everyone)
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer.step()
+        return out
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, fn: Any, args: tuple[Any, ...], errors: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        init_rank(rank, world_size, init_method)
+        fn(rank, world_size, *args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which raises it
+        import traceback
+
+        errors.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 300.0) -> None:
+    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes (multiprocessing spawn)
+    that form a gloo process group on this machine; raise if any rank fails or the ranks take
+    longer than `timeout_s`. `fn` must be importable by name (a module-level function). The
+    launcher for tests and benchmarks; training runs its ranks as Ray actors."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, f"tcp://127.0.0.1:{port}", fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        raise RuntimeError("data-parallel ranks failed: " + "\n".join(f"rank {r}: {e}" for r, e in sorted(failures)))
+    if alive:
+        raise TimeoutError(f"{len(alive)} of {world_size} ranks still ran after {timeout_s:g}s")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"data-parallel ranks exited with codes {[p.exitcode for p in procs]}")
