@@ -88,7 +88,9 @@ def measure(staleness: int, steps: int, batch: int, out: Path, seed: int) -> dic
 
 def predict(m: dict, seeds: int) -> dict:
     c = m["calibration"]
-    workload = Workload(Dist("const", c["turns"]), Dist("const", c["tokens_per_turn"]), TOOL_LATENCY)
+    # env.tool_latency delays every environment step, the final answer's included.
+    workload = Workload(Dist("const", c["turns"]), Dist("const", c["tokens_per_turn"]), TOOL_LATENCY,
+                        latency_on_last_turn=True)
     cluster = Cluster(engines=1, engine_max_seqs=1024, decode_step_s=c["decode_step_s"],
                       decode_step_per_seq_s=c["decode_step_per_seq_s"], train_step_s=c["train_step_s"],
                       sync_s=c["sync_s"])

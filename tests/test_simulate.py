@@ -120,3 +120,19 @@ def test_cli_prints_every_mode_and_the_comparison(capsys):
     assert sum(line.startswith(("sync", "overprovision", "async N")) for line in out) == 7
     assert out[-1].startswith("async / strongest sync (")
     assert main(["simulate", "--tool-latency", "weird:1"]) == 2
+
+
+def test_turn_counts_round_stochastically_so_the_mean_is_kept():
+    # 2.4 turns of 10 tokens: the mean over many episodes is 24 tokens, not round(2.4) x 10 = 20.
+    w = Workload(Dist("const", 2.4), Dist("const", 10), Dist("const", 0.0))
+    r = simulate(w, ONE_ENGINE, Schedule(max_staleness=0, batch_size=50, steps=20), seed=0)
+    assert r.generated_tokens / r.trained == pytest.approx(24, rel=0.05)
+
+
+def test_latency_on_the_last_turn_adds_one_wait_per_episode():
+    w = Workload(Dist("const", 2), Dist("const", 10), Dist("const", 0.5))
+    plain = simulate(w, ONE_ENGINE, Schedule(max_staleness=0, batch_size=4, steps=3))
+    every_step = simulate(replace(w, latency_on_last_turn=True), ONE_ENGINE,
+                          Schedule(max_staleness=0, batch_size=4, steps=3))
+    assert plain.wall_s == pytest.approx(3 * (0.1 + 0.5 + 0.1 + 1.0))
+    assert every_step.wall_s == pytest.approx(plain.wall_s + 3 * 0.5)

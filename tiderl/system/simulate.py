@@ -94,11 +94,16 @@ class Dist:
 
 @dataclass(frozen=True)
 class Workload:
-    """What one episode looks like."""
+    """What one episode looks like. Turns and tokens are rounded stochastically (2.4 turns is 2
+    turns 60 % of the time and 3 turns 40 %), so their means are kept. A tool call follows every
+    turn but the last; with `latency_on_last_turn` the last turn waits one too (tiderl's
+    simulated-latency wrapper, `env.tool_latency`, delays every environment step, the answer's
+    included)."""
 
     turns: Dist = Dist("const", 3)
     tokens_per_turn: Dist = Dist("const", 30)
     tool_latency_s: Dist = Dist("const", 0.0)
+    latency_on_last_turn: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,11 @@ class Simulation:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, data))
 
+    def _round(self, x: float) -> int:
+        """`x` rounded down or up at random, in proportion, so the mean stays `x`."""
+        low = math.floor(x)
+        return low + (self.rng.random() < x - low)
+
     # -- engines --------------------------------------------------------------------------
     def _rate(self, n: int) -> float:
         """Tokens per second each of `n` generating sequences gets."""
@@ -275,7 +285,7 @@ class Simulation:
     def _begin_turn(self, ep: _Episode) -> None:
         if ep.version < 0:
             ep.version = self.engine_version
-        ep.turn_tokens = max(1, round(self.w.tokens_per_turn.sample(self.rng)))
+        ep.turn_tokens = max(1, self._round(self.w.tokens_per_turn.sample(self.rng)))
         ep.remaining = float(ep.turn_tokens)
         ep.generating = True
         e = self.engines[ep.engine]
@@ -295,7 +305,7 @@ class Simulation:
             ep.generating = False
             self.stats["generated"] += ep.turn_tokens
             ep.turns_left -= 1
-            if ep.turns_left <= 0:
+            if ep.turns_left <= 0 and not self.w.latency_on_last_turn:
                 self._finish(ep)
             else:
                 self._push(self.t + self.w.tool_latency_s.sample(self.rng), "tool", ep)
@@ -322,7 +332,7 @@ class Simulation:
         while self.steps < self.s.steps and self._may_start():
             self.serial += 1
             idx = min(range(len(self.engines)), key=lambda i: self.engines[i].assigned)
-            ep = _Episode(self.serial, idx, max(1, round(self.w.turns.sample(self.rng))))
+            ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
             self.engines[idx].assigned += 1
             self.in_flight[ep.serial] = ep
             self.gate.started()
@@ -438,7 +448,11 @@ class Simulation:
             if kind == "engine":
                 self._on_engine(*data)
             elif kind == "tool":
-                if not data.cancelled:
+                if data.cancelled:
+                    pass
+                elif data.turns_left <= 0:
+                    self._finish(data)  # the last turn's own latency (latency_on_last_turn)
+                else:
                     self._begin_turn(data)
             elif kind == "trained":
                 self._on_trained(data)
