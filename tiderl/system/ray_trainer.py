@@ -146,7 +146,6 @@ class RayParallelTrainer:
         self.published: PublishedWeights | None = None
         self.mirrored_version = run.step
         self.info: list[dict[str, Any]] = []
-        self.sync_s: list[float] = []
 
     def _get(self, refs: Any, what: str) -> Any:
         try:
@@ -188,7 +187,7 @@ class RayParallelTrainer:
         t0 = time.monotonic()
         published = self._get([r.publish.remote(version + 1) for r in self.ranks], "gathering the weights")[0]
         self.published = PublishedWeights(published[0][0], published[1], version + 1)
-        self.sync_s.append(time.monotonic() - t0)
+        metrics["time/publish_s"] = time.monotonic() - t0  # part of time/train_s
         if self.pull_critic:
             self._pull_critic()
             for p in self.refreshers:
