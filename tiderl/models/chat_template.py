@@ -12,24 +12,10 @@ IM_END = "<|im_end|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 
-# Every newline the template emits is written as {{ nl }}; all tags strip the template's own
-# whitespace ({%- -%}), so the rendering is the same under any Jinja whitespace settings
-# (Hugging Face renders with trim_blocks and lstrip_blocks).
-CHAT_TEMPLATE = (
-    "{%- set nl = '\\n' -%}"
-    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}"
-    "{%- if sys or tools -%}"
-    "{{ '<|im_start|>system' + nl + sys }}"
-    "{%- if tools -%}"
-    "{{ nl + 'Tools:' }}"
-    "{%- for tool in tools -%}"
-    "{{ nl + '- ' + tool['function']['name'] + '(' }}"
-    "{{- tool['function']['parameters']['properties'] | list | join(', ') -}}"
-    "{{ ')' }}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>' + nl }}"
-    "{%- endif -%}"
+# The turns after the system turn, shared by every ChatML template of tiderl (this one and
+# tiderl.models.startup's fallback with full tool schemas): tool responses grouped in one user
+# turn, assistant tool calls in Hermes tags, then the generation prompt.
+CHATML_TURNS = (
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'system' -%}"
     "{%- elif m['role'] == 'tool' -%}"
@@ -58,4 +44,25 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}"
     "{{ '<|im_start|>assistant' + nl }}"
     "{%- endif -%}"
+)
+
+# Every newline the template emits is written as {{ nl }}; all tags strip the template's own
+# whitespace ({%- -%}), so the rendering is the same under any Jinja whitespace settings
+# (Hugging Face renders with trim_blocks and lstrip_blocks).
+CHAT_TEMPLATE = (
+    "{%- set nl = '\\n' -%}"
+    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{%- if sys or tools -%}"
+    "{{ '<|im_start|>system' + nl + sys }}"
+    "{%- if tools -%}"
+    "{{ nl + 'Tools:' }}"
+    "{%- for tool in tools -%}"
+    "{{ nl + '- ' + tool['function']['name'] + '(' }}"
+    "{{- tool['function']['parameters']['properties'] | list | join(', ') -}}"
+    "{{ ')' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    + CHATML_TURNS
 )

@@ -21,6 +21,7 @@ from typing import Any
 
 from tiderl.agent.chat import chat_format
 from tiderl.agent.tool_parser import set_tool_call_format
+from tiderl.models.chat_template import CHATML_TURNS
 
 # A ChatML template (Qwen, SmolLM2, Hermes and many others use ChatML turns) that lists the
 # tools in the system turn as JSON schemas and asks for Hermes-style calls. Tool responses are
@@ -41,34 +42,7 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- endif -%}"
     "{{ '<|im_end|>' + nl }}"
     "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
-    "{{ '<|im_start|>user' + nl }}"
-    "{%- else -%}"
-    "{{ nl }}"
-    "{%- endif -%}"
-    "{{ '<tool_response>' + nl + m['content'] + nl + '</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
-    "{{ '<|im_end|>' + nl }}"
-    "{%- endif -%}"
-    "{%- else -%}"
-    "{{ '<|im_start|>' + m['role'] + nl + (m['content'] if m['content'] else '') }}"
-    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}"
-    "{%- for call in m['tool_calls'] -%}"
-    "{%- if m['content'] or not loop.first -%}{{ nl }}{%- endif -%}"
-    "{{ '<tool_call>' + nl }}"
-    "{{- {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson -}}"
-    "{{ nl + '</tool_call>' }}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>' + nl }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{ '<|im_start|>assistant' + nl }}"
-    "{%- endif -%}"
+    + CHATML_TURNS
 )
 
 # Built-in templates by name (model.chat_template=<name>), with the special tokens each needs.
