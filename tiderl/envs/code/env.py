@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tiderl.envs.code import harness
@@ -135,29 +136,15 @@ class CodeEnv:
         """Answer parse errors and tool calls in order, one observation each; `submit` ends the
         episode (calls after it in the same turn are not run: info["ignored_calls"])."""
         self._require_open()
-        observations = [f"Error: {e}" for e in action.parse_errors]
-        self._counts["tool_calls"] += len(action.parse_errors)
-        self._counts["tool_errors"] += len(action.parse_errors)
-        for index, call in enumerate(action.tool_calls):
-            self._counts["tool_calls"] += 1
-            if index >= MAX_CALLS_PER_TURN:
-                observation = f"Error: at most {MAX_CALLS_PER_TURN} tool calls per turn; this one was not run."
-            else:
-                try:
-                    code = self._code_argument(call.name, call.arguments)
-                    if call.name == "submit":
-                        result = await self._submit(code)
-                        result.info["ignored_calls"] = len(action.tool_calls) - index - 1
-                        return result
-                    observation = await self._run_tool(call.name, code)
-                except Exception as exc:  # noqa: BLE001 - a tool failure is an observation
-                    observation = f"Error: {type(exc).__name__}: {exc}"
-            if observation.startswith("Error:"):
-                self._counts["tool_errors"] += 1
-            observations.append(observation)
-        if not observations:
-            observations.append(_NO_CALL)
-        return StepResult([clean_text(o, self.max_observation_chars) for o in observations], info=dict(self._counts))
+
+        async def call_tool(call: Any) -> str | StepResult:
+            code = self._code_argument(call.name, call.arguments)
+            if call.name == "submit":
+                return await self._submit(code)
+            return await self._run_tool(call.name, code)
+
+        return await play_turn(action, self._counts, call_tool, MAX_CALLS_PER_TURN, _NO_CALL,
+                               self.max_observation_chars)
 
     def finish(self, reason: str) -> StepResult:
         """End without a submission (turn or token limit): reward 0."""
@@ -214,3 +201,34 @@ async def score(sandbox: Sandbox, task: Task, code: str) -> tuple[bool, str]:
                                   list(task.meta.get("entry_points", [])))
     result = await sandbox.run(files, [sandbox.python, "-E", "-s", "-B", "main.py"])
     return harness.passed(result.ok, result.stdout), result.status
+
+
+async def play_turn(action: Action, counts: dict[str, int], call_tool: Callable[[Any], Awaitable[str | StepResult]],
+                    max_calls: int, no_call: str, max_observation_chars: int) -> StepResult:
+    """One turn of a sandboxed environment (code, repo): parse errors and tool calls answered in
+    order, one observation each; a tool's exception is an `Error:` observation; at most
+    `max_calls` calls run; a call whose tool returns a StepResult (submit) ends the episode, and
+    the calls after it in the same turn are not run (info["ignored_calls"]). `counts` gains
+    tool_calls and tool_errors."""
+    observations = [f"Error: {e}" for e in action.parse_errors]
+    counts["tool_calls"] += len(action.parse_errors)
+    counts["tool_errors"] += len(action.parse_errors)
+    for index, call in enumerate(action.tool_calls):
+        counts["tool_calls"] += 1
+        if index >= max_calls:
+            observation = f"Error: at most {max_calls} tool calls per turn; this one was not run."
+        else:
+            try:
+                outcome = await call_tool(call)
+            except Exception as exc:  # noqa: BLE001 - a tool failure is an observation
+                outcome = f"Error: {type(exc).__name__}: {exc}"
+            if isinstance(outcome, StepResult):
+                outcome.info["ignored_calls"] = len(action.tool_calls) - index - 1
+                return outcome
+            observation = outcome
+        if observation.startswith("Error:"):
+            counts["tool_errors"] += 1
+        observations.append(observation)
+    if not observations:
+        observations.append(no_call)
+    return StepResult([clean_text(o, max_observation_chars) for o in observations], info=dict(counts))

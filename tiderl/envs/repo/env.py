@@ -24,7 +24,7 @@ import copy
 from typing import Any
 
 from tiderl.envs.code import harness
-from tiderl.envs.code.env import clean_text, default_sandbox, format_run, function_spec
+from tiderl.envs.code.env import default_sandbox, format_run, function_spec, play_turn
 from tiderl.envs.code.sandbox import Sandbox, run_sync
 from tiderl.envs.protocol import Action, StepResult, Task
 
@@ -110,28 +110,14 @@ class RepoEnv:
         """Answer parse errors and tool calls in order; `submit` ends the episode (calls after it
         in the same turn are not run: info["ignored_calls"])."""
         self._require_open()
-        observations = [f"Error: {e}" for e in action.parse_errors]
-        self._counts["tool_calls"] += len(action.parse_errors)
-        self._counts["tool_errors"] += len(action.parse_errors)
-        for index, call in enumerate(action.tool_calls):
-            self._counts["tool_calls"] += 1
-            if index >= MAX_CALLS_PER_TURN:
-                observation = f"Error: at most {MAX_CALLS_PER_TURN} tool calls per turn; this one was not run."
-            else:
-                try:
-                    if call.name == "submit":
-                        result = await self._submit()
-                        result.info["ignored_calls"] = len(action.tool_calls) - index - 1
-                        return result
-                    observation = await self._tool(call.name, call.arguments if isinstance(call.arguments, dict) else {})
-                except Exception as exc:  # noqa: BLE001 - a tool failure is an observation
-                    observation = f"Error: {type(exc).__name__}: {exc}"
-            if observation.startswith("Error:"):
-                self._counts["tool_errors"] += 1
-            observations.append(observation)
-        if not observations:
-            observations.append(_NO_CALL)
-        return StepResult([clean_text(o, self.max_observation_chars) for o in observations], info=dict(self._counts))
+
+        async def call_tool(call: Any) -> str | StepResult:
+            if call.name == "submit":
+                return await self._submit()
+            return await self._tool(call.name, call.arguments if isinstance(call.arguments, dict) else {})
+
+        return await play_turn(action, self._counts, call_tool, MAX_CALLS_PER_TURN, _NO_CALL,
+                               self.max_observation_chars)
 
     def finish(self, reason: str) -> StepResult:
         """End without a submission (turn or token limit): reward 0."""
