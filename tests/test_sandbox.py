@@ -184,7 +184,9 @@ def test_huge_output_is_capped(sandbox):
     # 26 MB at most, whatever the cap does.
     r = run(sandbox, "import sys\nfor _ in range(400):\n    sys.stdout.write('x' * 65536)")
     assert r.status == "output_limit" and r.truncated and len(r.stdout) == FAST.max_output_bytes
-    assert time.monotonic() - start < 4
+    # A hang guard, not a speed figure: the status above shows the program was killed. (A 4 s bound
+    # failed once at 5.1 s on a busy machine.)
+    assert time.monotonic() - start < 30
 
 
 def test_output_is_valid_text(sandbox):
