@@ -392,7 +392,8 @@ def test_reward_ends_the_session_and_its_trajectories_train_one_step(run, server
     for _ in range(2):
         reply = client.chat.completions.create(model="m", messages=messages).choices[0].message
         messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
-    status, summary = post(f"{server.url}/sessions/{sid}/reward", {"reward": 1.0, "info": {"success": True}})
+    status, summary = post(f"{server.url}/sessions/{sid}/reward",
+                           {"reward": 1.0, "info": {"success": True, "stop_reason": "max_tokens"}})
     assert status == 200 and summary["reward"] == 1.0 and summary["requests"] == 2 and summary["trajectories"] == 1
     with pytest.raises(openai.ConflictError, match="has ended"):
         client.chat.completions.create(model="m", messages=messages)
@@ -401,6 +402,7 @@ def test_reward_ends_the_session_and_its_trajectories_train_one_step(run, server
     [trajectory] = session.trajectories()
     assert trajectory.reward == 1.0 and trajectory.env_info["success"] is True and trajectory.num_turns == 2
     assert trajectory.task_id == trajectory.group_id == "kg-1"
+    assert trajectory.stop_reason == "max_tokens"
     before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
     version = run.engine.version
     metrics = train_on_trajectories(run, [trajectory])
@@ -459,6 +461,19 @@ def test_bad_requests_get_clear_4xx_errors(server):
     assert post(f"{url}/sessions/{sid}/reward", {"reward": 0.5})[0] == 200
     assert post(f"{url}/sessions/{sid}/reward", {"reward": 0.5})[0] == 409
     assert get(f"{url}/sessions/unknown")[0] == 404
+
+
+class FailingEngine:
+    version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        raise RuntimeError("the GPU caught fire")
+
+
+def test_an_engine_failure_is_a_500_with_its_message(run):
+    with BackgroundServer(create_app(ChatService(FailingEngine(), run.tokenizer, "x", 8, 512))) as srv:
+        status, body = post(f"{srv.url}/v1/chat/completions", {"messages": MESSAGES})
+    assert status == 500 and "the GPU caught fire" in body["error"]["message"]
 
 
 def test_read_request_normalises_what_clients_send():

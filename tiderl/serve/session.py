@@ -165,7 +165,9 @@ class Session:
         return segment
 
     def trajectories(self) -> list[Trajectory]:
-        """One Trajectory per segment, each with the session's reward (a finished session)."""
+        """One Trajectory per segment, each with the session's reward (a finished session);
+        stop_reason is the reward info's "stop_reason" when given (e.g. "max_tokens" for an agent
+        that ran out of context), else "length" when the last turn was cut, else "answer"."""
         if self.reward is None:
             raise ValueError(f"session {self.session_id!r} has no reward yet: POST /sessions/<id>/reward first")
         task_id = self.task_id or self.session_id
@@ -177,7 +179,7 @@ class Session:
                 reward_parts={"outcome": self.reward}, task_id=task_id, group_id=self.group_id or task_id,
                 env_info={**self.info, "turns": s.turns, "session": self.session_id, "segment": i,
                           "segment_reason": s.reason},
-                num_turns=s.turns, stop_reason="length" if s.last_cut else "answer",
+                num_turns=s.turns, stop_reason=str(self.info.get("stop_reason") or ("length" if s.last_cut else "answer")),
             ))
         return out
 
