@@ -477,3 +477,5 @@ def test_config_builds_the_http_engine_and_rejects_its_keys_elsewhere(stub_serve
         load_config(None, [f"rollout.http.urls=[{stub_server.url}]"])
     with pytest.raises(ConfigError, match="rollout.http.urls"):
         load_config(None, ["rollout.engine=http", "rollout.http.urls=[localhost:8000]"])
+    with pytest.raises(ConfigError, match="use system.backend=local with rollout.engine=http"):
+        load_config(None, ["rollout.engine=http", "system.backend=ray"])

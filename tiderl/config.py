@@ -929,6 +929,9 @@ def validate(cfg: RunConfig) -> None:
          f"{h.urls} must be a non-empty list of http(s):// base URLs", "use [http://127.0.0.1:8000]")
     for key in ("rollout.http.timeout_s", "rollout.http.sync_timeout_s", "rollout.http.probe_tolerance"):
         need(_get(cfg, key) > 0, key, "must be > 0", "use the default")
+    need(cfg.rollout.engine != "http" or sysc.backend == "local", "rollout.engine",
+         "http drains and reloads its servers from one process, and Ray workers would each reload them",
+         "use system.backend=local with rollout.engine=http")
     need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",
          f"is 0 but env.tool_latency is {cfg.env.tool_latency!r}",
          "set env.tool_latency_s > 0 or env.tool_latency=none")

@@ -213,17 +213,20 @@ class HttpEngine:
 
     def close(self) -> None:
         """Close the HTTP client and end the engine's thread (idempotent)."""
-        if not self._loop.is_closed() and self._thread.is_alive():
+        if self._loop.is_closed():
+            return
+        if threading.current_thread() is self._thread:  # from a callback: nothing can be awaited here
+            self._loop.stop()
+            return
+        if self._thread.is_alive():
             client = getattr(self, "_client", None)
             if client is not None:
-                self._run(client.aclose())
+                with contextlib.suppress(Exception):
+                    self._run(client.aclose(), timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        if not self._thread.is_alive():
             self._loop.close()
-
-    def __del__(self) -> None:  # a forgotten close() must not leave a thread behind
-        with contextlib.suppress(Exception):  # interpreter shutdown
-            self.close()
 
     # ------------------------------------------------------------------ the batch interface
 
