@@ -279,7 +279,7 @@ def test_greedy_is_deterministic_and_is_the_models_argmax(make, model, prompts):
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     first, second = engine.generate(prompts, params), engine.generate(prompts, params)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
-    for prompt, completion in zip(prompts, first):
+    for prompt, completion in zip(prompts[:3], first):  # a full forward per token: three suffice
         assert completion.token_ids == _greedy_reference(model, prompt, 10)
 
 
@@ -344,9 +344,9 @@ def test_update_weights_versions_outputs_and_checksum(make, backend, model, toke
         assert engine.state_checksum() == weights_checksum(new_model.state_dict())
         after = engine.generate(prompts, params)
         assert [c.token_ids for c in after] != [c.token_ids for c in before]
-        for prompt, completion in zip(prompts, after):
+        assert all(c.policy_version == [3] * 10 for c in after)
+        for prompt, completion in zip(prompts[:3], after):
             assert completion.token_ids == _greedy_reference(new_model, prompt, 10)
-            assert completion.policy_version == [3] * 10
         with pytest.raises(ValueError, match="version 2, lower than the engine's current version 3"):
             engine.update_weights(model.state_dict(), version=2)
         if isinstance(engine, HttpEngine):
