@@ -519,7 +519,8 @@ def cmd_demo(cfg: RunConfig) -> int:
     history, _ = train(run)
     train_s = time.perf_counter() - t_train
     after = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
-    ckpt = save_run_checkpoint(run, run_dir / "checkpoints" / "final")
+    ckpt = (save_run_checkpoint(run, run_dir / "checkpoints" / "final") if cfg.train.parallel == "none"
+            else run_dir / "checkpoints" / "final")  # the ranks saved it at the last step
     wall = time.perf_counter() - t0
     primary = "greedy" if "greedy" in before else "sampled"
     generated = sum(h["episode/action_tokens"] * cfg.rollout.batch_size for h in history)

@@ -827,9 +827,6 @@ def validate(cfg: RunConfig) -> None:
     need(t.parallel == "none" or cfg.system.backend == "ray", "train.parallel",
          f"{t.parallel} runs its ranks as Ray actors, and system.backend={cfg.system.backend}",
          "set system.backend=ray, or train.parallel=none")
-    need(t.parallel == "none" or not t.resume, "train.resume",
-         f"resuming restores the optimizer state into one process, not into train.parallel={t.parallel} ranks",
-         "resume with train.parallel=none")
     need(t.autocast == "none" or cfg.model.dtype == "float32", "train.autocast",
          f"{t.autocast} keeps fp32 master weights, but model.dtype={cfg.model.dtype}",
          "use model.dtype=float32 with train.autocast=bfloat16")
