@@ -104,3 +104,45 @@ def test_a_lora_run_trains_and_syncs_adapters(tmp_path):
     assert len(history) == 1 and run.engine.version == 1
     assert any(not torch.equal(v, adapter_state(run.actor.model)[k]) for k, v in before.items())
     assert run.engine.state_checksum() == weights_checksum(adapter_state(run.actor.model))
+
+
+def test_a_lora_checkpoint_resumes_and_exports_merged_weights(tmp_path):
+    """A LoRA policy's checkpoint holds its adapters: `load_checkpoint` puts them (and AdamW's
+    state) back into a fresh LoRA policy, and `tiderl export` writes the merged model as a plain
+    Hugging Face directory with the trained policy's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tiderl.cli import main as cli
+    from tiderl.models.loading import load_model, save_model_dir
+    from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
+
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    base_dir = save_model_dir(init_tiny_model(MODEL_CFG, seed=0), tokenizer, tmp_path / "base")
+    policy = apply_lora(load_model(base_dir), r=4, alpha=8.0, target_modules=TARGETS)
+    actor = Learner(policy, lr=1e-2)
+    cfg = AlgoConfig(**{**preset_defaults("grpo"), "entropy_coef": 0.01, "kl_coef": 0.0, "group_size": 3})
+    train_step(trajectories(), actor, None, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
+    ckpt = save_checkpoint(tmp_path / "ckpt" / "step_1", 1, actor, None, tokenizer)
+    assert (ckpt / "actor" / "adapter_config.json").is_file()
+
+    fresh = Learner(apply_lora(load_model(base_dir), r=4, alpha=8.0, target_modules=TARGETS), lr=1e-2)
+    assert load_checkpoint(ckpt, fresh, None)["step"] == 1
+    for k, v in adapter_state(policy).items():
+        assert torch.equal(adapter_state(fresh.model)[k], v), k
+    assert len(fresh.optimizer.state) == len(actor.optimizer.state) > 0
+    with pytest.raises(ValueError, match="model.lora"):
+        load_checkpoint(ckpt, Learner(load_model(base_dir), lr=1e-2), None)  # adapters, but no LoRA policy
+
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in k for k in exported.state_dict())
+    ids = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3]])
+    torch.testing.assert_close(logits(exported, ids), logits(policy, ids), atol=1e-5, rtol=0)
+    assert not torch.allclose(logits(exported, ids), logits(load_model(base_dir), ids), atol=1e-4)
+    # The base model the adapters name is gone: export says what to pass.
+    import shutil
+
+    shutil.move(base_dir, tmp_path / "moved")
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m2")]) == 2
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m2"),
+                "--base-model", str(tmp_path / "moved")]) == 0

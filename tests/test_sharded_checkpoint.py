@@ -59,6 +59,7 @@ def rank_main(rank: int, world_size: int, out_dir: str) -> None:
         step(actor, critic, ref, trajectories())
         torch.manual_seed(1234 + rank)  # each rank's RNG goes into the checkpoint and comes back
         save_sharded(f"{out_dir}/{mode}", actor, critic)
+        results[(mode, "saved")] = both(actor, critic)
         rng_saved = torch.get_rng_state()
         metrics = step(actor, critic, ref, batch_b())
         results[(mode, "uninterrupted")] = (both(actor, critic), metrics)
@@ -159,3 +160,37 @@ def test_single_process_checkpoint_is_refused_for_ranks(tmp_path):
     ckpt = save_checkpoint(tmp_path / "step_0", 0, actor, critic, tiny_tokenizer())
     with pytest.raises(ValueError, match="train.parallel=none"):
         load_checkpoint(ckpt, actor, critic, ranks_load=True)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_export_consolidates_the_ranks_shards_into_a_plain_model_dir(sharded_runs, tmp_path, mode):
+    """`tiderl export` of a checkpoint whose sharded/ the two ranks wrote: a directory that
+    `AutoModelForCausalLM.from_pretrained` loads, with the trained model's logits."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tiderl.cli import main as cli
+
+    out, results = sharded_runs
+    actor, critic, _ = build(CFG, lambda m, lr: Learner(m, lr=lr))
+
+    def ranks_shards(path):  # the ranks' DCP directory, as RayParallelTrainer.save_sharded leaves it
+        shutil.copytree(out / mode, path)
+        return {"parallel": mode, "world_size": 2}
+
+    ckpt = save_checkpoint(tmp_path / "step_1", 1, actor, critic, tiny_tokenizer(), shards=ranks_shards)
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+
+    trained = build(CFG, lambda m, lr: Learner(m, lr=lr))[0].model.eval()
+    saved = results[(mode, "saved")]["actor"]
+    trained.load_state_dict({k[len("param/"):]: v for k, v in saved.items() if k.startswith("param/")}, strict=False)
+    ids = torch.tensor([[5, 9, 3, 17, 42, 8], [1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        want, got = trained(ids).logits, exported(ids).logits
+    assert not torch.equal(want, build(CFG, lambda m, lr: Learner(m, lr=lr))[0].model.eval()(ids).logits)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # Export never overwrites, and names what it needs.
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    assert cli(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf2")]) == 2

