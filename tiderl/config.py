@@ -111,7 +111,10 @@ class ModelConfig:
         "Replace the tokenizer's chat template: '' = keep it, 'chatml' = tiderl's ChatML template with "
         "tools (for models whose own template ignores tools=), or a path to a Jinja template file.",
     )
-    lora: LoraSettings = section(LoraSettings, "LoRA adapters on the policy (the critic stays fully trained).")
+    lora: LoraSettings = section(LoraSettings, "LoRA adapters on the policy (on the critic too with model.critic_lora=lora).")
+    critic_lora: str = opt(
+        "full", "The critic's backbone: full (fully trained) or lora (model.lora's adapters on it, base frozen; "
+        "the value head trains fully).", ("full", "lora"))
 
 
 @dataclass
@@ -643,7 +646,7 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "at system.max_staleness=0 every episode of a step ends before the weights change"),
         (("algo.critic_lr", "algo.critic_updates", "algo.critic_warmup_steps", "algo.critic_lambda",
           "algo.value_clip", "algo.value_init", "algo.freeze_critic_attention", "algo.critic_freeze_pattern",
-          "algo.advantage_values", "algo.decoupled_lambda"), critic,
+          "algo.advantage_values", "algo.decoupled_lambda", "model.critic_lora"), critic,
          f"algo.advantage={a.advantage} trains no critic"),
         (("algo.lambda_alpha",), critic and a.decoupled_lambda,
          "only the decoupled policy lambda reads it (algo.advantage=gae, algo.decoupled_lambda=true)"),
@@ -835,6 +838,9 @@ def validate(cfg: RunConfig) -> None:
     need(lora.alpha > 0, "model.lora.alpha", "must be > 0", "use e.g. 16")
     need(lora.r == 0 or bool(lora.target_modules), "model.lora.target_modules", "is empty",
          "name the layers to adapt, e.g. [q_proj, v_proj]")
+    need(cfg.model.critic_lora == "full" or lora.r > 0, "model.critic_lora",
+         "is lora and model.lora.r=0: the critic's adapters take model.lora's settings",
+         "set model.lora.r (e.g. 8), or model.critic_lora=full")
     need(lora.r == 0 or t.parallel == "none", "model.lora.r",
          f"LoRA is not built for train.parallel={t.parallel} yet", "use train.parallel=none with LoRA")
     need(lora.r == 0 or cfg.rollout.engine == "torch", "model.lora.r",

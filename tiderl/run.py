@@ -143,6 +143,10 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
                         else ValueModel.from_policy(policy)).to(cfg.model.device)
         if cfg.algo.freeze_critic_attention:
             freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
+        if cfg.model.critic_lora == "lora":  # adapters on the backbone (base frozen), the head trains fully
+            from tiderl.train.lora import apply_critic_lora
+
+            apply_critic_lora(critic_model, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
         critic = Learner(critic_model, cfg.algo.critic_lr, **learner)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if needs_ref(cfg.algo) else None
     if cfg.model.lora.r > 0:  # LoRA: only adapters train and sync; critic and reference stay full models

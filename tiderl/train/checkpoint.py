@@ -50,8 +50,9 @@ import torch
 import torch.distributed as dist
 
 from tiderl.models.loading import load_model, save_model_dir
-from tiderl.train.critic import ValueModel
+from tiderl.train.critic import LORA_STATE, ValueModel, load_lora_critic
 from tiderl.train.learner import Learner
+from tiderl.train.lora import is_lora
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,14 @@ def load_checkpoint(path: str | Path, actor: Learner, critic: Learner | None,
                 f"{path} holds no critic/: it was saved by an algorithm without a critic{saved_by}, and this "
                 "run's algorithm needs one. Fix: resume it with the algo.name it was trained with (see "
                 "config.yaml beside its checkpoints/).")
-        critic.model.load_state_dict(ValueModel.load(path / "critic").state_dict())
+        if is_lora(getattr(critic.model, "backbone", None)):
+            load_lora_critic(critic.model, path / "critic")
+        else:
+            if (path / "critic" / LORA_STATE).is_file():
+                raise ValueError(f"{path / 'critic'} holds a LoRA critic, and this run's critic is fully trained. "
+                                 "Fix: resume with model.critic_lora=lora and the model.lora settings it was "
+                                 "trained with.")
+            critic.model.load_state_dict(ValueModel.load(path / "critic").state_dict())
         critic.optimizer.load_state_dict(state["critic_optimizer"])
     actor.optimizer.load_state_dict(state["actor_optimizer"])
     torch.set_rng_state(state["torch_rng"])
@@ -297,8 +305,6 @@ def load_sharded_weights(path: str | Path, model: torch.nn.Module, part: str = "
 def _load_adapters(adapter_dir: Path, model: torch.nn.Module) -> None:
     """Load the LoRA adapters saved in `adapter_dir` into the peft model `model`."""
     from safetensors.torch import load_file
-
-    from tiderl.train.lora import is_lora
 
     if not is_lora(model):
         raise ValueError(f"{adapter_dir} holds LoRA adapters and this run's policy has none. Fix: resume with the "
