@@ -162,7 +162,7 @@ class RayParallelTrainer:
         self.mirrored_version = run.step
         self.info: list[dict[str, Any]] = []
         # A resumed run's sharded checkpoint: the ranks load it once, when they start.
-        self.resume_shards: str | None = (run.resume_state or {}).pop("sharded", None)
+        self.resume_shards: str | None = (getattr(run, "resume_state", None) or {}).pop("sharded", None)
 
     def _get(self, refs: Any, what: str) -> Any:
         try:
