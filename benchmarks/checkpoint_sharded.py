@@ -113,10 +113,10 @@ def main() -> None:
         print(f"load before: {f.read().strip()}", flush=True)
     runs: dict[str, list[dict[str, float]]] = {"single": [], "fsdp2": [], "ddp": []}
     for r in range(repeats):
-        for name in runs:
+        for name, results in runs.items():
             with tempfile.TemporaryDirectory() as tmp:
                 got = single(shape, Path(tmp)) if name == "single" else sharded(shape, name, Path(tmp))
-            runs[name].append(got)
+            results.append(got)
             print(f"repeat {r + 1} {name}: save {got['save_s']:.2f}s, load {got['load_s']:.2f}s, "
                   f"{got['mib']:.1f} MiB", flush=True)
     with open("/proc/loadavg") as f:
