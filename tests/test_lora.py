@@ -96,11 +96,109 @@ def test_a_lora_run_trains_and_syncs_adapters(tmp_path):
         "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
         "rollout.batch_size=4", "env.max_turns=2", "rollout.max_new_tokens=24", "algo.critic_warmup_steps=0",
         "algo.entropy_coef=0.01", "log.progress=false", "log.tensorboard=false", "train.steps=1",
-        "model.lora.r=4", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
+        "model.lora.r=4", "model.critic_lora=lora", f"model.cache_dir={tmp_path / 'cache'}",
+        f"run_dir={tmp_path / 'run'}"])
     run = build_run(cfg)
     assert isinstance(run.engine, LoraTorchEngine)
+    critic_before = {k: v.clone() for k, v in run.critic.model.state_dict().items()}
+    assert any(".lora_" in k for k in critic_before)  # the critic carries adapters too
     before = {k: v.clone() for k, v in adapter_state(run.actor.model).items()}
     history, _ = train(run)  # the scheduler checks the engine's adapter checksum against the trainer's
     assert len(history) == 1 and run.engine.version == 1
     assert any(not torch.equal(v, adapter_state(run.actor.model)[k]) for k, v in before.items())
     assert run.engine.state_checksum() == weights_checksum(adapter_state(run.actor.model))
+    # The tiny model's rewards may all be 0 (no value gradient): the LoRA critic's learning is
+    # checked in test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints; here, that the
+    # run trains exactly its adapters and head, and leaves its base weights alone.
+    assert {n for n, p in run.critic.model.named_parameters() if p.requires_grad} == {
+        k for k in critic_before if ".lora_" in k or k.startswith("head.")}
+    critic_after = run.critic.model.state_dict()
+    assert all(torch.equal(v, critic_after[k]) for k, v in critic_before.items() if ".lora_" not in k and "head" not in k)
+
+
+def test_a_lora_checkpoint_resumes_and_exports_merged_weights(tmp_path):
+    """A LoRA policy's checkpoint holds its adapters: `load_checkpoint` puts them (and AdamW's
+    state) back into a fresh LoRA policy, and `tiderl export` writes the merged model as a plain
+    Hugging Face directory with the trained policy's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tiderl.cli import main as cli
+    from tiderl.models.loading import load_model, save_model_dir
+    from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
+
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    base_dir = save_model_dir(init_tiny_model(MODEL_CFG, seed=0), tokenizer, tmp_path / "base")
+    policy = apply_lora(load_model(base_dir), r=4, alpha=8.0, target_modules=TARGETS)
+    actor = Learner(policy, lr=1e-2)
+    cfg = AlgoConfig(**{**preset_defaults("grpo"), "entropy_coef": 0.01, "kl_coef": 0.0, "group_size": 3})
+    train_step(trajectories(), actor, None, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
+    ckpt = save_checkpoint(tmp_path / "ckpt" / "step_1", 1, actor, None, tokenizer)
+    assert (ckpt / "actor" / "adapter_config.json").is_file()
+
+    fresh = Learner(apply_lora(load_model(base_dir), r=4, alpha=8.0, target_modules=TARGETS), lr=1e-2)
+    assert load_checkpoint(ckpt, fresh, None)["step"] == 1
+    for k, v in adapter_state(policy).items():
+        assert torch.equal(adapter_state(fresh.model)[k], v), k
+    assert len(fresh.optimizer.state) == len(actor.optimizer.state) > 0
+    with pytest.raises(ValueError, match="model.lora"):
+        load_checkpoint(ckpt, Learner(load_model(base_dir), lr=1e-2), None)  # adapters, but no LoRA policy
+
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in k for k in exported.state_dict())
+    ids = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3]])
+    torch.testing.assert_close(logits(exported, ids), logits(policy, ids), atol=1e-5, rtol=0)
+    assert not torch.allclose(logits(exported, ids), logits(load_model(base_dir), ids), atol=1e-4)
+    # The base model the adapters name is gone: export says what to pass.
+    import shutil
+
+    shutil.move(base_dir, tmp_path / "moved")
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m2")]) == 2
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m2"),
+                "--base-model", str(tmp_path / "moved")]) == 0
+
+
+def test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints(tmp_path):
+    """`model.critic_lora=lora`: adapters on the critic's backbone (base frozen) and a fully
+    trained value head; its value loss falls over critic steps; a checkpoint restores it, and
+    its critic/ directory stays a plain value model (merged backbone) with the same values."""
+    from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
+    from tiderl.train.critic import freeze_matching
+    from tiderl.train.lora import apply_critic_lora
+
+    def lora_critic():
+        critic = ValueModel.from_policy(init_tiny_model(MODEL_CFG, seed=0))
+        freeze_matching(critic, r"self_attn\.")  # as SAO's critic (before the adapters, on base names)
+        return apply_critic_lora(critic, r=4, alpha=8.0, target_modules=TARGETS)
+
+    critic_model = lora_critic()
+    trainable = {n for n, p in critic_model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n or n.startswith("head.") for n in trainable)
+    assert {"head.weight", "head.bias"} <= trainable
+    frozen_before = {k: v.clone() for k, v in critic_model.state_dict().items() if ".lora_" not in k and "head" not in k}
+    critic = Learner(critic_model, lr=1e-2)
+    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1e-3)
+    cfg = AlgoConfig(**{**preset_defaults("sao"), "group_size": 3, "critic_updates": 1})
+    losses = [train_step(trajectories(), actor, critic, None, cfg, pad_id=0, micro_batch_tokens=64,
+                         train_actor=False)["value/loss"] for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    after = critic_model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen_before.items())  # base weights untouched
+
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    ckpt = save_checkpoint(tmp_path / "step_8", 8, actor, critic, tokenizer)
+    fresh = Learner(lora_critic(), lr=1e-2)
+    load_checkpoint(ckpt, Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1e-3), fresh)
+    ids = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = critic_model(ids, mask)
+        torch.testing.assert_close(fresh.model(ids, mask), want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ValueModel.load(ckpt / "critic")(ids, mask), want, atol=1e-5, rtol=0)
+    assert len(fresh.optimizer.state) == len(critic.optimizer.state) > 0
+    full = Learner(ValueModel.from_policy(init_tiny_model(MODEL_CFG, seed=0)), lr=1e-2)
+    with pytest.raises(ValueError, match="model.critic_lora=lora"):
+        load_checkpoint(ckpt, Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1e-3), full)
+    with pytest.raises(ConfigError, match="model.critic_lora.*model.lora.r"):
+        load_config(None, ["model.critic_lora=lora"])
+    assert load_config(None, ["model.critic_lora=lora", "model.lora.r=4"]).model.critic_lora == "lora"

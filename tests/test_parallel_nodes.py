@@ -68,3 +68,55 @@ def test_ranks_spread_over_two_nodes_and_train_like_one_process(two_nodes):
     for learner, fresh in ((run.actor, fresh_actor), (run.critic, fresh_critic)):
         before, after = snapshot(fresh), snapshot(learner)
         assert any(not torch.equal(before[n], after[n]) for n in before if n.startswith("param/"))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_across_two_nodes_resumes_like_the_uninterrupted_run(two_nodes, tmp_path):
+    """Ranks on two nodes write one sharded checkpoint (each its shards, into a directory both
+    reach: the same disk here); new ranks started from it take the next step exactly as the
+    ranks that went on without stopping."""
+    import dataclasses
+
+    from tiderl.models.tiny import train_tokenizer
+    from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = load_config(None, [
+        "system.backend=ray", "train.parallel=ddp", "train.world_size=2", "train.placement=spread",
+        "train.rank_resources={trainer_slot: 1}", "train.steps=2", "train.grad_clip=0.5",
+        "rollout.max_new_tokens=8", "env.max_total_tokens=32", "train.micro_batch_tokens=40",
+        "algo.critic_updates=2", f"algo.actor_lr={LR}", f"algo.critic_lr={LR}", "algo.critic_warmup_steps=0",
+        "system.wait_timeout_s=120"])
+    tokenizer = train_tokenizer(["a tiny corpus for a tokenizer"] * 3, vocab_size=300)
+    tokenizer.pad_token_id = 0  # the trajectories' padding id
+    second = [dataclasses.replace(t, reward=1.0 - t.reward) for t in trajectories()]
+
+    actor, critic, ref = build(cfg.algo, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
+    run = SimpleNamespace(cfg=cfg, actor=actor, critic=critic, ref=ref, step=0, tokenizer=tokenizer)
+    trainer = RayParallelTrainer(run, preparations=[])
+    try:
+        trainer.step(trajectories(), version=0)
+        assert len({info["node_id"] for info in trainer.info}) == 2
+        trainer.pull_actor()
+        trainer._pull_critic()
+        ckpt = save_checkpoint(tmp_path / "step_1", 1, run.actor, run.critic, tokenizer, shards=trainer.save_sharded)
+        trainer.step(second, version=1)
+        trainer.close()
+    finally:
+        trainer.close()
+    uninterrupted = {"actor": snapshot(run.actor), "critic": snapshot(run.critic)}
+
+    fresh_actor, fresh_critic, _ = build(cfg.algo, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
+    state = load_checkpoint(ckpt, fresh_actor, fresh_critic, ranks_load=True)
+    resumed_run = SimpleNamespace(cfg=cfg, actor=fresh_actor, critic=fresh_critic, ref=ref, step=1,
+                                  tokenizer=tokenizer, resume_state=state)
+    resumed = RayParallelTrainer(resumed_run, preparations=[])
+    try:
+        resumed.step(second, version=1)
+        resumed.close()
+    finally:
+        resumed.close()
+    for part, learner in (("actor", fresh_actor), ("critic", fresh_critic)):
+        got = snapshot(learner)
+        for name, want in uninterrupted[part].items():
+            if name.startswith("param/"):
+                torch.testing.assert_close(got[name], want, atol=1e-6, rtol=1e-5, msg=f"{part} {name}")

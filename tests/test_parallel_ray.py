@@ -32,6 +32,12 @@ def small_config(cache, run_dir, *more):
 
 
 @pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    """One embedded tiny model for the module's runs (it is built on first use)."""
+    return tmp_path_factory.mktemp("model_cache")
+
+
+@pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=2, include_dashboard=False)
     yield
@@ -39,8 +45,8 @@ def cluster():
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_as_ray_actors_train_end_to_end(cluster, tmp_path):
-    cfg = small_config(tmp_path / "cache", tmp_path / "run", "train.steps=2", "system.backend=ray",
+def test_fsdp2_ranks_as_ray_actors_train_end_to_end(cluster, model_cache, tmp_path):
+    cfg = small_config(model_cache, tmp_path / "run", "train.steps=2", "system.backend=ray",
                        "train.parallel=fsdp2", "train.world_size=2",
                        # Every reward of the tiny model may be 0: the entropy bonus makes sure the actor moves.
                        "algo.entropy_coef=0.01", "env.max_turns=2", "rollout.max_new_tokens=24")
@@ -68,6 +74,48 @@ def test_fsdp2_ranks_as_ray_actors_train_end_to_end(cluster, tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
 
 
+@pytest.mark.slow
+def test_sharded_checkpoints_on_ray_ranks_resume(cluster, model_cache, tmp_path, caplog):
+    """DDP ranks write step_1 and final as sharded checkpoints (DCP); train.resume=auto gives the
+    driver step_1's weights and the ranks its shards (optimizer state included), and the run goes
+    on to step 2."""
+    from tiderl.run import save_run_checkpoint
+    from tiderl.train.checkpoint import SHARDED, latest_checkpoint, load_sharded_weights
+
+    run_dir = tmp_path / "run"
+    common = ("system.backend=ray", "train.parallel=ddp", "train.world_size=2", "algo.entropy_coef=0.01",
+              "algo.critic_warmup_steps=0", "env.max_turns=2", "rollout.max_new_tokens=16",
+              "train.checkpoint_every=1")
+    run = build_run(small_config(model_cache, run_dir, "train.steps=1", *common))
+    train(run)
+    with pytest.raises(RuntimeError, match="trainer ranks.*not running"):
+        save_run_checkpoint(run, run_dir / "checkpoints" / "late")  # no ranks: no optimizer states to save
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["final", "step_1"]
+    for name in ("step_1", "final"):
+        marker = json.loads((root / name / "tiderl_checkpoint.json").read_text())
+        assert marker["sharded"] == {"parallel": "ddp", "world_size": 2} and marker["step"] == 1
+        assert not (root / name / "actor").exists() and (root / name / "actor_config" / "config.json").is_file()
+    step1 = {k: v.clone() for k, v in run.actor.model.state_dict().items()}  # the driver's mirror after step 1
+    saved = run.actor.model.__class__(run.actor.model.config)
+    load_sharded_weights(root / "step_1" / SHARDED, saved, "actor")
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in step1.items())
+
+    assert latest_checkpoint(root) == root / "step_1"
+    resumed = build_run(small_config(model_cache, run_dir, "train.steps=2", "train.resume=auto", *common))
+    assert resumed.step == 1
+    assert all(torch.equal(resumed.actor.model.state_dict()[k], v) for k, v in step1.items())
+    assert resumed.resume_state["sharded"] == str(root / "step_1" / SHARDED)
+    with caplog.at_level("INFO", logger="tiderl.system.ray_trainer"):
+        history, _ = train(resumed)
+    loaded = [r.getMessage() for r in caplog.records if "loaded the sharded checkpoint" in r.getMessage()]
+    assert len(loaded) == 1 and "step_1" in loaded[0], loaded
+    entries = [int(n) for n in loaded[0].rsplit("[", 1)[1].rstrip("])").split(",")]
+    assert len(entries) == 2 and all(n > 0 for n in entries)  # AdamW state came back on both ranks
+    assert [h["policy_version"] for h in history] == [2]
+    assert json.loads((root / "final" / "tiderl_checkpoint.json").read_text())["step"] == 2
+
+
 def test_parallel_config_errors(tmp_path):
     base = ["system.backend=ray"]
     with pytest.raises(ConfigError, match="train.parallel.*system.backend=ray"):
@@ -78,8 +126,6 @@ def test_parallel_config_errors(tmp_path):
         load_config(None, base + ["train.world_size=4"])
     with pytest.raises(ConfigError, match="train.parallel"):
         load_config(None, base + ["train.parallel=zero3"])
-    with pytest.raises(ConfigError, match="train.resume"):
-        load_config(None, base + ["train.parallel=ddp", "train.world_size=2", "train.resume=ckpt"])
     with pytest.raises(ConfigError, match="train.autocast.*model.dtype=float32"):
         load_config(None, ["train.autocast=bfloat16", "model.dtype=bfloat16"])
     cfg = load_config(None, base + ["train.parallel=fsdp2", "train.world_size=2"])

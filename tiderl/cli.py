@@ -84,7 +84,25 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     se.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     se.add_argument("--record", metavar="FILE", help="append each finished session's trajectories to FILE (JSONL)")
+    ex = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face model dir "
+                        "(consolidates sharded checkpoints, merges LoRA adapters)")
+    ex.add_argument("--checkpoint", required=True, help="a <run_dir>/checkpoints/step_N or final directory")
+    ex.add_argument("--out", required=True, help="the model directory to write (must not exist)")
+    ex.add_argument("--base-model", help="LoRA only: the base model dir (default: the one the adapters name)")
     return parser
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`tiderl export`: a checkpoint's actor as a plain Hugging Face model directory."""
+    from tiderl.train.checkpoint import export_actor
+
+    try:
+        out = export_actor(args.checkpoint, args.out, args.base_model)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"tiderl export: {exc}", file=sys.stderr)
+        return 2
+    print(f"model: {out}  (AutoModelForCausalLM.from_pretrained, or tiderl eval --model {out})")
+    return 0
 
 
 def _simulate_parser(sub: Any) -> None:
@@ -188,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + rest
     if args.command == "simulate":
         return cmd_simulate(args)
+    if args.command == "export":
+        return cmd_export(args)
     if args.command == "check-env":
         # argparse gives the trailing word to `env` ("check-env repo data.source=folder" would
         # read data.source=folder as the name): the environment is the one word without "=".
@@ -528,7 +548,8 @@ def cmd_demo(cfg: RunConfig) -> int:
     history, _ = train(run)
     train_s = time.perf_counter() - t_train
     after = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
-    ckpt = save_run_checkpoint(run, run_dir / "checkpoints" / "final")
+    ckpt = (save_run_checkpoint(run, run_dir / "checkpoints" / "final") if cfg.train.parallel == "none"
+            else run_dir / "checkpoints" / "final")  # the ranks saved it at the last step
     wall = time.perf_counter() - t0
     primary = "greedy" if "greedy" in before else "sampled"
     generated = sum(h["episode/action_tokens"] * cfg.rollout.batch_size for h in history)

@@ -111,7 +111,10 @@ class ModelConfig:
         "Replace the tokenizer's chat template: '' = keep it, 'chatml' = tiderl's ChatML template with "
         "tools (for models whose own template ignores tools=), or a path to a Jinja template file.",
     )
-    lora: LoraSettings = section(LoraSettings, "LoRA adapters on the policy (the critic stays fully trained).")
+    lora: LoraSettings = section(LoraSettings, "LoRA adapters on the policy (on the critic too with model.critic_lora=lora).")
+    critic_lora: str = opt(
+        "full", "The critic's backbone: full (fully trained) or lora (model.lora's adapters on it, base frozen; "
+        "the value head trains fully).", ("full", "lora"))
 
 
 @dataclass
@@ -670,7 +673,7 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "at system.max_staleness=0 every episode of a step ends before the weights change"),
         (("algo.critic_lr", "algo.critic_updates", "algo.critic_warmup_steps", "algo.critic_lambda",
           "algo.value_clip", "algo.value_init", "algo.freeze_critic_attention", "algo.critic_freeze_pattern",
-          "algo.advantage_values", "algo.decoupled_lambda"), critic,
+          "algo.advantage_values", "algo.decoupled_lambda", "model.critic_lora"), critic,
          f"algo.advantage={a.advantage} trains no critic"),
         (("algo.lambda_alpha",), critic and a.decoupled_lambda,
          "only the decoupled policy lambda reads it (algo.advantage=gae, algo.decoupled_lambda=true)"),
@@ -856,9 +859,6 @@ def validate(cfg: RunConfig) -> None:
     need(t.parallel == "none" or cfg.system.backend == "ray", "train.parallel",
          f"{t.parallel} runs its ranks as Ray actors, and system.backend={cfg.system.backend}",
          "set system.backend=ray, or train.parallel=none")
-    need(t.parallel == "none" or not t.resume, "train.resume",
-         f"resuming restores the optimizer state into one process, not into train.parallel={t.parallel} ranks",
-         "resume with train.parallel=none")
     need(t.autocast == "none" or cfg.model.dtype == "float32", "train.autocast",
          f"{t.autocast} keeps fp32 master weights, but model.dtype={cfg.model.dtype}",
          "use model.dtype=float32 with train.autocast=bfloat16")
@@ -867,6 +867,9 @@ def validate(cfg: RunConfig) -> None:
     need(lora.alpha > 0, "model.lora.alpha", "must be > 0", "use e.g. 16")
     need(lora.r == 0 or bool(lora.target_modules), "model.lora.target_modules", "is empty",
          "name the layers to adapt, e.g. [q_proj, v_proj]")
+    need(cfg.model.critic_lora == "full" or lora.r > 0, "model.critic_lora",
+         "is lora and model.lora.r=0: the critic's adapters take model.lora's settings",
+         "set model.lora.r (e.g. 8), or model.critic_lora=full")
     need(lora.r == 0 or t.parallel == "none", "model.lora.r",
          f"LoRA is not built for train.parallel={t.parallel} yet", "use train.parallel=none with LoRA")
     need(lora.r == 0 or cfg.rollout.engine == "torch", "model.lora.r",

@@ -46,6 +46,8 @@ def main(cfg: RunConfig) -> Path:
     run = build_run(cfg)
     train(run)
     final = Path(cfg.run_dir) / "checkpoints" / "final"
+    if cfg.train.parallel != "none":  # saved by the ranks at the last step (run.Checkpoints)
+        return final if cfg.train.save_final else final.parent
     return save_run_checkpoint(run, final) if cfg.train.save_final else final.parent
 
 
@@ -76,6 +78,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         from tiderl.system.ray_trainer import RayParallelTrainer
 
         trainer = RayParallelTrainer(run, preparations)
+    run.trainer = trainer
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     checkpoints = Checkpoints(run)
 
@@ -107,6 +110,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
             history = await scheduler.run(steps, stop)
         finally:
             getattr(trainer, "close", lambda: None)()  # data-parallel ranks hand back their weights and stop
+            run.trainer = None
             await rollout.close()
             ledger.close()
         return history, {**scheduler.summary(), "backend": rollout.report()}

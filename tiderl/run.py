@@ -101,6 +101,7 @@ class Run:
     resume_state: dict[str, Any] | None = None  # the checkpoint's trainer state, until train() uses it
     resumed_from: str = ""
     scheduler: Any = None  # the scheduler of the latest train(): its state goes into checkpoints
+    trainer: Any = None  # the running trainer of train(); data-parallel ranks write sharded checkpoints
 
     @property
     def make_env(self) -> Any:
@@ -142,6 +143,10 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
                         else ValueModel.from_policy(policy)).to(cfg.model.device)
         if cfg.algo.freeze_critic_attention:
             freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
+        if cfg.model.critic_lora == "lora":  # adapters on the backbone (base frozen), the head trains fully
+            from tiderl.train.lora import apply_critic_lora
+
+            apply_critic_lora(critic_model, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
         critic = Learner(critic_model, cfg.algo.critic_lr, **learner)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if needs_ref(cfg.algo) else None
     if cfg.model.lora.r > 0:  # LoRA: only adapters train and sync; critic and reference stay full models
@@ -165,7 +170,7 @@ def resume_run(run: Run, path: Path) -> None:
     """Load checkpoint `path` into `run`: weights, optimizers, curiosity counts, every random
     state (torch, Python, NumPy, the engine's sampler, the task stream); the schedule waits in
     `run.resume_state` for `train()`. `metrics.jsonl` is cut back to the checkpoint's step."""
-    state = load_checkpoint(path, run.actor, run.critic)
+    state = load_checkpoint(path, run.actor, run.critic, ranks_load=run.cfg.train.parallel != "none")
     run.step, run.resume_state, run.resumed_from = int(state["step"]), state, str(path)
     curiosity = path / "curiosity.json"
     if curiosity.is_file():
@@ -246,8 +251,14 @@ def save_run_checkpoint(run: Run, path: Path) -> Path:
         state["scheduler"] = run.scheduler.state_dict()
     elif run.resume_state is not None and "scheduler" in run.resume_state:
         state["scheduler"] = run.resume_state["scheduler"]  # resumed, not trained since
+    shards = None
+    if run.cfg.train.parallel != "none":  # the ranks hold the optimizer states: they write sharded/
+        shards = getattr(run.trainer, "save_sharded", None)
+        if shards is None:
+            raise RuntimeError(f"a train.parallel={run.cfg.train.parallel} checkpoint is written by the trainer ranks, "
+                               "and they are not running: save it during train() (train.checkpoint_every)")
     path = save_checkpoint(path, run.step, run.actor, run.critic, run.tokenizer, state=state,
-                           curiosity=run.curiosity.state_dict(), meta={"algo": run.cfg.algo.name})
+                           curiosity=run.curiosity.state_dict(), meta={"algo": run.cfg.algo.name}, shards=shards)
     log = getattr(run.scheduler, "ledger_log", None)
     if log is not None:
         log.append({"ev": "checkpoint", "step": run.step, "path": str(path)})
@@ -266,6 +277,9 @@ class Checkpoints:
         t = self.run.cfg.train
         due = (t.checkpoint_every > 0 and version % t.checkpoint_every == 0) or (
             t.checkpoint_every_s > 0 and time.monotonic() - self.last >= t.checkpoint_every_s)
+        if t.parallel != "none" and t.save_final and version >= t.steps:
+            # The ranks stop when train() ends: a data-parallel run's final checkpoint is saved here.
+            save_run_checkpoint(self.run, self.root / "final")
         if not due:
             return None
         path = save_run_checkpoint(self.run, self.root / f"step_{version}")

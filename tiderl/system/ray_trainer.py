@@ -12,9 +12,11 @@ critic is pulled every step when the driver computes critic values ahead (its pr
 the actor at checkpoint steps and when the trainer closes. Every wait on a rank is bounded by
 `system.wait_timeout_s`.
 
-Not here: sharded checkpoints (checkpoints hold the driver's mirror: model weights are exact,
-the optimizer state is not the ranks', which is why `train.resume` is refused with
-`train.parallel`).
+Checkpoints are sharded: `save_sharded(dir)` has every rank write its shards of the weights
+and AdamW states with `torch.distributed.checkpoint` into `dir` (`run.save_run_checkpoint` puts
+it inside the usual atomic checkpoint layout); a resumed run's ranks load them right after they
+form their group (`tiderl.train.checkpoint.load_sharded`, resharding to this run's world size),
+while the driver's mirror has already read the whole weights.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tiderl.config import RunConfig
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect
+from tiderl.train.checkpoint import load_sharded, save_sharded
 from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
 from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import train_step
@@ -121,6 +124,18 @@ class TrainerRank:
         state = full_state_dict(self.critic.model, self.critic.mode)
         return state if self.rank == 0 else None
 
+    def save_sharded(self, path: str) -> None:
+        """Write this rank's shards of the weights and optimizer states to `path` (a collective)."""
+        assert self.actor is not None
+        save_sharded(path, self.actor, self.critic)
+
+    def load_sharded(self, path: str) -> int:
+        """Load a sharded checkpoint into this rank's learners (a collective); returns how many
+        parameters have optimizer state now."""
+        assert self.actor is not None
+        load_sharded(path, self.actor, self.critic)
+        return sum(len(learner.optimizer.state) for learner in (self.actor, self.critic) if learner is not None)
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -146,6 +161,8 @@ class RayParallelTrainer:
         self.published: PublishedWeights | None = None
         self.mirrored_version = run.step
         self.info: list[dict[str, Any]] = []
+        # A resumed run's sharded checkpoint: the ranks load it once, when they start.
+        self.resume_shards: str | None = (getattr(run, "resume_state", None) or {}).pop("sharded", None)
 
     def _get(self, refs: Any, what: str) -> Any:
         try:
@@ -177,6 +194,13 @@ class RayParallelTrainer:
                       for r in range(self.world_size)]
         init_method = self._get(self.ranks[0].endpoint.remote(), "the rendezvous address")
         self.info = self._get([r.join.remote(init_method) for r in self.ranks], "joining the process group")
+        if self.resume_shards:
+            t0 = time.monotonic()
+            entries = self._get([r.load_sharded.remote(self.resume_shards) for r in self.ranks],
+                                f"loading the sharded checkpoint {self.resume_shards}")
+            logger.info("trainer ranks loaded the sharded checkpoint %s in %.2fs (optimizer entries per rank: %s)",
+                        self.resume_shards, time.monotonic() - t0, entries)
+            self.resume_shards = None
         logger.info("%d trainer ranks (%s) ready: %s", self.world_size, self.cfg.train.parallel, self.info)
 
     def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
@@ -196,6 +220,14 @@ class RayParallelTrainer:
         if version + 1 >= self.cfg.train.steps or (every > 0 and (version + 1) % every == 0):
             self.pull_actor()
         return metrics
+
+    def save_sharded(self, path: Any) -> dict[str, Any]:
+        """Every rank writes its shards of the weights and optimizer states to `path` (DCP; on
+        several nodes `path` must be on a file system they share). Returns what the checkpoint's
+        marker records."""
+        self.start()
+        self._get([r.save_sharded.remote(str(path)) for r in self.ranks], f"saving the sharded checkpoint {path}")
+        return {"parallel": self.cfg.train.parallel, "world_size": self.world_size}
 
     def state_dict(self) -> Any:
         if self.published is None:

@@ -1,4 +1,9 @@
-"""The value model: the policy's backbone plus a scalar head, trained as SAO's critic."""
+"""The value model: the policy's backbone plus a scalar head, trained as SAO's critic.
+
+With `model.critic_lora=lora` the backbone carries peft LoRA adapters (`tiderl.train.lora.
+apply_critic_lora`): only they and the value head train. Such a critic saves its adapters for
+resuming and, beside them, the merged backbone, so that its directory stays a plain value model
+(`ValueModel.load`, `algo.value_init`)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, PreTrainedModel
+
+LORA_STATE = "lora_adapters.safetensors"  # a LoRA critic's adapters, under the critic's own names
 
 
 class ValueModel(torch.nn.Module):
@@ -31,7 +38,7 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 
     @classmethod
-    def from_policy(cls, policy: PreTrainedModel) -> "ValueModel":
+    def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
         """A critic initialised from the policy's weights; the head starts at zero (V = 0)."""
         backbone = copy.deepcopy(getattr(policy, policy.base_model_prefix))
         head = torch.nn.Linear(policy.config.hidden_size, 1)
@@ -40,16 +47,23 @@ class ValueModel(torch.nn.Module):
         return cls(backbone, head.to(next(backbone.parameters()).dtype))
 
     def save(self, path: str | Path) -> None:
-        """Backbone as a Hugging Face model dir, head as safetensors."""
+        """Backbone as a Hugging Face model dir, head as safetensors; a LoRA backbone also as its
+        adapters (`LORA_STATE`), and merged in backbone/."""
+        from tiderl.train.lora import adapter_state, is_lora, merged_copy
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(path / "backbone")
+        backbone = self.backbone
+        if is_lora(backbone):
+            save_file({k: v.contiguous() for k, v in adapter_state(self).items()}, str(path / LORA_STATE))
+            backbone = merged_copy(backbone)
+        backbone.save_pretrained(path / "backbone")
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
                   str(path / "value_head.safetensors"))
         (path / "tiderl_value_model.json").write_text(json.dumps({"format": 1}))
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "ValueModel":
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ValueModel:
         path = Path(path)
         if not (path / "value_head.safetensors").is_file():
             raise FileNotFoundError(
@@ -70,6 +84,23 @@ class ValueModel(torch.nn.Module):
                 "corrupt or truncated (a copy or save that did not finish). Fix: resume from another "
                 "checkpoint, or point algo.value_init at an intact critic directory.") from err
         return cls(backbone, head)
+
+
+def load_lora_critic(model: ValueModel, path: str | Path) -> None:
+    """Load the adapters and the value head that `ValueModel.save` wrote for a LoRA critic at
+    `path` into `model` (a LoRA critic of the same settings); its base weights stay as built."""
+    path = Path(path)
+    if not (path / LORA_STATE).is_file():
+        raise ValueError(f"{path} holds a fully trained critic, and this run's critic is LoRA (model.critic_lora=lora). "
+                         "Fix: resume with the model.critic_lora it was trained with (full).")
+    adapters = load_file(str(path / LORA_STATE))
+    own = {k for k in model.state_dict() if ".lora_" in k}
+    if set(adapters) != own:
+        raise ValueError(f"the critic adapters at {path} do not fit this run's LoRA critic (missing "
+                         f"{sorted(own - set(adapters))[:3]}, unexpected {sorted(set(adapters) - own)[:3]}). Fix: resume "
+                         "with the model.lora settings (r, target_modules) it was trained with.")
+    model.load_state_dict(adapters, strict=False)
+    model.head.load_state_dict(load_file(str(path / "value_head.safetensors")))
 
 
 def freeze_matching(module: torch.nn.Module, pattern: str) -> list[str]:

@@ -35,6 +35,13 @@ def apply_lora(model: torch.nn.Module, r: int, alpha: float, target_modules: lis
     return get_peft_model(model, config)
 
 
+def apply_critic_lora(critic: Any, r: int, alpha: float, target_modules: list[str]) -> Any:
+    """The value model `critic` with LoRA adapters on its backbone (`apply_lora`); the value head
+    stays fully trainable. Returns `critic` (changed in place)."""
+    critic.backbone = apply_lora(critic.backbone, r, alpha, target_modules)
+    return critic
+
+
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA adapter weights of a peft model, under their own state-dict names."""
     return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
