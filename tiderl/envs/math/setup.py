@@ -3,6 +3,7 @@
 | source | train tasks | eval tasks |
 | --- | --- | --- |
 | `arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` other generated questions |
+| `small_arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` generated questions over number pairs no training question uses |
 | `gsm8k`, `math500`, `aime24`, `aime25`, `amc23` | none (the files are test sets) | a fixed-seed sample of at most `data.eval_size` |
 
 The environment is configured by `env.math_tools` (the calculator; multi-turn),
@@ -22,7 +23,15 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.math.calculator import CalculatorError, calculate
-from tiderl.envs.math.data import ARITHMETIC_KINDS, BENCHMARK_FILES, arithmetic_tasks, load_benchmark
+from tiderl.envs.math.data import (
+    ARITHMETIC_KINDS,
+    BENCHMARK_FILES,
+    SMALL_ARITHMETIC_KINDS,
+    Kind,
+    arithmetic_tasks,
+    load_benchmark,
+    small_arithmetic_tasks,
+)
 from tiderl.envs.math.env import MathEnv
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Task
@@ -31,7 +40,10 @@ from tiderl.envs.setup import Setup, data_root, sample_tasks
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
-MATH_SOURCES = ("arithmetic", *BENCHMARK_FILES)
+MATH_SOURCES = ("arithmetic", "small_arithmetic", *BENCHMARK_FILES)
+# The generated sources the embedded tiny model can be built for, with their kinds of question.
+GENERATED_KINDS: dict[str, tuple[Kind, ...]] = {"arithmetic": ARITHMETIC_KINDS,
+                                                "small_arithmetic": SMALL_ARITHMETIC_KINDS}
 
 
 def setup(cfg: "RunConfig") -> Setup:
@@ -39,6 +51,8 @@ def setup(cfg: "RunConfig") -> Setup:
     data = cfg.data
     if data.source == "arithmetic":
         train, held_out = arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+    elif data.source == "small_arithmetic":
+        train, held_out = small_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
     elif data.source in BENCHMARK_FILES:
         root = data_root(data.data_dir)
         try:
@@ -94,24 +108,24 @@ def oracle_turns(task: Task, tools: bool) -> list[str]:
     return turns
 
 
-def confusion_rates(noise: float, seed: int) -> dict[str, float]:
+def confusion_rates(noise: float, seed: int, kinds: tuple[Kind, ...] = ARITHMETIC_KINDS) -> dict[str, float]:
     """Per arithmetic kind, the rate at which demonstrations use the confused calculation:
     uniform in [noise - 0.3, noise + 0.3], clipped to [0, 0.9], so some kinds are mostly right
     in the demonstrations and some mostly wrong (a systematic error RL can fix)."""
     rng = random.Random(f"confusions-{seed}")
-    return {k.name: min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9) for k in ARITHMETIC_KINDS}
+    return {k.name: min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9) for k in kinds}
 
 
 def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
-    """Warm-start scripts for the embedded tiny model on arithmetic: `model.warmstart.num_traces`
+    """Warm-start scripts for the embedded tiny model on arithmetic or small_arithmetic: `model.warmstart.num_traces`
     training tasks, each solved by a calculator call (the task's expression, or its confusion at
     the kind's `confusion_rates` rate with `model.warmstart.relation_noise` as the mean) and
     `\\boxed{<the calculator's result>}`. Returns (tasks, scripts, build-report entries)."""
-    if setup.name != "arithmetic" or not cfg.env.math_tools:
-        raise ValueError("the embedded tiny model is built for data.source=arithmetic with the calculator. "
-                         "Fix: set data.source=arithmetic env.math_tools=true, or pass a real model "
+    if setup.name not in GENERATED_KINDS or not cfg.env.math_tools:
+        raise ValueError("the embedded tiny model is built for data.source=arithmetic or small_arithmetic with the "
+                         "calculator. Fix: set data.source=small_arithmetic env.math_tools=true, or pass a real model "
                          "(model.path=DIR) for the math benchmarks.")
-    rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed)
+    rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed, GENERATED_KINDS[setup.name])
     tasks = [rng.choice(setup.train_tasks) for _ in range(cfg.model.warmstart.num_traces)]
     scripts = []
     for task in tasks:
