@@ -11,7 +11,11 @@ import pytest
 
 from tiderl.config import load_config
 from tiderl.envs.math.calculator import calculate
-from tiderl.envs.math.data import SMALL_ARITHMETIC_KINDS, held_out_pair, small_arithmetic_tasks
+from tiderl.envs.math.data import (
+    SMALL_ARITHMETIC_KINDS,
+    held_out_pair,
+    small_arithmetic_tasks,
+)
 from tiderl.envs.setup import load_setup
 
 CONFIG = "configs/math_small_sao_tiny.yaml"
