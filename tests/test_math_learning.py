@@ -12,7 +12,9 @@ import pytest
 from tiderl.config import load_config
 from tiderl.envs.math.calculator import calculate
 from tiderl.envs.math.data import (
+    DIGIT_ARITHMETIC_KINDS,
     SMALL_ARITHMETIC_KINDS,
+    digit_arithmetic_tasks,
     held_out_pair,
     small_arithmetic_tasks,
 )
@@ -42,6 +44,20 @@ def test_held_out_split_is_disjoint_by_question_and_by_number_pair():
     assert [t.prompt for t in small_arithmetic_tasks(1, 2000, 300)[1]] != [t.prompt for t in held_out]
     with pytest.raises(ValueError, match="fewer than asked"):
         small_arithmetic_tasks(0, 100000, 10)
+
+
+def test_digit_split_is_disjoint_and_every_answer_is_one_digit():
+    train, held_out = digit_arithmetic_tasks(0, 340, 200)
+    assert len(train) == 340 and len(held_out) == 200
+    assert not {t.prompt for t in train} & {t.prompt for t in held_out}
+    assert len({t.task_id for t in train + held_out}) == 540
+    for t in train + held_out:
+        assert t.answer == calculate(t.meta["expression"]) and len(t.answer) == 1
+        assert len(calculate(t.meta["confusion"])) == 1  # the confused answer is a digit too
+    assert {t.meta["kind"] for t in held_out} == {k.name for k in DIGIT_ARITHMETIC_KINDS}
+    assert [t.prompt for t in digit_arithmetic_tasks(0, 340, 200)[1]] == [t.prompt for t in held_out]
+    with pytest.raises(ValueError, match="540 distinct questions"):
+        digit_arithmetic_tasks(0, 400, 200)
 
 
 def test_oracle_solves_held_out_tasks_under_the_verifier():

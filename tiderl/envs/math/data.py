@@ -262,3 +262,49 @@ def small_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[li
                          f"distinct questions, fewer than asked ({num_train}, {num_eval}): lower "
                          "data.num_train_tasks or data.eval_size")
     return splits[False], splits[True]
+
+
+# -- one-digit arithmetic without carry (single turn, no calculator) ------------------------------
+
+
+def _digits(rng: random.Random) -> dict[str, int]:
+    raise NotImplementedError("digit questions are enumerated, not drawn: see digit_arithmetic_tasks")
+
+
+# One digit plus or minus one digit, no carry and no borrow (b <= a, a + b <= 9), so the answer
+# and its confusion (the opposite operation) are both one digit: a tiny model can answer by
+# itself, with no calculator and no number to copy.
+DIGIT_ARITHMETIC_KINDS: tuple[Kind, ...] = (
+    Kind("add", "What is {a} plus {b}?", "{a} + {b}", "{a} - {b}", _digits),
+    Kind("sub", "What is {a} minus {b}?", "{a} - {b}", "{a} + {b}", _digits),
+    Kind("word_add", "{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?",
+         "{a} + {b}", "{a} - {b}", _digits),
+    Kind("word_sub", "{name} has {a} marbles and gives {b} away. How many marbles are left?",
+         "{a} - {b}", "{a} + {b}", _digits),
+)
+
+
+def digit_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Task], list[Task]]:
+    """Every distinct `digit_arithmetic` question (30 digit pairs; bare, and worded with each of
+    `NAMES`: 540 questions), shuffled with `seed`: the first `num_eval` are held out, the next
+    `num_train` train. The split is by question: a held-out question never appears in training,
+    but its digit fact (say 3 + 4) does, under another wording."""
+    from tiderl.envs.math.calculator import calculate
+
+    pairs = [(a, b) for a in range(10) for b in range(a + 1) if a + b <= 9]
+    tasks = []
+    for kind in DIGIT_ARITHMETIC_KINDS:
+        for a, b in pairs:
+            for name in (NAMES if "{name}" in kind.template else NAMES[:1]):
+                values = {"a": a, "b": b, "name": name}
+                expression = kind.expression.format(**values)
+                meta = {"dataset": "digit_arithmetic", "kind": kind.name, "expression": expression,
+                        "confusion": kind.confusion.format(**values), "pair": [a, b]}
+                tasks.append(Task("", kind.template.format(**values), calculate(expression), meta))
+    if num_train + num_eval > len(tasks):
+        raise ValueError(f"digit_arithmetic has {len(tasks)} distinct questions, fewer than asked "
+                         f"({num_train} + {num_eval}): lower data.num_train_tasks or data.eval_size")
+    random.Random(f"digit-arithmetic-{seed}").shuffle(tasks)
+    for i, task in enumerate(tasks):
+        task.task_id = f"digit-{i}"
+    return tasks[num_eval:num_eval + num_train], tasks[:num_eval]
