@@ -1,8 +1,8 @@
-"""The `small_arithmetic` task family (tiderl/envs/math/data.py) and the tiny model built for it:
-the held-out split shares no question and no number pair with training, every task is solved
-by its oracle under the math environment's verifier, and (slow) the warm-started tiny model
-solves some held-out tasks before any RL. The learning figure itself (held-out success before
-and after SAO) is printed by `tiderl demo --config configs/math_small_sao_tiny.yaml`
+"""The generated task families for the tiny model (tiderl/envs/math/data.py): `small_arithmetic`'s
+held-out split shares no question and no number pair with training, `digit_arithmetic`'s no
+question; every task is solved by its oracle under the math environment's verifier; and (slow)
+the warm-started tiny model solves some held-out `digit_arithmetic` tasks before any RL. The learning figure itself (held-out success before
+and after SAO) is printed by `tiderl demo --config configs/math_digits_sao_tiny.yaml`
 (docs/env_math.md), not asserted here."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tiderl.envs.math.data import (
 from tiderl.envs.setup import load_setup
 
 CONFIG = "configs/math_small_sao_tiny.yaml"
+DIGITS = "configs/math_digits_sao_tiny.yaml"
 
 
 def test_held_out_split_is_disjoint_by_question_and_by_number_pair():
@@ -81,15 +82,17 @@ def test_oracle_solves_held_out_tasks_under_the_verifier():
 
 @pytest.mark.slow
 def test_warm_started_tiny_model_solves_some_held_out_tasks(tmp_path):
-    """Builds the embedded tiny model of configs/math_small_sao_tiny.yaml (a few minutes on a
-    busy 2-core machine) and evaluates it greedily on 100 held-out tasks: some succeed (the
-    start RL needs) and not all (there is something to learn)."""
+    """Builds (or reuses from the cache) the embedded tiny model of
+    configs/math_digits_sao_tiny.yaml (minutes on a busy 2-core machine) and evaluates it
+    greedily on 100 of its held-out questions: some succeed (the start RL needs) and not all
+    (there is something to learn)."""
     from tiderl.evaluate import evaluate
     from tiderl.run import build_run
 
-    cfg = load_config(CONFIG, ["data.eval_size=100", "log.progress=false", f"run_dir={tmp_path / 'run'}"])
+    cfg = load_config(DIGITS, ["log.progress=false", f"run_dir={tmp_path / 'run'}"])
     run = build_run(cfg)
-    result = evaluate(run.engine, run.tokenizer, run.make_env, run.setup.eval_tasks, cfg.env, cfg.rollout,
-                      greedy=True)
+    held_out = run.setup.eval_tasks[:100]
+    assert not {t.prompt for t in held_out} & {t.prompt for t in run.setup.train_tasks}
+    result = evaluate(run.engine, run.tokenizer, run.make_env, held_out, cfg.env, cfg.rollout, greedy=True)
     assert result["n"] == 100
     assert 0.0 < result["success"] < 1.0
