@@ -57,8 +57,9 @@ def test_digit_split_is_disjoint_and_every_answer_is_one_digit():
         assert len(calculate(t.meta["confusion"])) == 1  # the confused answer is a digit too
     assert {t.meta["kind"] for t in held_out} == {k.name for k in DIGIT_ARITHMETIC_KINDS}
     assert [t.prompt for t in digit_arithmetic_tasks(0, 340, 200)[1]] == [t.prompt for t in held_out]
-    with pytest.raises(ValueError, match="540 distinct questions"):
-        digit_arithmetic_tasks(0, 400, 200)
+    assert len(digit_arithmetic_tasks(0, 4000, 200)[0]) == 340  # the rest, when fewer are left
+    with pytest.raises(ValueError, match="540 distinct questions, data.eval_size=540"):
+        digit_arithmetic_tasks(0, 10, 540)
 
 
 def test_oracle_solves_held_out_tasks_under_the_verifier():

@@ -287,7 +287,7 @@ DIGIT_ARITHMETIC_KINDS: tuple[Kind, ...] = (
 def digit_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Task], list[Task]]:
     """Every distinct `digit_arithmetic` question (30 digit pairs; bare, and worded with each of
     `NAMES`: 540 questions), shuffled with `seed`: the first `num_eval` are held out, the next
-    `num_train` train. The split is by question: a held-out question never appears in training,
+    `num_train` (or all the rest, when fewer are left) train. The split is by question: a held-out question never appears in training,
     but its digit fact (say 3 + 4) does, under another wording."""
     from tiderl.envs.math.calculator import calculate
 
@@ -301,9 +301,9 @@ def digit_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[li
                 meta = {"dataset": "digit_arithmetic", "kind": kind.name, "expression": expression,
                         "confusion": kind.confusion.format(**values), "pair": [a, b]}
                 tasks.append(Task("", kind.template.format(**values), calculate(expression), meta))
-    if num_train + num_eval > len(tasks):
-        raise ValueError(f"digit_arithmetic has {len(tasks)} distinct questions, fewer than asked "
-                         f"({num_train} + {num_eval}): lower data.num_train_tasks or data.eval_size")
+    if num_eval >= len(tasks):
+        raise ValueError(f"digit_arithmetic has {len(tasks)} distinct questions, data.eval_size={num_eval} "
+                         "leaves none to train on: lower data.eval_size")
     random.Random(f"digit-arithmetic-{seed}").shuffle(tasks)
     for i, task in enumerate(tasks):
         task.task_id = f"digit-{i}"
