@@ -128,7 +128,7 @@ class DataConfig:
         "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
         "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
         "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, "
-        "data.questions). env.name=math: 'arithmetic' (questions tiderl generates), 'gsm8k', "
+        "data.questions). env.name=math: 'arithmetic' (questions tiderl generates), 'small_arithmetic', 'digit_arithmetic' (smaller generated questions for the embedded tiny model), 'gsm8k', "
         "'math500', 'aime24', 'aime25', 'amc23' (test sets, evaluation only). A user's environment "
         "reads it as it likes.",
     )
@@ -151,6 +151,18 @@ class DataConfig:
                          "answer} (docs/env_db.md).")
     task_dir: str = opt(
         "", "env.name=repo with data.source=folder: a folder of task folders (docs/env_code.md).")
+
+
+@dataclass
+class DriftConfig:
+    """A world that changes during training (online learning; `tiderl/envs/drift.py`, docs/online.md).
+    KG only (data.source embedded or metaqa), local backend only."""
+
+    every_steps: int = opt(0, "Optimizer steps between two changes of the world (0 = no drift).")
+    fraction: float = opt(0.2, "Share of the facts (kind=facts) or of the relations (kind=relations) one "
+                          "change touches.")
+    kind: str = opt("relations", "What changes: 'facts' (triples get new objects) or 'relations' (relation "
+                    "names are permuted, so the tool calls that worked stop working).", ("facts", "relations"))
 
 
 @dataclass
@@ -191,6 +203,7 @@ class EnvConfig:
     sandbox_wall_s: float = opt(10.0, "code/repo: wall-clock seconds per sandboxed execution.")
     sandbox_memory_mb: int = opt(1024, "code/repo: address-space limit of a sandboxed execution, in MiB.")
     sandbox_concurrency: int = opt(0, "code/repo: sandboxed executions running at once (0 = one per core).")
+    drift: DriftConfig = section(DriftConfig, "KG: the world changes every drift.every_steps steps (online learning).")
 
 
 @dataclass
@@ -704,6 +717,10 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          f"env.tool_latency={e.tool_latency} has no spread"),
         (tuple(f"rollout.http.{f.name}" for f in dataclasses.fields(HttpEngineConfig)),
          cfg.rollout.engine == "http", f"only rollout.engine=http reads it (rollout.engine={cfg.rollout.engine})"),
+        (("env.drift.every_steps", "env.drift.fraction", "env.drift.kind"), e.name == "kg",
+         f"only env.name=kg reads it (env.name={e.name})"),
+        (("env.drift.fraction", "env.drift.kind"), e.drift.every_steps > 0,
+         "env.drift.every_steps=0 turns drift off"),
     ]
 
 
@@ -938,6 +955,12 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",
          f"is 0 but env.tool_latency is {cfg.env.tool_latency!r}",
          "set env.tool_latency_s > 0 or env.tool_latency=none")
+    drift = cfg.env.drift
+    need(drift.every_steps >= 0, "env.drift.every_steps", "must be >= 0", "use 0 (off) or e.g. 20")
+    need(0 < drift.fraction <= 1, "env.drift.fraction", f"{drift.fraction} is outside (0, 1]", "use e.g. 0.2")
+    need(drift.every_steps == 0 or cfg.system.backend == "local", "env.drift.every_steps",
+         "a drifting world lives in the training process, which the Ray backend's workers do not share",
+         "use system.backend=local, or env.drift.every_steps=0")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

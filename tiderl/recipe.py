@@ -81,11 +81,15 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     run.trainer = trainer
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     checkpoints = Checkpoints(run)
+    if run.setup.on_step is not None:
+        run.setup.on_step(run.step)
 
     def on_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> None:
         metrics.update(rollout_metrics(batch))
         metrics.update(curiosity_metrics(batch))
         run.step = version
+        if run.setup.on_step is not None:  # a drifting world moves with the step (env.drift)
+            run.setup.on_step(version)
         logger.log(version, metrics)
         if observer is not None:
             observer(version, metrics, batch)

@@ -44,6 +44,9 @@ class Setup:
     backends: resources shared by every environment of the setup (a DB backend, a SPARQL
         client), built on first use by `make_env`; they stay in the process that built them
         (a Setup sent to a Ray worker builds its own).
+    on_step: called by the recipe with the policy version once before the first episode and
+        after every optimizer step; an environment whose world changes during training
+        (`env.drift`, `tiderl/envs/drift.py`) follows the step with it. None for a fixed world.
     """
 
     train_tasks: list[Task]
@@ -55,6 +58,7 @@ class Setup:
     eval_chunk_size: int = 0
     store: Any = None
     backends: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    on_step: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

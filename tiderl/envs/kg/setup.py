@@ -61,7 +61,25 @@ def setup(cfg: "RunConfig") -> Setup:
     limits = ObservationLimits(max_items=env.max_items, max_chars=env.max_observation_chars)
     out.make_env = _KGFactory(out, env.sparql_endpoint, env.max_listed, prompt, limits)
     out.oracle = oracle_turns_for
+    if env.drift.every_steps > 0:
+        _add_drift(cfg, out)
     return out
+
+
+def _add_drift(cfg: "RunConfig", out: Setup) -> None:
+    """Make the setup's world change every `env.drift.every_steps` steps (tiderl/envs/drift.py):
+    its environments play in, and its oracle solves, the world of the current step."""
+    from tiderl.envs.drift import DriftingKGFactory, DriftingWorld, DriftSchedule
+
+    if out.store is None:
+        raise ValueError(f"env.drift needs an in-memory graph; data.source={out.name} has none. Fix: use "
+                         "data.source=embedded or metaqa, or env.drift.every_steps=0.")
+    world = DriftingWorld(out.store, DriftSchedule.from_config(cfg.env.drift, cfg.data.seed))
+    factory = out.make_env
+    out.make_env = DriftingKGFactory(world, max_listed=factory.max_listed, system_prompt=factory.system_prompt,
+                                     limits=factory.limits)
+    out.oracle = lambda task: oracle_turns(world.current().answer(task), random.Random(0))
+    out.on_step = world.at_step
 
 
 def oracle_turns_for(task: Task) -> list[str]:

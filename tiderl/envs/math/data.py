@@ -188,3 +188,123 @@ def arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Tas
     rng.shuffle(order)
     shuffled = [tasks[i] for i in order]
     return shuffled[:num_train], shuffled[num_train:]
+
+
+# -- the small arithmetic family (learnable by the embedded tiny model) ---------------------------
+
+
+def _small(rng: random.Random) -> dict[str, int]:
+    return {"a": rng.randint(10, 49), "b": rng.randint(1, 9)}
+
+
+def _small_equation(sign: int) -> Callable[[random.Random], dict[str, int]]:
+    def draw(rng: random.Random) -> dict[str, int]:
+        a, b = rng.randint(10, 49), rng.randint(1, 9)
+        return {"a": a, "b": b, "c": a + sign * b}
+
+    return draw
+
+
+# Questions over a two-digit number a (10-49) and a digit b (1-9), each answered by one
+# calculator call whose operands are copied from the question; `confusion` is the opposite
+# operation. Small numbers on purpose: digits are single tokens for the tiny model's tokenizer,
+# so a calculator call copies at most five digit tokens (`arithmetic`'s 2-3 digit operands
+# were more than its warm start learned to copy; docs/env_math.md).
+SMALL_ARITHMETIC_KINDS: tuple[Kind, ...] = (
+    Kind("add", "What is {a} plus {b}?", "{a} + {b}", "{a} - {b}", _small),
+    Kind("sub", "What is {a} minus {b}?", "{a} - {b}", "{a} + {b}", _small),
+    Kind("word_add", "{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?",
+         "{a} + {b}", "{a} - {b}", _small),
+    Kind("word_sub", "{name} has {a} marbles and gives {b} away. How many marbles are left?",
+         "{a} - {b}", "{a} + {b}", _small),
+    Kind("eq_plus", "Solve for x: x + {b} = {c}.", "{c} - {b}", "{c} + {b}", _small_equation(+1)),
+    Kind("eq_minus", "Solve for x: x - {b} = {c}.", "{c} + {b}", "{c} - {b}", _small_equation(-1)),
+)
+
+
+def held_out_pair(a: int, b: int, seed: int, fraction: float = 0.25) -> bool:
+    """Whether the number pair (a, b) belongs to the held-out split (a string-seeded draw, the
+    same in every process): every question over a held-out pair is an evaluation question."""
+    return random.Random(f"small-arithmetic-split-{seed}|{a}|{b}").random() < fraction
+
+
+def small_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Task], list[Task]]:
+    """`num_train` training and `num_eval` held-out `small_arithmetic` tasks, one draw per kind
+    in turn (a kind whose questions run out is skipped; seeded, deterministic). The split is by number pair (`held_out_pair`): no held-out
+    question shares its pair (a, b) with any training question, in any kind or wording, so a
+    held-out success needs numbers copied that were never trained together."""
+    from tiderl.envs.math.calculator import calculate
+
+    rng = random.Random(f"small-arithmetic-{seed}")
+    splits: dict[bool, list[Task]] = {False: [], True: []}
+    wanted = {False: num_train, True: num_eval}
+    seen: set[str] = set()
+    misses = 0  # draws since the last new question: the family is exhausted after many
+    turn = -1
+    while misses < 5_000 and not all(len(splits[k]) >= wanted[k] for k in splits):
+        turn += 1
+        misses += 1
+        kind = SMALL_ARITHMETIC_KINDS[turn % len(SMALL_ARITHMETIC_KINDS)]
+        values: dict[str, Any] = {**kind.draw(rng), "name": rng.choice(NAMES)}
+        held = held_out_pair(values["a"], values["b"], seed)
+        prompt = kind.template.format(**values)
+        if prompt in seen or len(splits[held]) >= wanted[held]:
+            continue
+        seen.add(prompt)
+        misses = 0
+        expression = kind.expression.format(**values)
+        meta = {"dataset": "small_arithmetic", "kind": kind.name, "expression": expression,
+                "confusion": kind.confusion.format(**values), "pair": [values["a"], values["b"]]}
+        task_id = f"small-{'eval' if held else 'train'}-{len(splits[held])}"
+        splits[held].append(Task(task_id, prompt, calculate(expression), meta))
+    if len(splits[False]) < num_train or len(splits[True]) < num_eval:
+        raise ValueError(f"small_arithmetic: found {len(splits[False])} training and {len(splits[True])} held-out "
+                         f"distinct questions, fewer than asked ({num_train}, {num_eval}): lower "
+                         "data.num_train_tasks or data.eval_size")
+    return splits[False], splits[True]
+
+
+# -- one-digit arithmetic without carry (single turn, no calculator) ------------------------------
+
+
+def _digits(rng: random.Random) -> dict[str, int]:
+    raise NotImplementedError("digit questions are enumerated, not drawn: see digit_arithmetic_tasks")
+
+
+# One digit plus or minus one digit, no carry and no borrow (b <= a, a + b <= 9), so the answer
+# and its confusion (the opposite operation) are both one digit: a tiny model can answer by
+# itself, with no calculator and no number to copy.
+DIGIT_ARITHMETIC_KINDS: tuple[Kind, ...] = (
+    Kind("add", "What is {a} plus {b}?", "{a} + {b}", "{a} - {b}", _digits),
+    Kind("sub", "What is {a} minus {b}?", "{a} - {b}", "{a} + {b}", _digits),
+    Kind("word_add", "{name} has {a} marbles and finds {b} more. How many marbles does {name} have now?",
+         "{a} + {b}", "{a} - {b}", _digits),
+    Kind("word_sub", "{name} has {a} marbles and gives {b} away. How many marbles are left?",
+         "{a} - {b}", "{a} + {b}", _digits),
+)
+
+
+def digit_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Task], list[Task]]:
+    """Every distinct `digit_arithmetic` question (30 digit pairs; bare, and worded with each of
+    `NAMES`: 540 questions), shuffled with `seed`: the first `num_eval` are held out, the next
+    `num_train` (or all the rest, when fewer are left) train. The split is by question: a held-out question never appears in training,
+    but its digit fact (say 3 + 4) does, under another wording."""
+    from tiderl.envs.math.calculator import calculate
+
+    pairs = [(a, b) for a in range(10) for b in range(a + 1) if a + b <= 9]
+    tasks = []
+    for kind in DIGIT_ARITHMETIC_KINDS:
+        for a, b in pairs:
+            for name in (NAMES if "{name}" in kind.template else NAMES[:1]):
+                values = {"a": a, "b": b, "name": name}
+                expression = kind.expression.format(**values)
+                meta = {"dataset": "digit_arithmetic", "kind": kind.name, "expression": expression,
+                        "confusion": kind.confusion.format(**values), "pair": [a, b]}
+                tasks.append(Task("", kind.template.format(**values), calculate(expression), meta))
+    if num_eval >= len(tasks):
+        raise ValueError(f"digit_arithmetic has {len(tasks)} distinct questions, data.eval_size={num_eval} "
+                         "leaves none to train on: lower data.eval_size")
+    random.Random(f"digit-arithmetic-{seed}").shuffle(tasks)
+    for i, task in enumerate(tasks):
+        task.task_id = f"digit-{i}"
+    return tasks[num_eval:num_eval + num_train], tasks[:num_eval]

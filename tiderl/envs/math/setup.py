@@ -3,6 +3,8 @@
 | source | train tasks | eval tasks |
 | --- | --- | --- |
 | `arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` other generated questions |
+| `digit_arithmetic` | `data.num_train_tasks` of its 540 questions | `data.eval_size` other questions (single turn, no calculator) |
+| `small_arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` generated questions over number pairs no training question uses |
 | `gsm8k`, `math500`, `aime24`, `aime25`, `amc23` | none (the files are test sets) | a fixed-seed sample of at most `data.eval_size` |
 
 The environment is configured by `env.math_tools` (the calculator; multi-turn),
@@ -22,7 +24,17 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.math.calculator import CalculatorError, calculate
-from tiderl.envs.math.data import ARITHMETIC_KINDS, BENCHMARK_FILES, arithmetic_tasks, load_benchmark
+from tiderl.envs.math.data import (
+    ARITHMETIC_KINDS,
+    BENCHMARK_FILES,
+    DIGIT_ARITHMETIC_KINDS,
+    SMALL_ARITHMETIC_KINDS,
+    Kind,
+    arithmetic_tasks,
+    digit_arithmetic_tasks,
+    load_benchmark,
+    small_arithmetic_tasks,
+)
 from tiderl.envs.math.env import MathEnv
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Task
@@ -31,7 +43,11 @@ from tiderl.envs.setup import Setup, data_root, sample_tasks
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
-MATH_SOURCES = ("arithmetic", *BENCHMARK_FILES)
+MATH_SOURCES = ("arithmetic", "small_arithmetic", "digit_arithmetic", *BENCHMARK_FILES)
+# The generated sources the embedded tiny model can be built for, with their kinds of question.
+GENERATED_KINDS: dict[str, tuple[Kind, ...]] = {"arithmetic": ARITHMETIC_KINDS,
+                                                "small_arithmetic": SMALL_ARITHMETIC_KINDS,
+                                                "digit_arithmetic": DIGIT_ARITHMETIC_KINDS}
 
 
 def setup(cfg: "RunConfig") -> Setup:
@@ -39,6 +55,10 @@ def setup(cfg: "RunConfig") -> Setup:
     data = cfg.data
     if data.source == "arithmetic":
         train, held_out = arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+    elif data.source == "digit_arithmetic":
+        train, held_out = digit_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+    elif data.source == "small_arithmetic":
+        train, held_out = small_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
     elif data.source in BENCHMARK_FILES:
         root = data_root(data.data_dir)
         try:
@@ -94,24 +114,24 @@ def oracle_turns(task: Task, tools: bool) -> list[str]:
     return turns
 
 
-def confusion_rates(noise: float, seed: int) -> dict[str, float]:
+def confusion_rates(noise: float, seed: int, kinds: tuple[Kind, ...] = ARITHMETIC_KINDS) -> dict[str, float]:
     """Per arithmetic kind, the rate at which demonstrations use the confused calculation:
     uniform in [noise - 0.3, noise + 0.3], clipped to [0, 0.9], so some kinds are mostly right
     in the demonstrations and some mostly wrong (a systematic error RL can fix)."""
     rng = random.Random(f"confusions-{seed}")
-    return {k.name: min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9) for k in ARITHMETIC_KINDS}
+    return {k.name: min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9) for k in kinds}
 
 
 def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
-    """Warm-start scripts for the embedded tiny model on arithmetic: `model.warmstart.num_traces`
+    """Warm-start scripts for the embedded tiny model on arithmetic or small_arithmetic: `model.warmstart.num_traces`
     training tasks, each solved by a calculator call (the task's expression, or its confusion at
     the kind's `confusion_rates` rate with `model.warmstart.relation_noise` as the mean) and
     `\\boxed{<the calculator's result>}`. Returns (tasks, scripts, build-report entries)."""
-    if setup.name != "arithmetic" or not cfg.env.math_tools:
-        raise ValueError("the embedded tiny model is built for data.source=arithmetic with the calculator. "
-                         "Fix: set data.source=arithmetic env.math_tools=true, or pass a real model "
-                         "(model.path=DIR) for the math benchmarks.")
-    rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed)
+    if setup.name not in GENERATED_KINDS or (setup.name != "digit_arithmetic") != cfg.env.math_tools:
+        raise ValueError("the embedded tiny model is built for data.source=arithmetic or small_arithmetic with the "
+                         "calculator (env.math_tools=true), or digit_arithmetic without it. Fix: set one of those, "
+                         "or pass a real model (model.path=DIR) for the math benchmarks.")
+    rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed, GENERATED_KINDS[setup.name])
     tasks = [rng.choice(setup.train_tasks) for _ in range(cfg.model.warmstart.num_traces)]
     scripts = []
     for task in tasks:
@@ -121,5 +141,8 @@ def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[
             result = calculate(expression)
         except CalculatorError:
             result = "0"
-        scripts.append([tool_call_text("calculator", {"expression": expression}), f"\\boxed{{{result}}}"])
+        if cfg.env.math_tools:
+            scripts.append([tool_call_text("calculator", {"expression": expression}), f"\\boxed{{{result}}}"])
+        else:  # single turn: the (possibly confused) result, boxed
+            scripts.append([f"\\boxed{{{result}}}"])
     return tasks, scripts, {"confusion_rates": {k: round(r, 3) for k, r in rates.items()}}
