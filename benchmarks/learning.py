@@ -56,6 +56,7 @@ from tiderl.metrics.compare import (
     mean_ci,
     paired_difference,
     trainer_token_passes,
+    verdict,
 )
 from tiderl.metrics.summary import summarize
 from tiderl.recipe import train
@@ -209,13 +210,6 @@ def interval(ci: dict[str, float]) -> str:
     return f"{ci['mean']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]"
 
 
-def verdict(ci: dict[str, float], higher: str = "SAO higher", lower: str = "SAO lower") -> str:
-    """The rule in the module docstring."""
-    if math.isnan(ci["se"]):
-        return "too few seeds"
-    return higher if ci["lo"] > 0 else lower if ci["hi"] < 0 else "no difference shown"
-
-
 def report(rows: list[dict[str, Any]], modes: list[str]) -> None:
     """Print the per-mode table, the paired differences and the last line."""
     print(f"\n| mode | seeds | gain over start (95 % CI) | start | final | steps | train wall s | trainer s "
@@ -251,7 +245,7 @@ def report(rows: list[dict[str, Any]], modes: list[str]) -> None:
             if other in ("grpo", "ppo"):
                 last.append(f"SAO - {other.upper()} {interval(ci)} ({verdict(ci)})")
     for mode, g in gains.items():
-        print(f"{mode}: {verdict(mean_ci(list(g.values())), 'learns', 'gets worse')}")
+        print(f"{mode}: {verdict(mean_ci(list(g.values())), 'learns', 'gets worse', 'no gain shown')}")
     if last:
         print("gain differences (95 % CI over paired seeds): " + "; ".join(last))
 

@@ -20,9 +20,15 @@ from tiderl.metrics.compare import (
     paired_difference,
     t_quantile_95,
     trainer_token_passes,
+    verdict,
 )
 from tiderl.system.buffer import ReadyBuffer
-from tiderl.system.scheduler import Scheduler, SchedulerSettings, critic_value_lags, lag_metrics
+from tiderl.system.scheduler import (
+    Scheduler,
+    SchedulerSettings,
+    critic_value_lags,
+    lag_metrics,
+)
 from tiderl.types import NO_VERSION, Trajectory
 
 # --- comparing runs -------------------------------------------------------------------------------
@@ -47,6 +53,14 @@ def test_paired_difference_cancels_the_shared_seed_effect():
     assert mean_ci(list(a.values()))["lo"] < mean_ci(list(b.values()))["hi"]  # unpaired: overlapping
     with pytest.raises(ValueError, match="no seed"):
         paired_difference({0: 1.0}, {1: 1.0})
+
+
+def test_verdict_needs_the_whole_interval_on_one_side_of_zero():
+    assert verdict({"se": 0.01, "lo": 0.001, "hi": 0.05}) == "SAO higher"
+    assert verdict({"se": 0.01, "lo": -0.05, "hi": -0.001}) == "SAO lower"
+    assert verdict({"se": 0.01, "lo": -0.01, "hi": 0.05}) == "no difference shown"
+    assert verdict(mean_ci([0.1])) == "too few seeds"
+    assert verdict(mean_ci([0.05, 0.06, 0.07]), "learns", "gets worse") == "learns"
 
 
 def test_first_reaching_is_time_to_accuracy_or_inf():

@@ -50,6 +50,16 @@ def paired_difference(a: dict[Any, float], b: dict[Any, float]) -> dict[str, flo
     return mean_ci([a[k] - b[k] for k in keys])
 
 
+def verdict(ci: dict[str, float], higher: str = "SAO higher", lower: str = "SAO lower",
+            neither: str = "no difference shown") -> str:
+    """The learning benchmark's rule, fixed before its runs: `higher` when the 95 % interval of a
+    difference (a `mean_ci`) lies above 0, `lower` when it lies below 0, else `neither`; "too few
+    seeds" without an interval."""
+    if math.isnan(ci["se"]):
+        return "too few seeds"
+    return higher if ci["lo"] > 0 else lower if ci["hi"] < 0 else neither
+
+
 def first_reaching(curve: Sequence[dict[str, float]], target: float, key: str = "success",
                    at: str = "train_s") -> float:
     """The `at` value (e.g. training seconds, generated tokens) of the first point of `curve`
