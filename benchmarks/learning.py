@@ -30,6 +30,7 @@ the interval of its gain lies above 0.
     .venv/bin/python benchmarks/learning.py --long      # SAO, 1000 steps at staleness 4: collapse?
     .venv/bin/python benchmarks/learning.py --config configs/metaqa_sao_tiny.yaml   # MetaQA task
     .venv/bin/python benchmarks/learning.py --resume    # finish an interrupted run (same options)
+    .venv/bin/python benchmarks/learning.py --merge runs/a,runs/b   # join runs made in parallel, then report
 
 Runs go seed by seed (every mode on seed 0, then seed 1, ...), and `<out>/runs.json` and
 `<out>/curves.csv` are rewritten after each one, so an interrupted benchmark keeps what it
@@ -265,6 +266,9 @@ def main() -> None:
                              "(default 10; 50 long)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in <out>/runs.json and run only the missing ones")
+    parser.add_argument("--merge", default="",
+                        help="comma-separated --out folders of earlier invocations (e.g. one per seed, run in "
+                             "parallel): their runs join <out>/runs.json and count as finished")
     parser.add_argument("override", nargs="*", help="extra dotted config overrides for every run")
     args = parser.parse_args()
     requested_eval_every, requested_batch = args.eval_every, args.batch
@@ -297,6 +301,9 @@ def main() -> None:
           f"every {args.eval_every or 'end'} steps")
 
     rows = finished_runs(out) if args.resume else []
+    for folder in filter(None, args.merge.split(",")):
+        have = {(r["mode"], r["seed"]) for r in rows}
+        rows += [r for r in finished_runs(Path(folder)) if (r["mode"], r["seed"]) not in have]
     # The start (step 0) is measured once and shared: every run starts from the policy at model_path.
     args.start = {k: rows[0]["curve"][0][k] for k in ("success", "stderr")} if rows else None
     done = {(r["mode"], r["seed"]) for r in rows}
