@@ -159,7 +159,9 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, model_path: str, out
             "start": start, "final": final, "gain": final - start, "best": best, "collapsed": final < 0.5 * best,
             "time_to_target_s": first_reaching(curve, start + TARGET_GAIN),
             "tokens_to_target": first_reaching(curve, start + TARGET_GAIN, at="generated_tokens"),
-            "dropped": summary["ledger"]["dropped_stale"], "critic_lag_histogram": lag, "curve": curve}
+            "dropped": summary["ledger"]["dropped_stale"], "critic_lag_histogram": lag,
+            "throughput": {k.split("/")[1]: v for k, v in history[-1].items() if k.startswith("throughput/")},
+            "curve": curve}
 
 
 def finished_runs(out: Path) -> list[dict[str, Any]]:
@@ -236,6 +238,20 @@ def report(rows: list[dict[str, Any]], modes: list[str]) -> None:
     if len({s for _, s in starts}) > 1:
         print(f"note: start success differs between runs ({sorted(starts)}): the greedy held-out result of the "
               "shared initial policy should be one number")
+    have = [m for m in modes if any("throughput" in r for r in rows if r["mode"] == m)]
+    if have:  # the scheduler's own figures (wall since it started, no evaluation inside)
+        print("\n| mode | goodput tok/s | goodput tok/s/unit | trained sequence tok/s | generated tok/s "
+              "| trained traj/s |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for mode in have:
+            t = [r["throughput"] for r in rows if r["mode"] == mode and "throughput" in r]
+
+            def mt(key: str, t: list[dict[str, float]] = t) -> float:
+                return statistics.mean(x[key] for x in t)
+
+            print(f"| {mode} | {mt('goodput_tokens_per_s'):.1f} | {mt('goodput_tokens_per_s_per_unit'):.1f} "
+                  f"| {mt('trained_sequence_tokens_per_s'):.1f} | {mt('generated_tokens_per_s'):.1f} "
+                  f"| {mt('goodput_trajectories_per_s'):.3f} |")
     print("\n| paired difference of gains | seeds | mean [95 % CI] | verdict |")
     print("| --- | --- | --- | --- |")
     last = []
@@ -303,7 +319,14 @@ def main() -> None:
     rows = finished_runs(out) if args.resume else []
     for folder in filter(None, args.merge.split(",")):
         have = {(r["mode"], r["seed"]) for r in rows}
-        rows += [r for r in finished_runs(Path(folder)) if (r["mode"], r["seed"]) not in have]
+        for r in finished_runs(Path(folder)):
+            if (r["mode"], r["seed"]) in have:
+                continue
+            metrics = Path(folder) / f"{r['mode']}_seed{r['seed']}" / "metrics.jsonl"
+            if "throughput" not in r and metrics.is_file():  # rows of an older version of this script
+                last = json.loads(metrics.read_text().splitlines()[-1])
+                r["throughput"] = {k.split("/")[1]: v for k, v in last.items() if k.startswith("throughput/")}
+            rows.append(r)
     # The start (step 0) is measured once and shared: every run starts from the policy at model_path.
     args.start = {k: rows[0]["curve"][0][k] for k in ("success", "stderr")} if rows else None
     done = {(r["mode"], r["seed"]) for r in rows}
