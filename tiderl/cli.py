@@ -552,8 +552,10 @@ def cmd_demo(cfg: RunConfig) -> int:
             else run_dir / "checkpoints" / "final")  # the ranks saved it at the last step
     wall = time.perf_counter() - t0
     primary = "greedy" if "greedy" in before else "sampled"
-    generated = sum(h["episode/action_tokens"] * cfg.rollout.batch_size for h in history)
-    trained = sum(h["episode/tokens"] * cfg.rollout.batch_size for h in history)
+    # Sampled tokens of every finished episode, and of the trained ones (prompt and observation
+    # tokens are not trained: docs/metrics.md, goodput).
+    generated = history[-1]["system/generated_tokens"] if history else 0
+    trained = history[-1]["system/trained_action_tokens"] if history else 0
     summary = {
         "success_before": before[primary]["success"],
         "success_after": after[primary]["success"],

@@ -449,6 +449,9 @@ class SystemConfig:
     ray_address: str = opt("", "Ray cluster to join ('' = start a local one).")
     ray_workers: int = opt(1, "Ray backend: rollout worker actors (each runs its own engine).")
     ray_remote_critic: bool = opt(False, "Ray backend: compute critic values in a Ray actor instead of the driver.")
+    resource_units: float = opt(
+        1.0, "Devices the run holds (GPUs; the machine for a CPU run): `throughput/goodput_tokens_per_s_per_unit` "
+        "divides goodput by it, so runs on different hardware compare per device.")
 
 
 @dataclass
@@ -915,6 +918,7 @@ def validate(cfg: RunConfig) -> None:
          "make min_slots <= max_slots")
     need(sysc.elastic_interval_s > 0, "system.elastic_interval_s", "must be > 0", "use 2.0")
     need(sysc.max_task_retries >= 0, "system.max_task_retries", "must be >= 0", "use 2")
+    need(sysc.resource_units > 0, "system.resource_units", "must be > 0 (the devices the run holds)", "use 1")
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
     has_critic = algo_registry.needs_critic(cfg.algo)
     need(has_critic or cfg.algo.critic_warmup_steps == 0, "algo.critic_warmup_steps",

@@ -42,7 +42,7 @@ from tiderl.envs.protocol import Task
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.elastic import LoadSignals, decide_slots
 from tiderl.system.staleness import StalenessGate, trajectory_staleness
-from tiderl.system.timing import TimeWeighted, overlap_s
+from tiderl.system.timing import TimeWeighted
 from tiderl.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class SchedulerSettings:
     wait_timeout_s: float = 600.0
     group_size: int = 1
     env_name: str = ""  # named in the error when every task keeps failing
+    resource_units: float = 1.0  # devices the run holds: goodput per resource unit divides by it
 
     def initial_slots(self) -> int:
         return self.slots or (self.max_staleness + 1) * self.batch_size
@@ -116,7 +117,8 @@ class SchedulerSettings:
                    partial_rollout=s.partial_rollout, slots=s.slots, min_slots=s.min_slots,
                    max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
-                   group_size=cfg.algo.group_size, env_name=cfg.env.name)
+                   group_size=cfg.algo.group_size, env_name=cfg.env.name,
+                   resource_units=s.resource_units)
 
 
 @dataclass
@@ -210,7 +212,13 @@ class Scheduler:
         self._idle = TimeWeighted(0.0)
         self.train_busy: list[tuple[float, float]] = []
         self.generated_tokens = 0
-        self.trained_tokens = 0
+        # Goodput counts the sampled (action) tokens of trained trajectories; the sequence count
+        # (prompt and observations included) is what the trainer's passes read, not goodput.
+        self.trained_tokens = 0  # action tokens of trained trajectories
+        self.trained_sequence_tokens = 0
+        self.critic_lag_histogram: dict[int, int] = {}  # run totals of `critic_value_lags`
+        self._prep_seen = 0  # preparation intervals already counted in `time/prep_s`
+        self._start_version = start_version  # the critic snapshot counts its refreshes from here
         self._t0 = self._last_end = 0.0
         self._stopping = False
 
@@ -222,6 +230,7 @@ class Scheduler:
         each step's metrics. Cancels what is still in flight at the end (counted as unsettled,
         never silently lost)."""
         self._t0 = self._last_end = time.monotonic()
+        self._start_version = self.version  # a resumed schedule's version is set by now
         history: list[dict[str, float]] = []
         self.buffer.start()
         fill = asyncio.create_task(self._fill_loop(), name="tiderl-fill")
@@ -265,7 +274,8 @@ class Scheduler:
             "gate_dropped": self.gate.dropped,
             "group_serial": self._group_serial,
             "generated_tokens": self.generated_tokens,
-            "trained_tokens": self.trained_tokens,
+            "trained_action_tokens": self.trained_tokens,
+            "trained_sequence_tokens": self.trained_sequence_tokens,
             "ledger_offset": self.ledger_log.offset if self.ledger_log is not None else None,
         }
 
@@ -295,7 +305,9 @@ class Scheduler:
         self.gate.dropped = state["gate_dropped"]
         self._group_serial = state["group_serial"]
         self.generated_tokens = state["generated_tokens"]
-        self.trained_tokens = state["trained_tokens"]
+        # Checkpoints from before the goodput fix hold one count of every token ("trained_tokens").
+        self.trained_tokens = state.get("trained_action_tokens", 0)
+        self.trained_sequence_tokens = state.get("trained_sequence_tokens", state.get("trained_tokens", 0))
 
     def unsettled(self) -> int:
         """Attempts started but not in any ledger bucket (in flight or waiting in the buffer)."""
@@ -314,7 +326,12 @@ class Scheduler:
             "rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
             "goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
             "goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
+            "goodput_tokens_per_s_per_unit": self.trained_tokens / max(wall, 1e-9) / self.settings.resource_units,
+            "trained_sequence_tokens_per_s": self.trained_sequence_tokens / max(wall, 1e-9),
             "generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
+            "trained_action_tokens": self.trained_tokens,
+            "trained_sequence_tokens": self.trained_sequence_tokens,
+            "critic_lag_histogram": dict(sorted(self.critic_lag_histogram.items())),
         }
 
     # ------------------------------------------------------------------ rollout side
@@ -451,6 +468,8 @@ class Scheduler:
         self._idle.set(1.0)
         batch = await self._take_fresh_batch()
         self._idle.set(0.0)
+        # Read before the step: the snapshot has been refreshed once per step since the start.
+        lags = critic_value_lags(batch, self.version - self._start_version)
         t_train = time.monotonic()
         metrics = dict(await loop.run_in_executor(self._trainer_exec, self.trainer.step, batch, self.version))
         t_sync = time.monotonic()
@@ -470,15 +489,27 @@ class Scheduler:
         self.ledger.trained += len(batch)
         for t in batch:
             self._event("trained", task=t.task_id, group=t.group_id, version=self.version)
-        self.trained_tokens += sum(len(t.tokens) for t in batch)
+        if not _skipped(metrics):
+            self.trained_tokens += sum(t.num_action_tokens for t in batch)
+            self.trained_sequence_tokens += sum(len(t.tokens) for t in batch)
+        for lag in lags:
+            self.critic_lag_histogram[lag] = self.critic_lag_histogram.get(lag, 0) + 1
         if self.settings.partial_rollout == "restart":
             self._restart_older_than(self.version)
         self._changed.set()
         t_end = time.monotonic()
         metrics.update(self._step_metrics(batch, t_wait, t_train, t_sync, t_end))
+        metrics.update(lag_metrics(lags))
         self._last_end = t_end
         self.on_step(self.version, metrics, batch)
         return metrics
+
+    def _prep_seconds_since_last_step(self) -> float:
+        """Seconds the buffer spent on preparations that finished since the previous step."""
+        busy = self.buffer.prep_busy
+        seconds = sum(end - start for start, end in busy[self._prep_seen:])
+        self._prep_seen = len(busy)
+        return seconds
 
     def _restart_older_than(self, version: int) -> None:
         """Cancel the episodes that started on weights older than `version` (they are queued
@@ -514,20 +545,17 @@ class Scheduler:
             "system/filtered": self.ledger.filtered,
             "system/trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
             "system/rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
-            "system/prep_overlap_frac": self._prep_overlap(),
             "throughput/goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
             "throughput/goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
+            "throughput/goodput_tokens_per_s_per_unit":
+                self.trained_tokens / max(wall, 1e-9) / self.settings.resource_units,
+            "throughput/trained_sequence_tokens_per_s": self.trained_sequence_tokens / max(wall, 1e-9),
             "throughput/generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
             "system/generated_tokens": self.generated_tokens,
-            "system/trained_tokens": self.trained_tokens,
+            "system/trained_action_tokens": self.trained_tokens,
+            "system/trained_sequence_tokens": self.trained_sequence_tokens,
+            "time/prep_s": self._prep_seconds_since_last_step(),
         }
-
-    def _prep_overlap(self) -> float:
-        """Fraction of preparation time (critic values, reference log-probs) that ran while the
-        trainer was training: the ref/critic pipelining overlap."""
-        prep = self.buffer.prep_busy
-        total = sum(end - start for start, end in prep)
-        return overlap_s(prep, self.train_busy) / total if total > 0 else 0.0
 
     # ------------------------------------------------------------------ elastic capacity
 
@@ -559,3 +587,34 @@ class Scheduler:
         self.slots = slots
         self._slots_tw.set(float(slots))
         self._changed.set()
+
+
+# Trainer metrics that mean the step changed no weights: its trajectories are not goodput.
+_SKIP_KEYS = ("nonfinite/skipped_step", "skipped_no_signal", "skipped_no_action_tokens")
+
+
+def _skipped(metrics: dict[str, float]) -> bool:
+    return any(metrics.get(k) for k in _SKIP_KEYS)
+
+
+def critic_value_lags(batch: list[Trajectory], refreshes: int) -> list[int]:
+    """How many critic versions behind the critic this step trains the precomputed values of each
+    trajectory are. `refreshes` is the number of steps (one critic update and one snapshot refresh
+    each) since the critic snapshot was made; the snapshot stamps the values it computes with its
+    refresh count then (`annotations["values_version"]`, see
+    `tiderl.train.annotate.CriticSnapshot`), so the lag is the difference: 0 = the values came from
+    the very weights the step starts from. Trajectories without a stamp (values computed in the
+    step itself, or by a remote critic) are left out."""
+    return [refreshes - int(t.annotations["values_version"][0]) for t in batch
+            if t.annotations.get("values_version")]
+
+
+def lag_metrics(lags: list[int]) -> dict[str, float]:
+    """`critic/lag_mean`, `critic/lag_max` and `critic/lag_<k>` (trajectories of the step whose
+    values were k versions behind) for one step; nothing when no value was precomputed."""
+    if not lags:
+        return {}
+    out: dict[str, float] = {"critic/lag_mean": sum(lags) / len(lags), "critic/lag_max": float(max(lags))}
+    for lag in sorted(set(lags)):
+        out[f"critic/lag_{lag}"] = float(lags.count(lag))
+    return out

@@ -27,23 +27,28 @@ Preparation = Callable[[list[Trajectory]], None]
 
 @torch.no_grad()
 def annotate_per_token(trajectories: list[Trajectory], key: str, forward: Callable[[Any], torch.Tensor],
-                       pad_id: int, micro_batch_tokens: int, device: str) -> None:
+                       pad_id: int, micro_batch_tokens: int, device: str,
+                       after: Callable[[list[int]], None] | None = None) -> None:
     """Run `forward(micro_batch) -> [b, t]` over the trajectories (right-padded, in micro-batches
     of at most `micro_batch_tokens`) and store each row's first len(tokens) entries as
-    `annotations[key]`."""
+    `annotations[key]`; `after(rows)`, when given, runs after each micro-batch's forward."""
     batch = collate(trajectories, pad_id)
     lengths = [len(t.tokens) for t in trajectories]
     for rows in micro_batch_indices(lengths, micro_batch_tokens):
         out = forward(slice_batch(batch, rows).to(device)).float().cpu()
         for i, row in enumerate(rows):
             trajectories[row].annotations[key] = out[i, : lengths[row]].tolist()
+        if after is not None:
+            after(rows)
 
 
 class CriticSnapshot:
     """A copy of the critic for the preparation thread, refreshed after every trainer step, so
     values are computed while the trainer updates the live critic (ref/critic pipelining). The
-    values therefore lag the live critic by the steps between a trajectory's arrival and its
-    training step."""
+    values therefore lag the live critic by the steps between their computation and the
+    trajectory's training step. To measure that lag, every trajectory it annotates also gets
+    `annotations["values_version"]`: the number of refreshes the snapshot had when it computed the
+    values (one entry per token, all equal); the scheduler turns it into `critic/lag_*`."""
 
     key = "values"
 
@@ -53,19 +58,29 @@ class CriticSnapshot:
         self.micro_batch_tokens = micro_batch_tokens
         self.device = device
         self.lock = threading.Lock()
+        self.refreshes = 0  # trainer steps whose critic this copy has taken
 
     def refresh(self, critic: torch.nn.Module) -> None:
         with self.lock:
             self.model.load_state_dict(critic.state_dict())
+            self.refreshes += 1
 
     def __call__(self, trajectories: list[Trajectory]) -> None:
         """Put `annotations["values"]` (one critic value per token) on each trajectory."""
 
+        used = [0]  # the refresh count of the weights the latest micro-batch ran with
+
         def values(mb: Any) -> torch.Tensor:
-            with self.lock:
+            with self.lock:  # per micro-batch, so a refresh never waits for a whole batch
+                used[0] = self.refreshes
                 return token_values(self.model, mb.input_ids, mb.attention_mask)
 
-        annotate_per_token(trajectories, "values", values, self.pad_id, self.micro_batch_tokens, self.device)
+        def stamp(rows: list[int]) -> None:
+            for row in rows:
+                trajectories[row].annotations["values_version"] = [float(used[0])] * len(trajectories[row].tokens)
+
+        annotate_per_token(trajectories, "values", values, self.pad_id, self.micro_batch_tokens, self.device,
+                           after=stamp)
 
 
 class RefLogprobs:
