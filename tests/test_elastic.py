@@ -1,0 +1,114 @@
+"""The elastic capacity policy as a pure function: its votes, its hysteresis and its bounds
+against the staleness gate and the batch size (the Ray pool that follows it is tested in
+tests/test_elastic_ray.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiderl.system.elastic import (
+    Bounds,
+    LoadSignals,
+    Memory,
+    Policy,
+    capacity_bounds,
+    decide,
+    vote,
+)
+
+B = 8
+STARVED = LoadSignals(trainer_idle_frac=0.6, ready=1, gate_blocked_frac=0.0, batch_size=B)
+PILED = LoadSignals(trainer_idle_frac=0.0, ready=2 * B, gate_blocked_frac=0.0, batch_size=B)
+GATED_BUSY = LoadSignals(trainer_idle_frac=0.0, ready=3, gate_blocked_frac=0.8, batch_size=B)
+GATED_STARVED = LoadSignals(trainer_idle_frac=0.7, ready=0, gate_blocked_frac=0.8, batch_size=B)
+BALANCED = LoadSignals(trainer_idle_frac=0.1, ready=B, gate_blocked_frac=0.1, batch_size=B)
+
+
+def span(bounds: Bounds) -> tuple[int, int]:
+    return bounds.low, bounds.high
+
+
+def test_votes_follow_who_waits_on_whom():
+    assert vote(STARVED)[0] == 1  # the trainer waits on rollout
+    assert vote(PILED)[0] == -1  # finished work waits on the trainer
+    assert vote(GATED_BUSY)[0] == -1  # rollout waits on the gate while the trainer works
+    # The trainer waits but the gate holds rollout back: more capacity would wait at the gate,
+    # and less would starve the trainer further.
+    assert vote(GATED_STARVED) == (0, "")
+    assert vote(BALANCED) == (0, "")  # the dead band
+
+
+def test_bounds_respect_the_batch_and_the_gate():
+    # 4 slots per worker, batch 8: one batch needs 2 workers; N=1 admits 16 trajectories = 4 workers.
+    b = capacity_bounds(batch_size=8, max_staleness=1, slots_per_unit=4, min_units=1, max_units=16)
+    assert (b.low, b.high) == (2, 4)
+    assert "batch" in b.low_why and "staleness gate" in b.high_why
+    # Slots as units (the local backend): [B, (N+1)B] within the configured range.
+    assert span(capacity_bounds(16, 4, 1, 16, 192)) == (16, 80)
+    assert span(capacity_bounds(16, 4, 1, 4, 40)) == (16, 40)
+    assert span(capacity_bounds(16, 4, 1, 24, 40)) == (24, 40)
+    # A configured max smaller than one batch needs is the resource limit: it wins.
+    small = capacity_bounds(16, 1, 4, 1, 3)
+    assert (small.low, small.high) == (3, 3) and "configured max" in small.low_why
+    # Synchronous training (N=0): the gate admits exactly one batch, so the range is one point.
+    assert span(capacity_bounds(8, 0, 4, 1, 10)) == (2, 2)
+    with pytest.raises(ValueError, match="slots_per_unit"):
+        capacity_bounds(8, 1, 0, 1, 4)
+    with pytest.raises(ValueError, match="min_units"):
+        capacity_bounds(8, 1, 4, 5, 4)
+
+
+def test_hysteresis_needs_votes_in_a_row_then_cools_down():
+    bounds = Bounds(2, 8)
+    policy = Policy(patience=2, cooldown=2)
+    d = decide(4, bounds, STARVED, Memory(), policy)
+    assert d.units == 4 and d.reason == "" and d.memory.streak == 1  # one vote is not enough
+    d = decide(4, bounds, STARVED, d.memory, policy)
+    assert d.units == 5 and d.reason.startswith("grow 4->5: the trainer waited 60%") and "2 intervals" in d.reason
+    # Cooldown: two intervals in which even a strong vote changes nothing.
+    d = decide(5, bounds, PILED, d.memory, policy)
+    assert (d.units, d.memory) == (5, Memory(0, 1))
+    d = decide(5, bounds, PILED, d.memory, policy)
+    assert (d.units, d.memory) == (5, Memory(0, 0))
+    # An alternating load (grow, shrink, grow, ...) never builds a streak: no oscillation.
+    memory = d.memory
+    for load in [STARVED, PILED] * 5:
+        d = decide(5, bounds, load, memory, policy)
+        assert d.units == 5
+        memory = d.memory
+    # A dead-band interval breaks a streak.
+    d = decide(5, bounds, PILED, Memory(), policy)
+    d = decide(5, bounds, BALANCED, d.memory, policy)
+    d = decide(5, bounds, PILED, d.memory, policy)
+    assert d.units == 5
+    d = decide(5, bounds, PILED, d.memory, policy)
+    assert d.units == 4 and d.reason.startswith("shrink 5->4: 16 finished trajectories wait")
+
+
+def test_decisions_never_leave_the_bounds():
+    bounds = capacity_bounds(batch_size=8, max_staleness=1, slots_per_unit=4, min_units=1, max_units=16)
+    policy = Policy(patience=1, cooldown=0, step_frac=1.0)  # as eager as possible
+    units, memory = 3, Memory()
+    seen = set()
+    for load in [STARVED] * 5 + [PILED] * 5 + [GATED_BUSY] * 3 + [STARVED] * 4:
+        d = decide(units, bounds, load, memory, policy)
+        units, memory = d.units, d.memory
+        seen.add(units)
+        assert bounds.low <= units <= bounds.high
+    assert seen == {2, 4}  # it reached both ends and stayed within them
+    # At a bound, a vote towards it is dropped (no streak waiting to fire).
+    d = decide(4, bounds, STARVED, Memory(), policy)
+    assert (d.units, d.reason, d.memory) == (4, "", Memory())
+    # Units outside the bounds (e.g. the initial configuration) are brought inside at once.
+    d = decide(1, bounds, BALANCED, Memory(), policy)
+    assert d.units == 2 and "below the lower bound" in d.reason and "one batch" in d.reason
+    d = decide(9, bounds, BALANCED, Memory(), policy)
+    assert d.units == 4 and "above the upper bound" in d.reason and "staleness gate" in d.reason
+
+
+def test_steps_scale_with_the_units():
+    bounds = Bounds(16, 192)
+    policy = Policy(patience=1)
+    assert decide(64, bounds, STARVED, Memory(), policy).units == 80  # a quarter
+    assert decide(190, bounds, STARVED, Memory(), policy).units == 192  # never past the bound
+    assert decide(3, Bounds(1, 8), STARVED, Memory(), policy).units == 4  # at least one
