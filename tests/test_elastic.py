@@ -63,8 +63,9 @@ def test_hysteresis_needs_votes_in_a_row_then_cools_down():
     policy = Policy(patience=2, cooldown=2)
     d = decide(4, bounds, STARVED, Memory(), policy)
     assert d.units == 4 and d.reason == "" and d.memory.streak == 1  # one vote is not enough
-    d = decide(4, bounds, STARVED, d.memory, policy)
-    assert d.units == 5 and d.reason.startswith("grow 4->5: the trainer waited 60%") and "2 intervals" in d.reason
+    d = decide(3, bounds, STARVED, d.memory, policy)
+    # Idle 60 %: rollout delivered 40 % of what the trainer needed -> 3 / 0.4 = 7.5, at most x2.
+    assert d.units == 6 and d.reason.startswith("grow 3->6: the trainer waited 60%") and "2 intervals" in d.reason
     # Cooldown: two intervals in which even a strong vote changes nothing.
     d = decide(5, bounds, PILED, d.memory, policy)
     assert (d.units, d.memory) == (5, Memory(0, 1))
@@ -106,9 +107,78 @@ def test_decisions_never_leave_the_bounds():
     assert d.units == 4 and "above the upper bound" in d.reason and "staleness gate" in d.reason
 
 
-def test_steps_scale_with_the_units():
+def test_grow_fast_in_proportion_to_the_starvation_shrink_slowly():
     bounds = Bounds(16, 192)
     policy = Policy(patience=1)
-    assert decide(64, bounds, STARVED, Memory(), policy).units == 80  # a quarter
+    slightly = LoadSignals(trainer_idle_frac=0.25, ready=0, gate_blocked_frac=0.0, batch_size=B)
+    assert decide(64, bounds, slightly, Memory(), policy).units == 86  # 64 / 0.75 = 85.3, rounded up
+    assert decide(64, bounds, STARVED, Memory(), policy).units == 128  # at most doubled
     assert decide(190, bounds, STARVED, Memory(), policy).units == 192  # never past the bound
-    assert decide(3, Bounds(1, 8), STARVED, Memory(), policy).units == 4  # at least one
+    assert decide(64, bounds, PILED, Memory(), policy).units == 48  # a quarter
+    assert decide(17, bounds, PILED, Memory(), policy).units == 16
+    assert decide(1, Bounds(1, 8), slightly, Memory(), policy).units == 2  # at least one
+
+
+def test_no_grow_while_added_capacity_is_booting():
+    policy = Policy(patience=1, cooldown=0)
+    booting = LoadSignals(trainer_idle_frac=0.9, ready=0, gate_blocked_frac=0.0, batch_size=B, booting=1)
+    d = decide(3, Bounds(2, 8), booting, Memory(streak=1), policy)
+    assert (d.units, d.reason, d.memory) == (3, "", Memory(streak=1))
+    # A shrink vote still counts (the load turned while the worker started: the pool stops it).
+    piled = LoadSignals(trainer_idle_frac=0.0, ready=2 * B, gate_blocked_frac=0.0, batch_size=B, booting=1)
+    assert decide(4, Bounds(2, 8), piled, Memory(), policy).units == 3
+
+
+def test_an_episode_cut_by_a_shrink_is_requeued_without_using_a_retry():
+    import asyncio
+    import itertools
+
+    from tiderl.envs.protocol import Task
+    from tiderl.system.buffer import ReadyBuffer
+    from tiderl.system.elastic import CapacityRemoved
+    from tiderl.system.scheduler import Scheduler, SchedulerSettings
+    from tiderl.types import NO_VERSION, Trajectory
+
+    calls: list[str] = []
+
+    class CutOnce:
+        version = 0
+
+        async def run_episode(self, task, group_id):
+            calls.append(task.task_id)
+            await asyncio.sleep(0.01)
+            if task.task_id == "t0" and calls.count("t0") <= 1:
+                raise CapacityRemoved("rollout worker 1 was removed by an elastic shrink")
+            return Trajectory(tokens=[1, 2], loss_mask=[0, 1], behavior_logprobs=[0.0, -1.0],
+                              policy_version=[NO_VERSION, self.version], task_id=task.task_id, group_id=group_id)
+
+        async def update_weights(self, state, version):
+            self.version = version
+            return 0.0
+
+    class Instant:
+        def step(self, batch, version):
+            return {}
+
+        def state_dict(self):
+            return {}
+
+        def checksum(self, state):
+            return 0.0
+
+    counter = itertools.count()
+    # max_task_retries=0: a fault would fail the task at once; a cut must not.
+    settings = SchedulerSettings(batch_size=2, max_staleness=1, max_task_retries=0)
+
+    async def main():
+        s = Scheduler(settings, lambda: Task(f"t{next(counter)}", "", None), CutOnce(), Instant(), ReadyBuffer([], 1))
+        trained = []
+        s.on_step = lambda v, m, batch: trained.extend(t.task_id for t in batch)
+        await s.run(3)
+        return s, trained
+
+    s, trained = asyncio.run(main())
+    ledger = s.summary()["ledger"]
+    assert ledger["requeued"] == 1 and ledger["retried"] == 0 and ledger["failed"] == 0, ledger
+    assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started"), ledger
+    assert calls.count("t0") == 2 and "t0" in trained  # played again, then trained

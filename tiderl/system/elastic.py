@@ -19,9 +19,15 @@ Readiness, the signal: who waited on whom over the last interval.
   vote to shrink.
 - Otherwise (the dead band between the two) -> no vote.
 
-Hysteresis: a vote must hold for `patience` intervals in a row before the units change, and for
-`cooldown` intervals after a change no vote is counted (a new worker must boot, and the queue
-must react, before the next measurement means anything).
+Hysteresis: a vote must hold for `patience` intervals in a row before the units change, for
+`cooldown` intervals after a change no vote is counted, and no grow vote is counted while an
+added unit is still booting (the queue must react to the new capacity before the next
+measurement means anything).
+
+Sizes: growing is proportional to the starvation (the trainer waited a fraction f of the
+interval, so rollout delivered about 1 - f of what it needed: units / (1 - f), at most twice the
+units, at least one more); shrinking is by a quarter (at least one). Fast up, slow down: a
+starving trainer costs the whole run, a spare worker costs one worker.
 
 Bounds (`capacity_bounds`): never fewer units than one batch needs
 (`ceil(batch / slots_per_unit)`: below that no step can be fed by one round of episodes), never
@@ -57,12 +63,14 @@ class LoadSignals:
     gate_blocked_frac: fraction of the interval with free rollout capacity that the staleness
         gate would not fill.
     batch_size: trajectories per optimizer step.
+    booting: units added and not yet serving (a worker still starting).
     """
 
     trainer_idle_frac: float
     ready: int
     gate_blocked_frac: float
     batch_size: int
+    booting: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,8 @@ class Policy:
     gate_bound_frac: float = GATE_BOUND_FRAC
     patience: int = 2  # intervals in a row a vote must hold before the units change
     cooldown: int = 2  # intervals after a change during which no vote is counted
-    step_frac: float = 0.25  # a change moves by this fraction of the units (at least 1)
+    step_frac: float = 0.25  # a shrink removes this fraction of the units (at least 1)
+    max_grow: float = 2.0  # a grow multiplies the units by at most this
 
 
 @dataclass(frozen=True)
@@ -156,8 +165,8 @@ def decide(units: int, bounds: Bounds, load: LoadSignals, memory: Memory = Memor
     to pass to the next call.
 
     Units outside `bounds` are brought inside at once. Otherwise a change needs `patience`
-    matching votes in a row (outside a cooldown) and moves by `step_frac` of the units (at
-    least one) towards the voted side, never past a bound; a vote at the bound it points to
+    matching votes in a row (outside a cooldown, and for growing with nothing booting) and moves
+    by the sizes of the module docstring, never past a bound; a vote at the bound it points to
     changes nothing and is not kept (it would fire the moment the bound moved)."""
     if units < bounds.low:
         return Decision(bounds.low, f"grow {units}->{bounds.low}: below the lower bound ({bounds.low_why})",
@@ -172,11 +181,16 @@ def decide(units: int, bounds: Bounds, load: LoadSignals, memory: Memory = Memor
         direction = 0
     if direction == 0:
         return Decision(units, "", Memory())
+    if direction > 0 and load.booting > 0:
+        return Decision(units, "", memory)  # the capacity on its way has not shown its effect yet
     streak = memory.streak + direction if memory.streak * direction > 0 else direction
     if abs(streak) < policy.patience:
         return Decision(units, "", Memory(streak, 0))
-    step = max(1, round(units * policy.step_frac))
-    new = bounds.clamp(units + direction * step)
+    if direction > 0:
+        factor = min(policy.max_grow, 1.0 / max(1e-9, 1.0 - load.trainer_idle_frac))
+        new = bounds.clamp(max(units + 1, math.ceil(units * factor - 1e-9)))
+    else:
+        new = bounds.clamp(units - max(1, round(units * policy.step_frac)))
     verb = "grow" if new > units else "shrink"
     return Decision(new, f"{verb} {units}->{new}: {why} ({abs(streak)} intervals in a row)",
                     Memory(0, policy.cooldown))

@@ -585,19 +585,20 @@ class Scheduler:
             bounds = capacity_bounds(s.batch_size, s.max_staleness, 1, max(1, self.min_slots), self.max_slots)
         else:
             return
-        interval = s.elastic_interval_s
         memory = Memory()
-        idle0, blocked0 = self._idle.integral(), self._blocked.integral()
+        t0, idle0, blocked0 = time.monotonic(), self._idle.integral(), self._blocked.integral()
         while True:
-            await asyncio.sleep(interval)
-            idle1, blocked1 = self._idle.integral(), self._blocked.integral()
+            await asyncio.sleep(s.elastic_interval_s)
+            t1, idle1, blocked1 = time.monotonic(), self._idle.integral(), self._blocked.integral()
+            elapsed = max(t1 - t0, 1e-9)  # the sleep may overrun on a loaded machine
             load = LoadSignals(
-                trainer_idle_frac=(idle1 - idle0) / interval,
+                trainer_idle_frac=(idle1 - idle0) / elapsed,
                 ready=self.buffer.ready_count,
-                gate_blocked_frac=(blocked1 - blocked0) / interval,
+                gate_blocked_frac=(blocked1 - blocked0) / elapsed,
                 batch_size=s.batch_size,
+                booting=pool.booting if pool is not None else 0,
             )
-            idle0, blocked0 = idle1, blocked1
+            t0, idle0, blocked0 = t1, idle1, blocked1
             units = pool.units if pool is not None else self.slots
             decision = decide(units, bounds, load, memory)
             memory = decision.memory
