@@ -15,20 +15,21 @@ The workload alternates two phases by trainer step (the phase of a task is the o
 the trainer is on when it is drawn, so every mode sees the same phase schedule):
 
 - tools: 2 short turns (about 20 tokens each) around one tool call (~0.075 s): an episode takes
-  about 0.16 s, rollout is cheap and the trainer (0.2 s a step) is the bottleneck even at the
-  smallest allocation;
+  about 0.2 s on a full worker, rollout is cheap and the trainer (0.3 s a step) is the
+  bottleneck even with one worker;
 - long: 2 long turns (about 80 tokens each) around one tool call (~0.1 s): an episode takes about
-  0.42 s, rollout is the bottleneck below 4 workers.
+  0.6 s on a full worker, one worker delivers a batch every ~0.6 s and the trainer waits half
+  the time; two or more keep it busy.
 
-A phase lasts 16 steps (3-7 s); the elastic loop measures every 0.5 s (2-3 trainer steps: a
-shorter interval measures the phase of one step, not the load) and a worker boots in 1.5 s on
-an idle machine, 5 s or more on a loaded one. Elasticity can only pay off when a phase lasts
-much longer than detection plus boot; `--phase-steps` sets it.
+A phase lasts 30 steps (9-18 s); the elastic loop measures every 0.5 s (about 2 trainer steps:
+a shorter interval measures one step, not the load) and a worker boots in about 1.5 s on an
+idle machine, 5 s or more on a loaded one. Elasticity can only pay off when a phase lasts much
+longer than detection plus boot; `--phase-steps` sets it.
 
-Capacity: batch 8, max_staleness 1, 4 episodes per worker, so every mode lies in [2, 4]
-workers (2 = one batch, 4 = what the staleness gate admits, `elastic.capacity_bounds`). The fixed
-modes are all of them (2, 3, 4 workers); the elastic mode starts at 2 with the range 1-8 and
-lets the bounds narrow it.
+Capacity: batch 8, max_staleness 3, 8 episodes per worker, so every mode lies in [1, 4]
+workers (1 = one batch, 4 = the 32 trajectories the staleness gate admits,
+`elastic.capacity_bounds`). The fixed modes are all of them (1, 2, 3, 4 workers); the elastic
+mode starts at 1 with the configured range 1-8 and lets the bounds narrow it.
 
 Resources: worker-seconds = the time integral of worker actors held (booting, live or draining),
 from the first step's start to the last step's end; an added worker is charged from its spawn
@@ -39,8 +40,8 @@ wall time), since a trainer that waits on rollout is a resource held idle.
 Prints a row per mode (mean ± 95 % t-interval over seeds), and on the last line elastic / best
 fixed allocation for each figure (the best fixed mode chosen per figure), paired by seed.
 
-    python benchmarks/elastic.py            # 3 seeds, 4 phases of 16 steps: about 6 minutes here
-    python benchmarks/elastic.py --quick    # 3 seeds, 2 phases of 8 steps: under 3 minutes
+    python benchmarks/elastic.py            # 3 seeds, 4 phases of 30 steps: about 12 minutes here
+    python benchmarks/elastic.py --quick    # 3 seeds, 2 phases of 6 steps: about 2 minutes
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ STEP_S = 0.001
 PER_SEQ_S = 0.00025
 CHUNK = 8
 BATCH = 8
-STALENESS = 1
-SLOTS_PER_WORKER = 4
+STALENESS = 3
+SLOTS_PER_WORKER = 8
 PHASES = {  # turns: mean tokens per turn; tool_s: mean tool latency between turns
     "tools": {"turns": 2, "tokens": 20, "tool_s": 0.075},
     "long": {"turns": 2, "tokens": 80, "tool_s": 0.1},
@@ -195,8 +196,8 @@ class RunResult:
 
 
 def config(workers: int, elastic: bool, interval_s: float, drain_s: float):
-    """The run's config: batch 8, staleness 1, 4 slots per worker; elastic: range 1-8 (the
-    bounds narrow it to 2-4)."""
+    """The run's config: batch 8, staleness 3, 8 slots per worker; elastic: range 1-8 (the
+    bounds narrow it to 1-4)."""
     common = ["system.backend=ray", f"rollout.batch_size={BATCH}", f"system.max_staleness={STALENESS}",
               f"system.ray_workers={workers}", "system.wait_timeout_s=120", "algo.name=sao"]
     if elastic:
@@ -267,23 +268,23 @@ def fmt(values: list[float], digits: int = 1) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 phases of 8 steps (under 3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="2 phases of 6 steps (about 2 minutes)")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--phase-steps", type=int, default=0, help="steps per phase (default 16, 8 with --quick)")
+    ap.add_argument("--phase-steps", type=int, default=0, help="steps per phase (default 30, 6 with --quick)")
     ap.add_argument("--phases", type=int, default=0, help="phases per run: tools, long, tools, ... (default 4, "
                     "2 with --quick)")
-    ap.add_argument("--train-s", type=float, default=0.2, help="seconds per trainer step")
+    ap.add_argument("--train-s", type=float, default=0.3, help="seconds per trainer step")
     ap.add_argument("--interval-s", type=float, default=0.5, help="seconds between elastic decisions")
     ap.add_argument("--trainer-units", type=float, default=1.0,
                     help="the trainer's cost in workers, for tok/res-s (default 1)")
     args = ap.parse_args()
-    phase_steps = args.phase_steps or (8 if args.quick else 16)
+    phase_steps = args.phase_steps or (6 if args.quick else 30)
     phases = args.phases or (2 if args.quick else 4)
     steps = phase_steps * phases
     logging.basicConfig(level=logging.WARNING)
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    modes = [("elastic", 2)] + [(f"fixed {k}", k) for k in (2, 3, 4)]
+    modes = [("elastic", 1)] + [(f"fixed {k}", k) for k in (1, 2, 3, 4)]
     print(f"batch {BATCH}, max_staleness {STALENESS}, {SLOTS_PER_WORKER} slots per worker, trainer step "
           f"{args.train_s:g} s; {phases} phases x {phase_steps} steps ({', '.join(PHASES)}, ...); "
           f"{args.seeds} seeds; load before: {loadavg()}", flush=True)
