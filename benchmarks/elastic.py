@@ -17,11 +17,11 @@ the trainer is on when it is drawn, so every mode sees the same phase schedule):
 - tools: 2 short turns (about 20 tokens each) around one tool call (~0.075 s): an episode takes
   about 0.2 s on a full worker, rollout is cheap and the trainer (0.3 s a step) is the
   bottleneck even with one worker;
-- long: 2 long turns (about 80 tokens each) around one tool call (~0.1 s): an episode takes about
-  0.6 s on a full worker, one worker delivers a batch every ~0.6 s and the trainer waits half
-  the time; two or more keep it busy.
+- long: 2 long turns (about 200 tokens each, `--long-tokens`) around one tool call (~0.1 s): an
+  episode takes about 1.3 s on a full worker, one worker delivers a batch every ~1.3 s, so the
+  trainer waits three quarters of the time with one worker and is about busy with four.
 
-A phase lasts 30 steps (9-18 s); the elastic loop measures every 0.5 s (about 2 trainer steps:
+A phase lasts 24 steps (7-30 s); the elastic loop measures every 0.5 s (about 2 trainer steps:
 a shorter interval measures one step, not the load) and a worker boots in about 1.5 s on an
 idle machine, 5 s or more on a loaded one. Elasticity can only pay off when a phase lasts much
 longer than detection plus boot; `--phase-steps` sets it.
@@ -40,7 +40,7 @@ wall time), since a trainer that waits on rollout is a resource held idle.
 Prints a row per mode (mean ± 95 % t-interval over seeds), and on the last line elastic / best
 fixed allocation for each figure (the best fixed mode chosen per figure), paired by seed.
 
-    python benchmarks/elastic.py            # 3 seeds, 4 phases of 30 steps: about 12 minutes here
+    python benchmarks/elastic.py            # 3 seeds, 4 phases of 24 steps: about 13 minutes here
     python benchmarks/elastic.py --quick    # 3 seeds, 2 phases of 6 steps: about 2 minutes
 """
 
@@ -82,7 +82,7 @@ STALENESS = 3
 SLOTS_PER_WORKER = 8
 PHASES = {  # turns: mean tokens per turn; tool_s: mean tool latency between turns
     "tools": {"turns": 2, "tokens": 20, "tool_s": 0.075},
-    "long": {"turns": 2, "tokens": 80, "tool_s": 0.1},
+    "long": {"turns": 2, "tokens": 200, "tool_s": 0.1},  # tokens: --long-tokens
 }
 
 
@@ -270,15 +270,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 phases of 6 steps (about 2 minutes)")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--phase-steps", type=int, default=0, help="steps per phase (default 30, 6 with --quick)")
+    ap.add_argument("--phase-steps", type=int, default=0, help="steps per phase (default 24, 6 with --quick)")
     ap.add_argument("--phases", type=int, default=0, help="phases per run: tools, long, tools, ... (default 4, "
                     "2 with --quick)")
     ap.add_argument("--train-s", type=float, default=0.3, help="seconds per trainer step")
+    ap.add_argument("--long-tokens", type=int, default=200, help="mean tokens per turn in the long phase")
     ap.add_argument("--interval-s", type=float, default=0.5, help="seconds between elastic decisions")
     ap.add_argument("--trainer-units", type=float, default=1.0,
                     help="the trainer's cost in workers, for tok/res-s (default 1)")
     args = ap.parse_args()
-    phase_steps = args.phase_steps or (6 if args.quick else 30)
+    phase_steps = args.phase_steps or (6 if args.quick else 24)
+    PHASES["long"]["tokens"] = args.long_tokens
     phases = args.phases or (2 if args.quick else 4)
     steps = phase_steps * phases
     logging.basicConfig(level=logging.WARNING)
@@ -286,7 +288,7 @@ def main() -> None:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     modes = [("elastic", 1)] + [(f"fixed {k}", k) for k in (1, 2, 3, 4)]
     print(f"batch {BATCH}, max_staleness {STALENESS}, {SLOTS_PER_WORKER} slots per worker, trainer step "
-          f"{args.train_s:g} s; {phases} phases x {phase_steps} steps ({', '.join(PHASES)}, ...); "
+          f"{args.train_s:g} s, long turns {args.long_tokens} tokens; {phases} phases x {phase_steps} steps ({', '.join(PHASES)}, ...); "
           f"{args.seeds} seeds; load before: {loadavg()}", flush=True)
     results: dict[str, list[RunResult]] = {m: [] for m, _ in modes}
     t_start = time.monotonic()

@@ -64,8 +64,8 @@ def test_hysteresis_needs_votes_in_a_row_then_cools_down():
     d = decide(4, bounds, STARVED, Memory(), policy)
     assert d.units == 4 and d.reason == "" and d.memory.streak == 1  # one vote is not enough
     d = decide(3, bounds, STARVED, d.memory, policy)
-    # Idle 60 %: rollout delivered 40 % of what the trainer needed -> 3 / 0.4 = 7.5, at most x2.
-    assert d.units == 6 and d.reason.startswith("grow 3->6: the trainer waited 60%") and "2 intervals" in d.reason
+    # Idle 60 %: rollout delivered 40 % of what the trainer needed -> 3 / 0.4 = 7.5 -> 8.
+    assert d.units == 8 and d.reason.startswith("grow 3->8: the trainer waited 60%") and "2 intervals" in d.reason
     # Cooldown: two intervals in which even a strong vote changes nothing.
     d = decide(5, bounds, PILED, d.memory, policy)
     assert (d.units, d.memory) == (5, Memory(0, 1))
@@ -112,7 +112,10 @@ def test_grow_fast_in_proportion_to_the_starvation_shrink_slowly():
     policy = Policy(patience=1)
     slightly = LoadSignals(trainer_idle_frac=0.25, ready=0, gate_blocked_frac=0.0, batch_size=B)
     assert decide(64, bounds, slightly, Memory(), policy).units == 86  # 64 / 0.75 = 85.3, rounded up
-    assert decide(64, bounds, STARVED, Memory(), policy).units == 128  # at most doubled
+    assert decide(32, bounds, STARVED, Memory(), policy).units == 80  # 32 / 0.4
+    starving = LoadSignals(trainer_idle_frac=0.95, ready=0, gate_blocked_frac=0.0, batch_size=B)
+    assert decide(32, bounds, starving, Memory(), policy).units == 128  # at most x4
+    assert decide(64, bounds, STARVED, Memory(), policy).units == 160
     assert decide(190, bounds, STARVED, Memory(), policy).units == 192  # never past the bound
     assert decide(64, bounds, PILED, Memory(), policy).units == 48  # a quarter
     assert decide(17, bounds, PILED, Memory(), policy).units == 16

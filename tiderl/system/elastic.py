@@ -25,8 +25,8 @@ added unit is still booting (the queue must react to the new capacity before the
 measurement means anything).
 
 Sizes: growing is proportional to the starvation (the trainer waited a fraction f of the
-interval, so rollout delivered about 1 - f of what it needed: units / (1 - f), at most twice the
-units, at least one more); shrinking is by a quarter (at least one). Fast up, slow down: a
+interval, so rollout delivered about 1 - f of what it needed: units / (1 - f), at most four
+times the units, at least one more); shrinking is by a quarter (at least one). Fast up, slow down: a
 starving trainer costs the whole run, a spare worker costs one worker.
 
 Bounds (`capacity_bounds`): never fewer units than one batch needs
@@ -125,7 +125,7 @@ class Policy:
     patience: int = 2  # intervals in a row a vote must hold before the units change
     cooldown: int = 2  # intervals after a change during which no vote is counted
     step_frac: float = 0.25  # a shrink removes this fraction of the units (at least 1)
-    max_grow: float = 2.0  # a grow multiplies the units by at most this
+    max_grow: float = 4.0  # a grow multiplies the units by at most this (a boot is slow: one step)
 
 
 @dataclass(frozen=True)
