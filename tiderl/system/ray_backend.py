@@ -7,7 +7,7 @@ to one worker are decoded together. What travels through the object store: once 
 `WorkerBundle` (config, policy model, tokenizer, task setup), and once per optimizer step the
 policy weights (`ray.put` once, loaded by every worker).
 
-Faults: a worker that dies (any `RayActorError` on a call to it) is removed from the pool at
+Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory monitor, on a call to it) is removed from the pool at
 once, every call in flight on it raises `WorkerLost` (the scheduler retries those tasks on the
 live workers), and a fresh actor is started in the background with the latest weights and
 version; it joins the pool only after its weight checksum matches the trainer's. Every wait on a
@@ -44,7 +44,11 @@ import torch
 
 try:
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import OutOfMemoryError, RayActorError
+
+    # How a call reports that its actor is gone: died, killed, or killed by Ray's memory monitor
+    # (which raises OutOfMemoryError, not a RayActorError, for the calls in flight on it).
+    ACTOR_GONE = (RayActorError, OutOfMemoryError)
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError(
         "system.backend=ray needs Ray, which is not installed. Fix: pip install 'ray>=2,<3' "
@@ -340,7 +344,7 @@ class RayRollout:
         self._replacing: set[asyncio.Task[None]] = set()
         self._growing: set[asyncio.Task[None]] = set()  # elastic additions booting
         self._draining: dict[int, _Worker] = {}  # removed from routing, finishing their episodes
-        self._drains: set[asyncio.Task[None]] = set()
+        self._drains: set[asyncio.Task[None]] = set()  # drains, and cancelled additions winding down
         self._held = TimeWeighted(0.0)  # actors started and not yet killed
         self._live_changed = asyncio.Event()
         self._closing = False
@@ -435,7 +439,9 @@ class RayRollout:
         for task in list(self._growing):
             if self.units <= target:
                 break
-            self._growing.discard(task)  # counted out now; its boot is cancelled below
+            self._growing.discard(task)  # counted out now; its boot is cancelled
+            self._drains.add(task)  # awaited by close() like a drain
+            task.add_done_callback(self._drains.discard)
             task.cancel()
         while self.units > target and len(self._workers) > 1:
             victim = min(self._workers.values(), key=lambda w: (w.load, -w.serial))
@@ -648,7 +654,7 @@ class RayRollout:
         """Await a call on worker `w`; its death becomes WorkerLost (and starts a replacement)."""
         try:
             return await _await_ref(ref, self.timeout_s, f"rollout worker {w.serial}: {what}")
-        except RayActorError as exc:
+        except ACTOR_GONE as exc:
             if w.retiring:
                 raise CapacityRemoved(f"rollout worker {w.serial} was removed by an elastic shrink "
                                       f"(system.worker_drain_s={self.drain_s:g}s passed) during {what}") from exc
