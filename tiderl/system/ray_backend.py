@@ -7,9 +7,9 @@ to one worker are decoded together. What travels through the object store: once 
 `WorkerBundle` (config, policy model, tokenizer, task setup), and once per optimizer step the
 policy weights (`ray.put` once, loaded by every worker).
 
-Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory monitor, on a call to it) is removed from the pool at
-once, every call in flight on it raises `WorkerLost` (the scheduler retries those tasks on the
-live workers), and a fresh actor is started in the background with the latest weights and
+Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory
+monitor, on a call to it) is removed from the pool at once, every call in flight on it raises
+`WorkerLost` (the scheduler retries those tasks on the live workers), and a fresh actor is started in the background with the latest weights and
 version; it joins the pool only after its weight checksum matches the trainer's. Every wait on a
 Ray reference is bounded by `system.wait_timeout_s`.
 
