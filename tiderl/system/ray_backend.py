@@ -9,9 +9,10 @@ policy weights (`ray.put` once, loaded by every worker).
 
 Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory
 monitor, on a call to it) is removed from the pool at once, every call in flight on it raises
-`WorkerLost` (the scheduler retries those tasks on the live workers), and a fresh actor is started in the background with the latest weights and
-version; it joins the pool only after its weight checksum matches the trainer's. Every wait on a
-Ray reference is bounded by `system.wait_timeout_s`.
+`WorkerLost` (the scheduler retries those tasks on the live workers), and a fresh actor is
+started in the background with the latest weights and version; it joins the pool only after its
+weight checksum matches the trainer's. Every wait on a Ray reference is bounded by
+`system.wait_timeout_s`.
 
 Elastic pool (`system.min_workers` < `system.max_workers`): the scheduler's elastic loop calls
 `resize(units)` with what `tiderl.system.elastic.decide` chose from readiness. Growing starts new
