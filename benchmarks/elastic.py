@@ -284,7 +284,8 @@ def main() -> None:
     phases = args.phases or (2 if args.quick else 4)
     steps = phase_steps * phases
     logging.basicConfig(level=logging.WARNING)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    # "local": a cluster of our own, never one another process on this machine started.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     modes = [("elastic", 1)] + [(f"fixed {k}", k) for k in (1, 2, 3, 4)]
     print(f"batch {BATCH}, max_staleness {STALENESS}, {SLOTS_PER_WORKER} slots per worker, trainer step "

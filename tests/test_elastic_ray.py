@@ -30,7 +30,7 @@ TIMEOUT_S = 120  # every wait on Ray here is bounded by this (a hang becomes a f
 @pytest.fixture(scope="module")
 def cluster():
     ray.cloudpickle.register_pickle_by_value(bench)  # Ray's workers import it by value
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # our own cluster, not a running one
     yield
     ray.shutdown()
 
