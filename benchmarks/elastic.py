@@ -40,8 +40,8 @@ wall time), since a trainer that waits on rollout is a resource held idle.
 Prints a row per mode (mean ± 95 % t-interval over seeds), and on the last line elastic / best
 fixed allocation for each figure (the best fixed mode chosen per figure), paired by seed.
 
-    python benchmarks/elastic.py            # 3 seeds, 4 phases of 24 steps: about 13 minutes here
-    python benchmarks/elastic.py --quick    # 3 seeds, 2 phases of 6 steps: about 2 minutes
+    python benchmarks/elastic.py            # 3 seeds, 4 phases of 24 steps: 16 minutes at load 28
+    python benchmarks/elastic.py --quick    # 2 seeds, 2 phases of 6 steps: a smoke run
 """
 
 from __future__ import annotations
@@ -268,8 +268,8 @@ def fmt(values: list[float], digits: int = 1) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 phases of 6 steps (about 2 minutes)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 seeds, 2 phases of 6 steps (a smoke run)")
+    ap.add_argument("--seeds", type=int, default=0, help="default 3, 2 with --quick")
     ap.add_argument("--phase-steps", type=int, default=0, help="steps per phase (default 24, 6 with --quick)")
     ap.add_argument("--phases", type=int, default=0, help="phases per run: tools, long, tools, ... (default 4, "
                     "2 with --quick)")
@@ -282,6 +282,7 @@ def main() -> None:
     phase_steps = args.phase_steps or (6 if args.quick else 24)
     PHASES["long"]["tokens"] = args.long_tokens
     phases = args.phases or (2 if args.quick else 4)
+    args.seeds = args.seeds or (2 if args.quick else 3)
     steps = phase_steps * phases
     logging.basicConfig(level=logging.WARNING)
     # "local": a cluster of our own, never one another process on this machine started.
