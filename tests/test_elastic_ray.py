@@ -121,7 +121,7 @@ def test_a_removed_worker_drains_then_its_cut_episodes_raise_capacity_removed(cl
             # One short and one long episode on each worker.
             short = [asyncio.ensure_future(rollout.run_episode(task(i, 1), f"g{i}")) for i in range(2)]
             await asyncio.sleep(0.05)
-            long = [asyncio.ensure_future(rollout.run_episode(task(i, 2000), f"g{i}")) for i in range(2, 4)]
+            long = [asyncio.ensure_future(rollout.run_episode(task(i, 800), f"g{i}")) for i in range(2, 4)]
             await asyncio.sleep(0.2)
             assert sorted(w.load for w in rollout._workers.values()) == [1, 1]
             rollout.resize(1, "test")  # one worker drains; its long episode outlives the 0.3 s drain
