@@ -17,7 +17,6 @@ import pytest
 
 from tiderl.envs.protocol import Task
 from tiderl.system.buffer import ReadyBuffer
-from tiderl.system.elastic import LoadSignals, decide_slots
 from tiderl.system.scheduler import Scheduler, SchedulerSettings
 from tiderl.system.staleness import StalenessGate, trajectory_staleness
 from tiderl.types import NO_VERSION, Trajectory
@@ -282,20 +281,6 @@ def test_group_algorithms_train_on_complete_groups_and_filter_uninformative_ones
 
 
 # --- elastic capacity -------------------------------------------------------------------------------
-
-
-def test_decide_slots_grows_when_the_trainer_starves_and_shrinks_when_work_piles_up():
-    starved = LoadSignals(trainer_idle_frac=0.6, ready=1, gate_blocked_frac=0.0, batch_size=8)
-    assert decide_slots(8, 4, 32, starved) == (10, "grow 8->10: trainer idle 60% with 1 ready (< batch 8)")
-    assert decide_slots(32, 4, 32, starved)[1] == ""  # at the upper bound
-    piled = LoadSignals(trainer_idle_frac=0.0, ready=16, gate_blocked_frac=0.0, batch_size=8)
-    new, reason = decide_slots(16, 4, 32, piled)
-    assert new == 12 and reason.startswith("shrink 16->12: 16 finished")
-    gated = LoadSignals(trainer_idle_frac=0.5, ready=0, gate_blocked_frac=0.8, batch_size=8)
-    new, reason = decide_slots(16, 4, 32, gated)
-    assert new == 12 and "staleness gate" in reason  # more slots would only wait at the gate
-    balanced = LoadSignals(trainer_idle_frac=0.1, ready=8, gate_blocked_frac=0.1, batch_size=8)
-    assert decide_slots(16, 4, 32, balanced) == (16, "")
 
 
 def test_elastic_slots_follow_a_synthetic_load_up_and_down():

@@ -452,6 +452,14 @@ class SystemConfig:
     resource_units: float = opt(
         1.0, "Devices the run holds (GPUs; the machine for a CPU run): `throughput/goodput_tokens_per_s_per_unit` "
         "divides goodput by it, so runs on different hardware compare per device.")
+    min_workers: int = opt(0, "Ray backend, elastic: fewest rollout workers (0 = ray_workers: no shrinking).")
+    max_workers: int = opt(0, "Ray backend, elastic: most rollout workers (0 = ray_workers: no growing).")
+    slots_per_worker: int = opt(
+        0, "Ray backend, elastic: episodes each worker serves at once; the slots follow the live "
+        "workers (0 = the starting slots / ray_workers, rounded up).")
+    worker_drain_s: float = opt(
+        10.0, "Ray backend, elastic: seconds a removed worker may finish its episodes before the rest "
+        "are cancelled and their tasks queued again (counted `requeued`).")
 
 
 @dataclass
@@ -676,7 +684,8 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     algorithm does not read."""
     a, s, e = cfg.algo, cfg.system, cfg.env
     critic = algo_registry.needs_critic(a)
-    elastic = (s.min_slots or s.slots) != (s.max_slots or s.slots)
+    elastic_workers = s.backend != "local" and (s.min_workers or s.ray_workers) != (s.max_workers or s.ray_workers)
+    elastic = (s.min_slots or s.slots) != (s.max_slots or s.slots) or elastic_workers
     return [
         (("system.ray_address", "system.ray_workers", "system.ray_remote_critic"), s.backend != "local",
          "only the Ray backend reads it and system.backend=local"),
@@ -685,6 +694,10 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
         (("model.lora.alpha", "model.lora.target_modules"), cfg.model.lora.r > 0, "model.lora.r=0 turns LoRA off"),
         (("system.elastic_interval_s",), elastic,
          "the rollout slots are fixed (system.min_slots and system.max_slots give no range)"),
+        (("system.min_workers", "system.max_workers"), s.backend != "local",
+         "only the Ray backend reads it and system.backend=local"),
+        (("system.slots_per_worker", "system.worker_drain_s"), elastic_workers,
+         "the Ray workers are fixed (system.min_workers and system.max_workers give no range)"),
         (("system.partial_rollout",), s.max_staleness > 0,
          "at system.max_staleness=0 every episode of a step ends before the weights change"),
         (("algo.critic_lr", "algo.critic_updates", "algo.critic_warmup_steps", "algo.critic_lambda",
@@ -939,6 +952,13 @@ def validate(cfg: RunConfig) -> None:
          "AgentBench KG questions need a Freebase SPARQL endpoint",
          "set env.sparql_endpoint=http://host:port/sparql")
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
+    need(sysc.min_workers >= 0 and sysc.max_workers >= 0 and sysc.slots_per_worker >= 0,
+         "system.min_workers/max_workers/slots_per_worker", "must be >= 0", "use 0 for the defaults")
+    low, high = sysc.min_workers or sysc.ray_workers, sysc.max_workers or sysc.ray_workers
+    need(low <= sysc.ray_workers <= high, "system.ray_workers",
+         f"{sysc.ray_workers} is outside [system.min_workers, system.max_workers] = [{low}, {high}]",
+         "start within the elastic range")
+    need(sysc.worker_drain_s >= 0, "system.worker_drain_s", "must be >= 0", "use 10")
     for key in ("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb"):
         need(_get(cfg, key) > 0, key, "must be > 0", "use the default")
     need(cfg.env.sandbox_concurrency >= 0, "env.sandbox_concurrency", "must be >= 0", "use 0 (one per core)")

@@ -1,60 +1,196 @@
-"""Elastic rollout capacity: grow or shrink the number of rollout slots from measured load.
+"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness.
 
-The decision is a pure function of a few signals measured over the last interval, so it can be
-tested against a synthetic load and its reason logged with every change.
+A *unit* of capacity is what the run can add or remove: a Ray rollout worker (each serving
+`slots_per_unit` episodes at once, `system.min_workers`/`max_workers`), or, for the local
+backend, one rollout slot (`system.min_slots`/`max_slots`, `slots_per_unit` = 1).
+
+The decision is one pure function, `decide`, of the current units, their bounds, the load
+measured over the last interval and a small hysteresis memory. The scheduler
+(`tiderl/system/scheduler.py`) and the discrete-event model (`tiderl/system/simulate.py`) call
+the same function, so what the simulator predicts is what a run does.
+
+Readiness, the signal: who waited on whom over the last interval.
+
+- The trainer waited for a batch (`trainer_idle_frac` high, less than a batch ready) and the
+  staleness gate was not what held rollout back: rollout is the bottleneck -> vote to grow.
+- Finished work piles up (two batches or more ready), or rollout capacity sat idle because the
+  gate refused new tasks while the trainer was busy: the trainer (or the gate) is the
+  bottleneck, and the extra capacity only costs resources and makes trajectories staler ->
+  vote to shrink.
+- Otherwise (the dead band between the two) -> no vote.
+
+Hysteresis: a vote must hold for `patience` intervals in a row before the units change, for
+`cooldown` intervals after a change no vote is counted, and no grow vote is counted while an
+added unit is still booting (the queue must react to the new capacity before the next
+measurement means anything).
+
+Sizes: growing is proportional to the starvation (the trainer waited a fraction f of the
+interval, so rollout delivered about 1 - f of what it needed: units / (1 - f), at most four
+times the units, at least one more); shrinking is by a quarter (at least one). Fast up, slow down: a
+starving trainer costs the whole run, a spare worker costs one worker.
+
+Bounds (`capacity_bounds`): never fewer units than one batch needs
+(`ceil(batch / slots_per_unit)`: below that no step can be fed by one round of episodes), never
+more than the gate can admit (`ceil((max_staleness + 1) * batch / slots_per_unit)`: the gate
+never lets more trajectories be unsettled, so extra units would only wait at it), both within
+the configured [min, max].
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Thresholds, chosen so that a balanced pipeline (trainer mostly busy, about one batch waiting)
 # sits between them and does not oscillate.
 STARVED_IDLE_FRAC = 0.2  # trainer idle this much of the interval: it is waiting for data
-GATE_BOUND_FRAC = 0.5  # slots idle this much because the staleness bound refuses new tasks
+GATE_BOUND_FRAC = 0.5  # capacity idle this much because the staleness gate refuses new tasks
 
 
-@dataclass
+class CapacityRemoved(RuntimeError):
+    """The worker serving an episode was removed by an elastic shrink before the episode ended.
+
+    The scheduler queues the task again without using one of its retries and counts the attempt
+    as `requeued` in the ledger (a shrink is the run's own decision, not a fault)."""
+
+
+@dataclass(frozen=True)
 class LoadSignals:
     """What the scheduler measured over the last interval.
 
     trainer_idle_frac: fraction of the interval the trainer waited for a batch.
     ready: finished trajectories waiting for the trainer (queue depth) at the interval's end.
-    gate_blocked_frac: fraction of the interval with a free slot that the staleness gate would
-        not fill.
+    gate_blocked_frac: fraction of the interval with free rollout capacity that the staleness
+        gate would not fill.
     batch_size: trajectories per optimizer step.
+    booting: units added and not yet serving (a worker still starting).
     """
 
     trainer_idle_frac: float
     ready: int
     gate_blocked_frac: float
     batch_size: int
+    booting: int = 0
 
 
-def decide_slots(slots: int, min_slots: int, max_slots: int, load: LoadSignals) -> tuple[int, str]:
-    """The slot count for the next interval and the reason ('' when unchanged).
+@dataclass(frozen=True)
+class Bounds:
+    """The units `decide` may choose from, and what set each end."""
 
-    - grow by a quarter (at least 1) up to `max_slots` when the trainer starves
-      (idle > 20% of the interval) with less than a batch ready, and the staleness gate is not
-      what holds the slots back (more slots would only wait at the gate);
-    - shrink by a quarter (at least 1) down to `min_slots` when finished work piles up (two
-      batches or more ready: the extra slots only make trajectories staler), or when the gate
-      keeps slots idle more than half the interval (capacity that cannot be used);
-    - otherwise keep.
-    """
-    step = max(1, slots // 4)
-    starved = load.trainer_idle_frac > STARVED_IDLE_FRAC and load.ready < load.batch_size
-    if starved and load.gate_blocked_frac <= GATE_BOUND_FRAC and slots < max_slots:
-        new = min(max_slots, slots + step)
-        return new, (f"grow {slots}->{new}: trainer idle {load.trainer_idle_frac:.0%} with "
-                     f"{load.ready} ready (< batch {load.batch_size})")
-    if slots > min_slots:
-        if load.ready >= 2 * load.batch_size:
-            new = max(min_slots, slots - step)
-            return new, (f"shrink {slots}->{new}: {load.ready} finished trajectories wait "
-                         f"(>= 2 batches of {load.batch_size})")
-        if load.gate_blocked_frac > GATE_BOUND_FRAC:
-            new = max(min_slots, slots - step)
-            return new, (f"shrink {slots}->{new}: staleness gate kept slots idle "
-                         f"{load.gate_blocked_frac:.0%} of the interval")
-    return slots, ""
+    low: int
+    high: int
+    low_why: str = ""
+    high_why: str = ""
+
+    def clamp(self, units: int) -> int:
+        return min(self.high, max(self.low, units))
+
+
+def capacity_bounds(batch_size: int, max_staleness: int, slots_per_unit: int,
+                    min_units: int, max_units: int) -> Bounds:
+    """[low, high] units for a run with this batch size and staleness bound.
+
+    low = ceil(B / slots_per_unit) (what one batch needs) and high = ceil((N + 1) B /
+    slots_per_unit) (what the gate can admit), each kept within the configured [min_units,
+    max_units]: the configured range is the resources there are, so it wins when the two
+    disagree (e.g. a max too small for one batch), and the `*_why` strings say which rule set
+    each end."""
+    if slots_per_unit < 1 or min_units < 1 or max_units < min_units:
+        raise ValueError(f"capacity bounds need slots_per_unit >= 1 and 1 <= min_units <= max_units; got "
+                         f"slots_per_unit={slots_per_unit}, min_units={min_units}, max_units={max_units}")
+    need = math.ceil(batch_size / slots_per_unit)
+    admit = math.ceil((max_staleness + 1) * batch_size / slots_per_unit)
+    if need > max_units:
+        low, low_why = max_units, f"configured max {max_units} (one batch of {batch_size} needs {need})"
+    elif need >= min_units:
+        low, low_why = need, f"one batch of {batch_size} needs {need} x {slots_per_unit} slots"
+    else:
+        low, low_why = min_units, f"configured min {min_units}"
+    if admit < low:
+        high, high_why = low, low_why
+    elif admit <= max_units:
+        high, high_why = admit, (f"the staleness gate admits (max_staleness+1) x batch = "
+                                 f"{(max_staleness + 1) * batch_size} trajectories")
+    else:
+        high, high_why = max_units, f"configured max {max_units}"
+    return Bounds(low, high, low_why, high_why)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The thresholds and hysteresis of `decide`."""
+
+    starved_idle_frac: float = STARVED_IDLE_FRAC
+    gate_bound_frac: float = GATE_BOUND_FRAC
+    patience: int = 2  # intervals in a row a vote must hold before the units change
+    cooldown: int = 2  # intervals after a change during which no vote is counted
+    step_frac: float = 0.25  # a shrink removes this fraction of the units (at least 1)
+    max_grow: float = 4.0  # a grow multiplies the units by at most this (a boot is slow: one step)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What `decide` remembers between intervals: `streak` > 0 counts grow votes in a row,
+    < 0 shrink votes in a row; `cooldown` intervals are left before votes count again."""
+
+    streak: int = 0
+    cooldown: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    units: int
+    reason: str  # '' when unchanged
+    memory: Memory
+
+
+def vote(load: LoadSignals, policy: Policy = Policy()) -> tuple[int, str]:
+    """+1 (grow), -1 (shrink) or 0, and why, from one interval's readiness (see the module
+    docstring)."""
+    b = load.batch_size
+    idle, blocked = load.trainer_idle_frac, load.gate_blocked_frac
+    if idle > policy.starved_idle_frac and load.ready < b and blocked <= policy.gate_bound_frac:
+        return 1, f"the trainer waited {idle:.0%} of the interval with {load.ready} ready (< batch {b})"
+    if load.ready >= 2 * b:
+        return -1, f"{load.ready} finished trajectories wait (>= 2 batches of {b})"
+    if blocked > policy.gate_bound_frac and idle <= policy.starved_idle_frac:
+        return -1, (f"the staleness gate kept rollout capacity idle {blocked:.0%} of the interval "
+                    f"while the trainer was busy")
+    return 0, ""
+
+
+def decide(units: int, bounds: Bounds, load: LoadSignals, memory: Memory = Memory(),
+           policy: Policy = Policy()) -> Decision:
+    """The units for the next interval, the reason for a change ('' when none) and the memory
+    to pass to the next call.
+
+    Units outside `bounds` are brought inside at once. Otherwise a change needs `patience`
+    matching votes in a row (outside a cooldown, and for growing with nothing booting) and moves
+    by the sizes of the module docstring, never past a bound; a vote at the bound it points to
+    changes nothing and is not kept (it would fire the moment the bound moved)."""
+    if units < bounds.low:
+        return Decision(bounds.low, f"grow {units}->{bounds.low}: below the lower bound ({bounds.low_why})",
+                        Memory(0, policy.cooldown))
+    if units > bounds.high:
+        return Decision(bounds.high, f"shrink {units}->{bounds.high}: above the upper bound ({bounds.high_why})",
+                        Memory(0, policy.cooldown))
+    if memory.cooldown > 0:
+        return Decision(units, "", Memory(0, memory.cooldown - 1))
+    direction, why = vote(load, policy)
+    if direction > 0 and units >= bounds.high or direction < 0 and units <= bounds.low:
+        direction = 0
+    if direction == 0:
+        return Decision(units, "", Memory())
+    if direction > 0 and load.booting > 0:
+        return Decision(units, "", memory)  # the capacity on its way has not shown its effect yet
+    streak = memory.streak + direction if memory.streak * direction > 0 else direction
+    if abs(streak) < policy.patience:
+        return Decision(units, "", Memory(streak, 0))
+    if direction > 0:
+        factor = min(policy.max_grow, 1.0 / max(1e-9, 1.0 - load.trainer_idle_frac))
+        new = bounds.clamp(max(units + 1, math.ceil(units * factor - 1e-9)))
+    else:
+        new = bounds.clamp(units - max(1, round(units * policy.step_frac)))
+    verb = "grow" if new > units else "shrink"
+    return Decision(new, f"{verb} {units}->{new}: {why} ({abs(streak)} intervals in a row)",
+                    Memory(0, policy.cooldown))

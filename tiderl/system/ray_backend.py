@@ -7,11 +7,21 @@ to one worker are decoded together. What travels through the object store: once 
 `WorkerBundle` (config, policy model, tokenizer, task setup), and once per optimizer step the
 policy weights (`ray.put` once, loaded by every worker).
 
-Faults: a worker that dies (any `RayActorError` on a call to it) is removed from the pool at
-once, every call in flight on it raises `WorkerLost` (the scheduler retries those tasks on the
-live workers), and a fresh actor is started in the background with the latest weights and
-version; it joins the pool only after its weight checksum matches the trainer's. Every wait on a
-Ray reference is bounded by `system.wait_timeout_s`.
+Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory
+monitor, on a call to it) is removed from the pool at once, every call in flight on it raises
+`WorkerLost` (the scheduler retries those tasks on the live workers), and a fresh actor is
+started in the background with the latest weights and version; it joins the pool only after its
+weight checksum matches the trainer's. Every wait on a Ray reference is bounded by
+`system.wait_timeout_s`.
+
+Elastic pool (`system.min_workers` < `system.max_workers`): the scheduler's elastic loop calls
+`resize(units)` with what `tiderl.system.elastic.decide` chose from readiness. Growing starts new
+actors exactly as a replacement starts (latest weights, checksum verified) and admits each when it
+is ready; shrinking takes the least-loaded workers out of routing at once and lets them finish
+their episodes for up to `system.worker_drain_s`, then kills them: an episode still running then
+raises `CapacityRemoved` and the scheduler queues its task again (ledger `requeued`). The slots
+follow the live workers (`slots_per_worker` each, through `on_live_change`), and `worker_seconds()`
+integrates the actors held (booting, live or draining): the resource an elastic run is charged.
 
 `RayRollout.from_run(run, preparations)` is how the recipe builds it for `system.backend=ray`
 (with `system.ray_remote_critic`, the critic-values preparation becomes a `RemoteCritic` actor).
@@ -24,6 +34,7 @@ import asyncio
 import copy
 import itertools
 import logging
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +45,11 @@ import torch
 
 try:
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import OutOfMemoryError, RayActorError
+
+    # How a call reports that its actor is gone: died, killed, or killed by Ray's memory monitor
+    # (which raises OutOfMemoryError, not a RayActorError, for the calls in flight on it).
+    ACTOR_GONE = (RayActorError, OutOfMemoryError)
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError(
         "system.backend=ray needs Ray, which is not installed. Fix: pip install 'ray>=2,<3' "
@@ -49,8 +64,10 @@ from tiderl.rollout import make_engine
 from tiderl.rollout.base import sampling_params
 from tiderl.rollout.client import BatchingEngine
 from tiderl.rollout.weights import weights_checksum
+from tiderl.system.elastic import CapacityRemoved
 from tiderl.system.latency import training_env_factory
 from tiderl.system.scheduler import SchedulerSettings
+from tiderl.system.timing import TimeWeighted
 from tiderl.train.annotate import CriticSnapshot
 from tiderl.train.lora import policy_state  # what engines hold: the adapters alone for a LoRA policy
 from tiderl.types import Trajectory
@@ -272,6 +289,8 @@ class _Worker:
     version: int
     started: float
     load: int = 0  # calls to run_episode in flight
+    retiring: bool = False  # removed by an elastic shrink: draining, then killed
+    released: bool = False  # its actor was killed (it no longer counts as held)
 
 
 class RayRollout:
@@ -300,9 +319,17 @@ class RayRollout:
         if self.num_workers < 1:
             raise ValueError(f"system.ray_workers={self.num_workers}: the Ray backend needs at least one worker")
         self.timeout_s = cfg.system.wait_timeout_s
+        s = cfg.system
+        # The elastic range (a single point unless system.min_workers < system.max_workers).
+        self.worker_range = (min(s.min_workers or self.num_workers, self.num_workers),
+                             max(s.max_workers or self.num_workers, self.num_workers))
+        settings = SchedulerSettings.from_config(cfg)
+        self.slots_per_worker = s.slots_per_worker or math.ceil(settings.initial_slots() / self.num_workers)
+        self.drain_s = s.worker_drain_s
+        self.on_live_change: Any = None  # called with the live worker count when it changes
         # Every slot may land on one worker when the others are down; the extra calls are the
         # weight updates, checksums and pings that run beside the episodes.
-        self.max_concurrency = SchedulerSettings.from_config(cfg).most_slots() + 8
+        self.max_concurrency = max(settings.most_slots(), self.worker_range[1] * self.slots_per_worker) + 8
         self.worker_options: dict[str, Any] = {"max_concurrency": self.max_concurrency}
         if cfg.model.device.startswith("cuda"):
             self.worker_options["num_gpus"] = 1
@@ -316,6 +343,10 @@ class RayRollout:
         self._latest: _Weights | None = None
         self._bundle_ref: Any = None
         self._replacing: set[asyncio.Task[None]] = set()
+        self._growing: set[asyncio.Task[None]] = set()  # elastic additions booting
+        self._draining: dict[int, _Worker] = {}  # removed from routing, finishing their episodes
+        self._drains: set[asyncio.Task[None]] = set()  # drains, and cancelled additions winding down
+        self._held = TimeWeighted(0.0)  # actors started and not yet killed
         self._live_changed = asyncio.Event()
         self._closing = False
         self._t0 = time.monotonic()
@@ -351,6 +382,21 @@ class RayRollout:
     def live_workers(self) -> int:
         return len(self._workers)
 
+    @property
+    def units(self) -> int:
+        """The workers the pool is heading for: live ones and those booting (added or
+        replacing), not those draining."""
+        return len(self._workers) + len(self._growing) + len(self._replacing)
+
+    @property
+    def booting(self) -> int:
+        """Workers added by `resize` that are still starting."""
+        return len(self._growing)
+
+    def worker_seconds(self) -> float:
+        """Seconds of worker actors held so far (booting, live or draining), summed over actors."""
+        return self._held.integral()
+
     async def start(self) -> None:
         self.connected_here = connect(self.cfg.system.ray_address)
         self._check_resources()
@@ -370,7 +416,7 @@ class RayRollout:
                 await self.critic.start()
         except BaseException:
             for w in pool:
-                _kill(w.handle)
+                self._release(w)
             if self.critic is not None:
                 self.critic.close()
             raise
@@ -378,20 +424,97 @@ class RayRollout:
             self._admit(w)
         logger.info("%d Ray rollout workers ready (weights version %d)", len(pool), self._start_version)
 
+    def resize(self, units: int, reason: str = "") -> None:
+        """Head for `units` workers (kept within `worker_range`): start new ones in the
+        background (each joins when booted on the latest weights), or stop booting additions
+        and then retire the least-loaded live workers (they drain, see the module docstring).
+        Returns at once."""
+        low, high = self.worker_range
+        target = min(high, max(low, units))
+        if self._closing:
+            return
+        while self.units < target:
+            task = asyncio.get_running_loop().create_task(self._grow(reason), name="add a rollout worker")
+            self._growing.add(task)
+            task.add_done_callback(self._growing.discard)
+        for task in list(self._growing):
+            if self.units <= target:
+                break
+            self._growing.discard(task)  # counted out now; its boot is cancelled
+            self._drains.add(task)  # awaited by close() like a drain
+            task.add_done_callback(self._drains.discard)
+            task.cancel()
+        while self.units > target and len(self._workers) > 1:
+            victim = min(self._workers.values(), key=lambda w: (w.load, -w.serial))
+            self._retire(victim, reason)
+
+    async def _grow(self, reason: str) -> None:
+        w = self._spawn()
+        try:
+            await self._boot(w)
+        except asyncio.CancelledError:
+            self._release(w)
+            self._event("add_cancelled", w.serial)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed addition leaves the pool as it was, recorded
+            self._release(w)
+            self._event("add_failed", w.serial, reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+            logger.warning("adding Ray rollout worker %d failed: %s", w.serial, exc)
+            return
+        self._admit(w)
+        self._event("added", w.serial, version=w.version, boot_s=round(time.monotonic() - w.started, 3),
+                    reason=reason)
+
+    def _retire(self, w: _Worker, reason: str) -> None:
+        """Take `w` out of routing now and drain it in the background."""
+        del self._workers[w.serial]
+        w.retiring = True
+        self._draining[w.serial] = w
+        self._event("draining", w.serial, in_flight=w.load, reason=reason)
+        self._notify_live()
+        task = asyncio.get_running_loop().create_task(self._drain(w), name=f"drain worker {w.serial}")
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+    async def _drain(self, w: _Worker) -> None:
+        """Let `w` finish its episodes for up to `drain_s`, then collect its counters and kill it
+        (episodes still running raise CapacityRemoved in `run_episode`)."""
+        deadline = time.monotonic() + self.drain_s
+        try:
+            while w.load > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            cut = w.load
+            if cut == 0:
+                try:
+                    self.worker_stats.append(await _await_ref(w.handle.stop.remote(), min(self.timeout_s, 30.0),
+                                                              "stopping"))
+                except Exception as exc:  # noqa: BLE001 - its counters are a report, not a reason to keep it
+                    logger.debug("stopping drained worker %d: %s", w.serial, exc)
+        finally:
+            self._draining.pop(w.serial, None)
+            self._release(w)
+        self._event("removed", w.serial, cut_episodes=cut)
+
     async def close(self) -> None:
         """Stop replacing, stop each worker and collect its counters (`worker_stats`), kill the
         actors, and disconnect from Ray if `start()` connected."""
         self._closing = True
-        for task in list(self._replacing):
+        for task in list(self._replacing) + list(self._growing):
             task.cancel()
-        await asyncio.gather(*self._replacing, return_exceptions=True)
+        await asyncio.gather(*self._replacing, *self._growing, return_exceptions=True)
         live = list(self._workers.values())
         stats = await asyncio.gather(*(_await_ref(w.handle.stop.remote(), min(self.timeout_s, 30.0), "stopping")
                                        for w in live), return_exceptions=True)
-        self.worker_stats = [s for s in stats if isinstance(s, dict)]
+        self.worker_stats += [s for s in stats if isinstance(s, dict)]  # after the drained workers'
         for w in live:
-            _kill(w.handle)
+            self._release(w)
         self._workers.clear()
+        for task in list(self._growing) + list(self._drains):
+            task.cancel()
+        await asyncio.gather(*self._growing, *self._drains, return_exceptions=True)
+        for w in list(self._draining.values()):
+            self._release(w)
+        self._draining.clear()
         if self.critic is not None:
             self.critic.close()
         self.shutdown()
@@ -422,7 +545,8 @@ class RayRollout:
             state = _cpu_state(state_dict)
             latest = _Weights(version, ray.put(state), asyncio.ensure_future(asyncio.to_thread(weights_checksum, state)))
         self._latest = latest  # booting replacements catch up with this from now on
-        targets = list(self._workers.values())
+        # Draining workers too: their episodes continue on the new weights.
+        targets = list(self._workers.values()) + list(self._draining.values())
         jobs = [self._load(w, latest) for w in targets]
         if self.critic is not None:
             jobs.append(self.critic.refresh_async())
@@ -432,8 +556,8 @@ class RayRollout:
         await latest.checksum
         held: dict[int, float] = {}
         for w, result in zip(targets, results):
-            if isinstance(result, WorkerLost):
-                continue  # its replacement boots with these weights
+            if isinstance(result, (WorkerLost, CapacityRemoved)):
+                continue  # its replacement boots with these weights, or it was retired
             if isinstance(result, BaseException):
                 raise result
             held[w.serial] = result
@@ -452,12 +576,14 @@ class RayRollout:
     # ------------------------------------------------------------------ the pool
 
     def _check_resources(self) -> None:
-        gpus = float(self.worker_options.get("num_gpus", 0) or 0) * self.num_workers
+        most = self.worker_range[1]  # an elastic pool may grow to this many
+        gpus = float(self.worker_options.get("num_gpus", 0) or 0) * most
         available = ray.cluster_resources().get("GPU", 0.0)
         if gpus > available:
             raise RuntimeError(
-                f"{self.num_workers} Ray rollout workers need {gpus:g} GPUs and the cluster has {available:g}. "
-                "Fix: lower system.ray_workers, or pass worker_options={'num_gpus': <fraction>} to RayRollout.")
+                f"{most} Ray rollout workers need {gpus:g} GPUs and the cluster has {available:g}. "
+                "Fix: lower system.ray_workers (or system.max_workers), or pass "
+                "worker_options={'num_gpus': <fraction>} to RayRollout.")
 
     def _spawn(self) -> _Worker:
         """Start a worker actor on the latest published weights (not yet in the pool)."""
@@ -467,7 +593,15 @@ class RayRollout:
         handle = self._actor_cls.options(**self.worker_options).remote(
             serial, self._bundle_ref, latest.ref, latest.version if latest.ref is not None else None,
             self.max_concurrency)
+        self._held.set(self._held.value + 1)
         return _Worker(serial, handle, latest.version, time.monotonic())
+
+    def _release(self, w: _Worker) -> None:
+        """Kill `w`'s actor (once; it stops counting as held)."""
+        if not w.released:
+            w.released = True
+            self._held.set(self._held.value - 1)
+        _kill(w.handle)
 
     async def _boot(self, w: _Worker) -> None:
         """Wait until `w` has started and holds the latest weights, verified by checksum. Loops
@@ -492,13 +626,18 @@ class RayRollout:
     def _admit(self, w: _Worker) -> None:
         self._workers[w.serial] = w
         self._live_changed.set()
+        self._notify_live()
+
+    def _notify_live(self) -> None:
+        if self.on_live_change is not None:
+            self.on_live_change(len(self._workers))
 
     async def _pick(self) -> _Worker:
         """The live worker with the fewest episodes in flight (waiting for a replacement when
         none is live)."""
         deadline = time.monotonic() + self.timeout_s
         while not self._workers:
-            if not self._replacing:
+            if not self._replacing and not self._growing:
                 raise RuntimeError("no live Ray rollout worker, and none is being replaced: see the "
                                    f"worker events {self.events[-3:]}")
             left = deadline - time.monotonic()
@@ -516,7 +655,10 @@ class RayRollout:
         """Await a call on worker `w`; its death becomes WorkerLost (and starts a replacement)."""
         try:
             return await _await_ref(ref, self.timeout_s, f"rollout worker {w.serial}: {what}")
-        except RayActorError as exc:
+        except ACTOR_GONE as exc:
+            if w.retiring:
+                raise CapacityRemoved(f"rollout worker {w.serial} was removed by an elastic shrink "
+                                      f"(system.worker_drain_s={self.drain_s:g}s passed) during {what}") from exc
             self._lose(w, exc)
             # Ray's message starts with where it happened and ends with the exception that killed
             # the actor (e.g. its constructor's): keep both ends.
@@ -537,7 +679,8 @@ class RayRollout:
         if self._workers.get(w.serial) is not w:
             return
         del self._workers[w.serial]
-        _kill(w.handle)
+        self._release(w)
+        self._notify_live()
         self._event("lost", w.serial, reason=f"{type(exc).__name__}: {str(exc)[:300]}")
         logger.warning("Ray rollout worker %d died (%s); %d live", w.serial, type(exc).__name__, len(self._workers))
         if self._closing:
@@ -553,11 +696,11 @@ class RayRollout:
             try:
                 await self._boot(w)
             except asyncio.CancelledError:  # the backend is closing
-                _kill(w.handle)
+                self._release(w)
                 self._event("replacement_cancelled", w.serial, replaces=lost)
                 raise
             except Exception as exc:  # noqa: BLE001 - a failed replacement is retried, then recorded
-                _kill(w.handle)
+                self._release(w)
                 self._event("replacement_failed", w.serial, replaces=lost, attempt=attempt,
                             reason=f"{type(exc).__name__}: {str(exc)[:300]}")
                 continue
@@ -577,6 +720,9 @@ class RayRollout:
             "ray_version": ray.__version__,
             "address": self.cfg.system.ray_address or "local",
             "workers": self.num_workers,
+            "worker_range": list(self.worker_range),
+            "slots_per_worker": self.slots_per_worker,
+            "worker_seconds": round(self.worker_seconds(), 3),
             "worker_restarts": self.worker_restarts,
             "events": self.events,
             "worker_stats": self.worker_stats,

@@ -11,8 +11,11 @@ Three coroutines share one event loop:
   bumps the version, hands the weights to the rollout side, verifies them by checksum, and
   settles the batch. In `restart` mode it then cancels the episodes that started on older
   weights and queues their tasks again.
-- **elastic**: every `elastic_interval_s`, measures the load and resizes `slots` within
-  [min_slots, max_slots] (`elastic.decide_slots`), logging each change and its reason.
+- **elastic**: every `elastic_interval_s`, measures readiness (did the trainer wait on rollout,
+  or rollout on the trainer and the gate?) and resizes the rollout capacity with
+  `elastic.decide`: the backend's workers when it can add and remove them (the Ray backend with
+  `system.min_workers` < `max_workers`; the slots then follow the live workers), else `slots`
+  within [min_slots, max_slots]; each change is logged with its reason.
 
 Everything the scheduler needs from the outside is injected: a task source, a rollout backend
 (`run_episode`, `update_weights`, `version`), and a trainer (`step`, `state_dict`). The local
@@ -40,7 +43,13 @@ from typing import Any, Protocol
 
 from tiderl.envs.protocol import Task
 from tiderl.system.buffer import ReadyBuffer
-from tiderl.system.elastic import LoadSignals, decide_slots
+from tiderl.system.elastic import (
+    CapacityRemoved,
+    LoadSignals,
+    Memory,
+    capacity_bounds,
+    decide,
+)
 from tiderl.system.staleness import StalenessGate, trajectory_staleness
 from tiderl.system.timing import TimeWeighted
 from tiderl.types import Trajectory
@@ -193,6 +202,7 @@ class Scheduler:
         self.min_slots = s.min_slots or self.slots
         self.max_slots = s.max_slots or self.slots
         self.slot_events: list[dict[str, Any]] = []
+        self.worker_events: list[dict[str, Any]] = []  # elastic worker-pool decisions
         self._queue: deque[_Attempt] = deque()  # retried/restarted attempts and pending group members
         self._group_serial = 0
         self._inflight: dict[asyncio.Task[None], _Attempt] = {}
@@ -232,6 +242,7 @@ class Scheduler:
         self._t0 = self._last_end = time.monotonic()
         self._start_version = self.version  # a resumed schedule's version is set by now
         history: list[dict[str, float]] = []
+        self._attach_worker_pool()
         self.buffer.start()
         fill = asyncio.create_task(self._fill_loop(), name="tiderl-fill")
         elastic = asyncio.create_task(self._elastic_loop(), name="tiderl-elastic")
@@ -321,6 +332,7 @@ class Scheduler:
             "failures": self.ledger.failures,
             "staleness_histogram": dict(sorted(self.gate.histogram.items())),
             "slot_events": self.slot_events,
+            "worker_events": self.worker_events,
             "wall_s": wall,
             "trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
             "rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
@@ -370,6 +382,10 @@ class Scheduler:
             trajectory = await self.rollout.run_episode(attempt.task, attempt.group_id)
         except asyncio.CancelledError:
             raise
+        except CapacityRemoved as exc:  # an elastic shrink removed its worker: queued again, no retry used
+            attempt.over = True
+            self._requeue(attempt, str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - a worker failure costs one attempt, not the run
             attempt.over = True
             self._fault(attempt, f"rollout worker: {exc!r}")
@@ -415,6 +431,14 @@ class Scheduler:
                     f"cleanly in between: {env} keeps failing. Last: task {attempt.task.task_id}: {reason}. "
                     "Fix: the environment's error above (run `tiderl check-env` on it)"))
                 self._changed.set()
+
+    def _requeue(self, attempt: _Attempt, reason: str) -> None:
+        """Queue an attempt's task again with the same attempt count (counted `requeued`)."""
+        self.gate.settled()
+        self.ledger.requeued += 1
+        self._event("requeued", **attempt.record(), reason=reason)
+        self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt))
+        self._changed.set()
 
     def _filtered(self, group: list[Trajectory]) -> None:
         self.gate.settled(len(group))
@@ -559,24 +583,62 @@ class Scheduler:
 
     # ------------------------------------------------------------------ elastic capacity
 
-    async def _elastic_loop(self) -> None:
-        interval = self.settings.elastic_interval_s
-        if self.min_slots == self.max_slots:
+    def _worker_pool(self) -> Any:
+        """The rollout backend when it can add and remove workers over a range (min < max)."""
+        low, high = getattr(self.rollout, "worker_range", (1, 1))
+        return self.rollout if low < high else None
+
+    def _attach_worker_pool(self) -> None:
+        """With an elastic worker pool, the slots follow the live workers (each serves
+        `slots_per_worker` episodes): now, and whenever a worker joins or leaves."""
+        pool = self._worker_pool()
+        if pool is None:
             return
-        idle0, blocked0 = self._idle.integral(), self._blocked.integral()
+        spw = pool.slots_per_worker
+
+        def follow(live: int) -> None:
+            if live * spw != self.slots:
+                self.set_slots(live * spw, f"{live} rollout workers live x {spw} slots each")
+
+        pool.on_live_change = follow
+        self.slots = pool.live_workers * spw
+        self._slots_tw.set(float(self.slots))
+
+    async def _elastic_loop(self) -> None:
+        s = self.settings
+        pool = self._worker_pool()
+        if pool is not None:  # the unit is a worker
+            bounds = capacity_bounds(s.batch_size, s.max_staleness, pool.slots_per_worker, *pool.worker_range)
+        elif self.min_slots != self.max_slots:  # the unit is a slot
+            bounds = capacity_bounds(s.batch_size, s.max_staleness, 1, max(1, self.min_slots), self.max_slots)
+        else:
+            return
+        memory = Memory()
+        t0, idle0, blocked0 = time.monotonic(), self._idle.integral(), self._blocked.integral()
         while True:
-            await asyncio.sleep(interval)
-            idle1, blocked1 = self._idle.integral(), self._blocked.integral()
+            await asyncio.sleep(s.elastic_interval_s)
+            t1, idle1, blocked1 = time.monotonic(), self._idle.integral(), self._blocked.integral()
+            elapsed = max(t1 - t0, 1e-9)  # the sleep may overrun on a loaded machine
             load = LoadSignals(
-                trainer_idle_frac=(idle1 - idle0) / interval,
+                trainer_idle_frac=(idle1 - idle0) / elapsed,
                 ready=self.buffer.ready_count,
-                gate_blocked_frac=(blocked1 - blocked0) / interval,
-                batch_size=self.settings.batch_size,
+                gate_blocked_frac=(blocked1 - blocked0) / elapsed,
+                batch_size=s.batch_size,
+                booting=pool.booting if pool is not None else 0,
             )
-            idle0, blocked0 = idle1, blocked1
-            new, reason = decide_slots(self.slots, self.min_slots, self.max_slots, load)
-            if reason:
-                self.set_slots(new, reason)
+            t0, idle0, blocked0 = t1, idle1, blocked1
+            units = pool.units if pool is not None else self.slots
+            decision = decide(units, bounds, load, memory)
+            memory = decision.memory
+            if not decision.reason:
+                continue
+            if pool is not None:
+                self.worker_events.append({"t": round(time.monotonic() - self._t0, 3), "version": self.version,
+                                           "from": units, "to": decision.units, "reason": decision.reason})
+                logger.info("rollout workers %d -> %d: %s", units, decision.units, decision.reason)
+                pool.resize(decision.units, decision.reason)
+            else:
+                self.set_slots(decision.units, decision.reason)
 
     def set_slots(self, slots: int, reason: str) -> None:
         """Resize the rollout capacity (running episodes above a smaller size finish normally)."""

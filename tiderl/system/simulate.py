@@ -2,7 +2,8 @@
 slots) for predicting throughput, staleness and waste at scales this machine cannot run.
 
 The model uses tiderl's own rules, not copies of them: admission and the drop rule come from
-`StalenessGate`/`trajectory_staleness`, slot changes from `elastic.decide_slots`. What is
+`StalenessGate`/`trajectory_staleness`, slot changes from `elastic.decide` (the scheduler's
+policy function). What is
 modelled, and how:
 
 - **Episodes** alternate model turns and tool calls: `turns`, `tokens_per_turn` and
@@ -21,8 +22,9 @@ modelled, and how:
   `overprovision` with a factor k: admit k·B episodes per version, train the first B finishers,
   cancel and re-queue the rest when the step starts (on-policy, their tokens are wasted).
 - **Elastic slots** (`min_slots` < `max_slots`): every `elastic_interval_s` the slot cap changes
-  by `decide_slots` from the trainer's idle fraction, the finished-trajectory queue and the time
-  the gate held slots back.
+  by `elastic.decide` (with its hysteresis and its bounds: at least a batch, at most what the
+  gate admits) from the trainer's idle fraction, the finished-trajectory queue and the time the
+  gate held slots back.
 
 What is not modelled: prompt prefill cost, memory limits of the KV cache, preparation
 (critic/reference) time apart from what `train_step_s` includes, failures and retries, and
@@ -39,7 +41,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tiderl.system.elastic import LoadSignals, decide_slots
+from tiderl.system.elastic import LoadSignals, Memory, capacity_bounds, decide
 from tiderl.system.staleness import StalenessGate
 
 
@@ -245,6 +247,12 @@ class Simulation:
         self.gate_blocked_s = 0.0
         self.window = Counter()  # elastic interval accounting
         self.slot_changes = 0
+        self.memory = Memory()  # the elastic policy's hysteresis
+        if self.min_slots != self.max_slots:
+            # An overprovisioned run's slots are not bounded by the gate (it admits k·B per
+            # version), only by max_slots: give the bound a staleness that admits max_slots.
+            n = schedule.max_staleness if schedule.mode == "async" else math.ceil(self.max_slots / b) - 1
+            self.bounds = capacity_bounds(b, n, 1, self.min_slots, self.max_slots)
 
     # -- event queue ----------------------------------------------------------------------
     def _push(self, t: float, kind: str, data: Any = None) -> None:
@@ -418,9 +426,10 @@ class Simulation:
         load = LoadSignals(trainer_idle_frac=max(0.0, 1 - self.window["busy"] / interval),
                            ready=len(self.ready), gate_blocked_frac=self.window["blocked"] / interval,
                            batch_size=self.s.batch_size)
-        new, reason = decide_slots(self.slots, self.min_slots, self.max_slots, load)
-        if reason:
-            self.slots = new
+        decision = decide(self.slots, self.bounds, load, self.memory)
+        self.memory = decision.memory
+        if decision.reason:
+            self.slots = decision.units
             self.slot_changes += 1
         self.window.clear()
         self._push(self.t + interval, "elastic")
