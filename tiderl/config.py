@@ -406,6 +406,15 @@ class SystemConfig:
     ray_address: str = opt("", "Ray cluster to join ('' = start a local one).")
     ray_workers: int = opt(1, "Ray backend: rollout worker actors (each runs its own engine).")
     ray_remote_critic: bool = opt(False, "Ray backend: compute critic values in a Ray actor instead of the driver.")
+    cores: str = opt(
+        "shared", "Cores per component (tiderl.system.cores): 'shared' (no pinning), 'auto' (with "
+        "max_staleness > 0 the trainer gets the first half of the cores, rollout and preparation the "
+        "rest; synchronous training keeps every core), or a plan such as 'trainer=0;rollout=1' "
+        "(optionally ';prep=1'). A pinned component's *_threads default to its core count.")
+    admission: int = opt(
+        0, "Most trajectories started and not yet settled (0 = (max_staleness+1) x batch). Above "
+        "batch_size at max_staleness=0: over-provisioned on-policy training, where the first "
+        "batch_size finishers train and the rest restart on the new weights. Also the default slots.")
 
 
 @dataclass
@@ -866,6 +875,17 @@ def validate(cfg: RunConfig) -> None:
          "make min_slots <= max_slots")
     need(sysc.elastic_interval_s > 0, "system.elastic_interval_s", "must be > 0", "use 2.0")
     need(sysc.max_task_retries >= 0, "system.max_task_retries", "must be >= 0", "use 2")
+    need(sysc.admission == 0 or sysc.admission >= cfg.rollout.batch_size, "system.admission",
+         f"{sysc.admission} is below rollout.batch_size={cfg.rollout.batch_size}, so no batch could fill",
+         "use 0 ((max_staleness+1) x batch) or at least the batch size, e.g. 2 x batch")
+    if sysc.cores.strip() not in ("shared", "auto", ""):
+        # The plan's syntax; whether its cores exist is checked when a run starts.
+        from tiderl.system.cores import parse_plan
+
+        try:
+            parse_plan(sysc.cores)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
     has_critic = algo_registry.needs_critic(cfg.algo)
     need(has_critic or cfg.algo.critic_warmup_steps == 0, "algo.critic_warmup_steps",
