@@ -1,7 +1,8 @@
 """Asynchronous versus synchronous training, each mode on the resources it would get.
 
-Every mode trains SAO on the embedded task (same model, tasks, learning rates) for the same
-number of trained trajectories (`--steps` x B), with `system.cores=auto`: synchronous modes keep
+Every mode trains SAO on the embedded task (same initial policy, tasks, learning rates; the
+seeds vary task order, sampling and the critic's initialisation) for the same number of trained
+trajectories (`--steps` x B), with `system.cores=auto`: synchronous modes keep
 one compute thread on every core (decoding and training never overlap, so each phase has the
 whole machine, as a lock-step loop does); asynchronous modes pin the trainer to the first half of
 the cores and rollout (decoding, episodes, preparations) to the rest, as a disaggregated
@@ -43,7 +44,8 @@ checks where its threads actually ran (`/proc/self/task/*/stat`, sampled every 0
     .venv/bin/python benchmarks/async_vs_sync.py --quick                 # smoke test, ~2 min
     .venv/bin/python benchmarks/async_vs_sync.py --workloads none,ln1.0  # 3 seeds x 60 steps
 
-Results go to `--out`/results.json (every run, its curve, ledger and placement) as they come.
+Results go to `--out`/results.json (every run, its curve, ledger and placement) as they come;
+`--resume` runs only what is missing there, `--report-only` prints the tables again.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiderl.config import load_config
 from tiderl.evaluate import evaluate
+from tiderl.models.embedded import embedded_model_dir
 from tiderl.recipe import train
 from tiderl.rollout.weights import weights_checksum
 from tiderl.run import build_run
@@ -146,10 +149,10 @@ def loadavg() -> float:
 
 
 def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_every: int, eval_n: int,
-             out: Path, evaluated: dict[Any, float]) -> dict[str, Any]:
-    """Train one mode; returns its row (figures, curve, ledger, placement)."""
+             out: Path, evaluated: dict[Any, float], model: str = "tiny") -> dict[str, Any]:
+    """Train one mode from the policy at `model`; returns its row (figures, curve, ledger, placement)."""
     mode_steps = max(1, steps // mode.batch_factor)
-    cfg = load_config(CONFIG, BASE + WORKLOADS[workload] + mode.overrides(b) + [
+    cfg = load_config(CONFIG, BASE + WORKLOADS[workload] + mode.overrides(b) + [f"model.path={model}",
         f"train.steps={mode_steps}", f"seed={seed}", f"data.eval_size={eval_n}",
         f"run_dir={out / workload / f'{mode.name}_seed{seed}'}"])
     run = build_run(cfg)
@@ -292,6 +295,8 @@ def main() -> None:
     parser.add_argument("--eval-n", type=int, default=200)
     parser.add_argument("--out", default="runs/bench_async_vs_sync")
     parser.add_argument("--report-only", action="store_true", help="print the tables of --out/results.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --out/results.json and run only the missing ones")
     args = parser.parse_args()
     if args.quick:
         args.workloads, args.modes, args.seeds = "ln0.5", "sync,sync-overprov,async-s2", 1
@@ -310,23 +315,30 @@ def main() -> None:
             print(line)
         return
     out.mkdir(parents=True, exist_ok=True)
-    build_run(load_config(CONFIG, ["log.progress=false"]))  # build/cache the model before any clock
+    # Every seed starts from the same policy (the embedded model built with seed 0, cached); the
+    # seeds vary the run: task order, sampling, critic initialisation.
+    model = str(embedded_model_dir(build_run(load_config(CONFIG, ["log.progress=false"])).cfg))
     print(f"{args.steps} steps x B={args.batch} per mode (sync-3B: {args.steps // 3} x {3 * args.batch}); "
           f"{args.seeds} seeds; held-out n={args.eval_n} every {args.eval_every} steps; cores {sorted(os.sched_getaffinity(0))}",
           flush=True)
-    rows: list[dict[str, Any]] = []
+    results = out / "results.json"
+    rows: list[dict[str, Any]] = json.loads(results.read_text()) if args.resume and results.is_file() else []
+    done = {(r["workload"], r["mode"], r["seed"]) for r in rows}
     evaluated: dict[Any, float] = {}
     for w in workloads:
         for seed in range(args.seeds):
             order = modes[seed % len(modes):] + modes[:seed % len(modes)]  # rotate: no mode always first
             for mode in order:
-                r = run_mode(mode, w, seed, args.batch, args.steps, args.eval_every, args.eval_n, out, evaluated)
+                if (w, mode.name, seed) in done:
+                    continue
+                r = run_mode(mode, w, seed, args.batch, args.steps, args.eval_every, args.eval_n, out, evaluated,
+                             model)
                 rows.append(r)
                 reached = f"at {r['time_to_target_s']:.1f} s" if not r["censored"] else "not reached"
                 print(f"  {w} {mode.name} seed {seed}: wall {r['wall_s']:.1f} s, target {r['target']:.3f} {reached}, final "
                       f"{r['final']:.3f}, {r['trained_tok_s']:.0f} tok/s, waste {r['waste']:.3f}, plan "
                       f"{r['core_plan']}, ran on {r['ran_on']}, load {r['load']}", flush=True)
-                (out / "results.json").write_text(json.dumps(rows, indent=1))
+                results.write_text(json.dumps(rows, indent=1))
     for line in report(rows, workloads, modes):
         print(line)
 
