@@ -460,6 +460,15 @@ class SystemConfig:
     worker_drain_s: float = opt(
         10.0, "Ray backend, elastic: seconds a removed worker may finish its episodes before the rest "
         "are cancelled and their tasks queued again (counted `requeued`).")
+    cores: str = opt(
+        "shared", "Cores per component (tiderl.system.cores): 'shared' (no pinning), 'auto' (with "
+        "max_staleness > 0 the trainer gets the first half of the cores, rollout and preparation the "
+        "rest; synchronous training keeps every core), or a plan such as 'trainer=0;rollout=1' "
+        "(optionally ';prep=1'). A pinned component's *_threads default to its core count.")
+    admission: int = opt(
+        0, "Most trajectories started and not yet settled (0 = (max_staleness+1) x batch). Above "
+        "batch_size at max_staleness=0: over-provisioned on-policy training, where the first "
+        "batch_size finishers train and the rest restart on the new weights. Also the default slots.")
 
 
 @dataclass
@@ -932,6 +941,17 @@ def validate(cfg: RunConfig) -> None:
     need(sysc.elastic_interval_s > 0, "system.elastic_interval_s", "must be > 0", "use 2.0")
     need(sysc.max_task_retries >= 0, "system.max_task_retries", "must be >= 0", "use 2")
     need(sysc.resource_units > 0, "system.resource_units", "must be > 0 (the devices the run holds)", "use 1")
+    need(sysc.admission == 0 or sysc.admission >= cfg.rollout.batch_size, "system.admission",
+         f"{sysc.admission} is below rollout.batch_size={cfg.rollout.batch_size}, so no batch could fill",
+         "use 0 ((max_staleness+1) x batch) or at least the batch size, e.g. 2 x batch")
+    if sysc.cores.strip() not in ("shared", "auto", ""):
+        # The plan's syntax; whether its cores exist is checked when a run starts.
+        from tiderl.system.cores import parse_plan
+
+        try:
+            parse_plan(sysc.cores)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
     has_critic = algo_registry.needs_critic(cfg.algo)
     need(has_critic or cfg.algo.critic_warmup_steps == 0, "algo.critic_warmup_steps",

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tiderl.aio import InlineExecutor, cores, thread_budget
+from tiderl.aio import InlineExecutor, cores
 from tiderl.algos.sampling import has_signal
 from tiderl.config import RunConfig, dump_yaml
 from tiderl.metrics.logger import MetricsLogger
@@ -34,6 +34,7 @@ from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
 from tiderl.run import (Checkpoints, Run, Trainer, build_run, open_ledger, preparations_for, resume_schedule,
                         save_run_checkpoint, sync_weights)
 from tiderl.system.buffer import ReadyBuffer
+from tiderl.system.cores import available_cores, pinned_thread, resolve_cores
 from tiderl.system.scheduler import Scheduler, SchedulerSettings
 from tiderl.types import Trajectory
 
@@ -69,8 +70,10 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     preparations = preparations_for(run)  # critic values / reference log-probs, ahead of the step
     # Synchronous training never decodes, prepares and trains at once: all three run in this
     # thread, one torch thread pool as in a plain loop. Asynchronous training overlaps them, each
-    # on its own thread with its own budget (system.*_threads).
-    compute = InlineExecutor(s.trainer_threads) if s.max_staleness == 0 else None
+    # on its own thread with its own budget (system.*_threads), on the cores system.cores gives it
+    # (tiderl.system.cores; the backend resolves the same plan, before this thread is pinned).
+    plan = resolve_cores(s.cores, available_cores(), synchronous=s.max_staleness == 0)
+    compute = InlineExecutor(plan.threads_for("trainer", s.trainer_threads, 0)) if s.max_staleness == 0 else None
     rollout = resolve(BACKENDS, s.backend, "system.backend").from_run(run, preparations, executor=compute)
     if cfg.train.parallel == "none":
         trainer = Trainer(run, preparations)
@@ -102,12 +105,14 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         # Environments without `astep` step on the default executor: a thread per slot, so slow
         # tools do not queue behind each other.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.most_slots() + 4))
-        buffer = ReadyBuffer(preparations, group_size=settings.group_size, thread_init=thread_budget(s.prep_threads),
+        buffer = ReadyBuffer(preparations, group_size=settings.group_size,
+                             thread_init=plan.thread_init("prep", plan.threads_for("prep", s.prep_threads, 0)),
                              accept_group=informative if cfg.algo.dynamic_sampling else None, executor=compute)
         ledger, lost = open_ledger(run)  # run_dir/ledger.jsonl, cut back to the checkpoint on resume
         scheduler = Scheduler(settings, lambda: run.tasks.take(1)[0], rollout, trainer, buffer, on_step=on_step,
                               start_version=run.step, shape=run.shape, trainer_executor=compute, ledger_log=ledger,
-                              trainer_thread_init=thread_budget(s.trainer_threads or max(1, cores() - cores() // 2)))
+                              trainer_thread_init=plan.thread_init(
+                                  "trainer", plan.threads_for("trainer", s.trainer_threads, max(1, cores() - cores() // 2))))
         resume_schedule(run, scheduler, lost)
         await rollout.start()
         try:
@@ -117,10 +122,12 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
             run.trainer = None
             await rollout.close()
             ledger.close()
-        return history, {**scheduler.summary(), "backend": rollout.report()}
+        return history, {**scheduler.summary(), "backend": rollout.report(),
+                         "cores": {"plan": plan.describe(), "threads": plan.pinned_threads}}
 
     try:
-        history, summary = asyncio.run(schedule())
+        with pinned_thread(plan.rollout):  # the event loop: episode bookkeeping, tool calls, tokenizing
+            history, summary = asyncio.run(schedule())
     finally:
         logger.close()
         if compute is not None:

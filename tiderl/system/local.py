@@ -3,7 +3,8 @@
 Episodes are asyncio coroutines (`tiderl.agent.loop.play_episode`); the engine decodes on its
 own thread behind a `BatchingEngine`, the trainer steps on another, preparations (critic values,
 reference log-probs) run on a third. Torch releases the GIL inside its kernels, so decoding,
-training and preparation overlap on a multi-core machine.
+training and preparation overlap on a multi-core machine; `system.cores` can pin each to cores of
+its own (`tiderl.system.cores`), as a disaggregated deployment would place them.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tiderl.agent.loop import play_episode
-from tiderl.aio import cores, thread_budget
+from tiderl.aio import cores
 from tiderl.envs.protocol import Task
 from tiderl.rollout.base import Engine, SamplingParams, sampling_params
 from tiderl.rollout.client import BatchingEngine
+from tiderl.system.cores import CorePlan, available_cores, resolve_cores
 from tiderl.system.latency import training_env_factory
 from tiderl.types import Trajectory
 
@@ -27,7 +29,7 @@ class LocalRollout:
 
     def __init__(self, engine: Engine, tokenizer: Any, make_env: Any, params: SamplingParams,
                  max_turns: int, max_total_tokens: int, max_batch_size: int, thread_init: Any = None,
-                 executor: Any = None, wait_for_all_s: float = 0.0):
+                 executor: Any = None, wait_for_all_s: float = 0.0, core_plan: CorePlan | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.make_env = make_env
@@ -38,18 +40,23 @@ class LocalRollout:
         # batches, and the sampler's stream, never depend on timing (train.reproducible).
         timing = dict(patience_s=wait_for_all_s, gather_s=wait_for_all_s) if wait_for_all_s > 0 else {}
         self.client = BatchingEngine(engine, max_batch_size, thread_init=thread_init, executor=executor, **timing)
+        self.core_plan = core_plan or CorePlan()
+        self.decoded_tokens = 0  # sampled tokens of every completed model turn, trained or not
 
     @classmethod
     def from_run(cls, run: "Run", preparations: list[Any], executor: Any = None) -> "LocalRollout":
         """Rollouts of `run` on `run.engine`, with the configured simulated tool latency; decoding
         runs on `executor` when the recipe shares one compute thread (synchronous training)."""
         cfg = run.cfg
+        # The recipe resolves the same plan for the trainer and preparation threads.
+        plan = resolve_cores(cfg.system.cores, available_cores(), synchronous=cfg.system.max_staleness == 0)
+        # Beside the trainer (asynchronous training): its pinned cores, else half the cores, unless configured.
+        threads = plan.threads_for("rollout", cfg.system.decode_threads, max(1, cores() // 2))
         return cls(run.engine, run.tokenizer, training_env_factory(cfg, run.make_env),
                    sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False),
                    cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size,
-                   # Beside the trainer (asynchronous training): half the cores unless configured.
-                   thread_init=thread_budget(cfg.system.decode_threads or max(1, cores() // 2)), executor=executor,
-                   wait_for_all_s=cfg.system.wait_timeout_s if cfg.train.reproducible else 0.0)
+                   thread_init=plan.thread_init("rollout", threads), executor=executor,
+                   wait_for_all_s=cfg.system.wait_timeout_s if cfg.train.reproducible else 0.0, core_plan=plan)
 
     @property
     def version(self) -> int:
@@ -62,7 +69,7 @@ class LocalRollout:
         await self.client.close()
 
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
-        return await play_episode(self.client, self.tokenizer, self.make_env, task, self.params,
+        return await play_episode(_Counting(self), self.tokenizer, self.make_env, task, self.params,
                                   self.max_turns, self.max_total_tokens, group_id=group_id)
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
@@ -72,4 +79,24 @@ class LocalRollout:
     def report(self) -> dict[str, Any]:
         """The backend's part of the run summary."""
         return {"decode_batches": self.client.batches, "decode_requests": self.client.requests,
-                "decode_busy_s": round(self.client.busy_s, 3)}
+                "decode_busy_s": round(self.client.busy_s, 3), "decoded_tokens": self.decoded_tokens,
+                "decode_cores": list(self.core_plan.rollout),
+                "decode_threads": self.core_plan.pinned_threads.get("rollout", [])}
+
+
+class _Counting:
+    """The batching client as one episode sees it, adding each completed turn's sampled tokens to
+    `rollout.decoded_tokens`: episodes that are later dropped, restarted or cut off count too, so
+    the run's waste (decoded but never trained) can be measured. A turn cancelled mid-decode is
+    not counted."""
+
+    def __init__(self, rollout: LocalRollout):
+        self._rollout = rollout
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Any:
+        completion = await self._rollout.client.generate(prompt, params)
+        self._rollout.decoded_tokens += len(completion.token_ids)
+        return completion
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rollout.client, name)

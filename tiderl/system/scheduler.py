@@ -9,8 +9,8 @@ Three coroutines share one event loop:
 - **train**: takes `batch_size` ready trajectories from the `ReadyBuffer` (dropping and
   counting the ones the gate judges too stale), runs the trainer's step on a worker thread,
   bumps the version, hands the weights to the rollout side, verifies them by checksum, and
-  settles the batch. In `restart` mode it then cancels the episodes that started on older
-  weights and queues their tasks again.
+  settles the batch. In `restart` mode (and always at staleness 0) it then cancels the episodes
+  that started on older weights and queues their tasks again.
 - **elastic**: every `elastic_interval_s`, measures readiness (did the trainer wait on rollout,
   or rollout on the trainer and the gate?) and resizes the rollout capacity with
   `elastic.decide`: the backend's workers when it can add and remove them (the Ray backend with
@@ -110,9 +110,10 @@ class SchedulerSettings:
     group_size: int = 1
     env_name: str = ""  # named in the error when every task keeps failing
     resource_units: float = 1.0  # devices the run holds: goodput per resource unit divides by it
+    admission: int = 0  # most unsettled trajectories; 0 = (max_staleness + 1) * batch_size
 
     def initial_slots(self) -> int:
-        return self.slots or (self.max_staleness + 1) * self.batch_size
+        return self.slots or self.admission or (self.max_staleness + 1) * self.batch_size
 
     def most_slots(self) -> int:
         """The largest number of episodes that may ever run at once."""
@@ -127,7 +128,7 @@ class SchedulerSettings:
                    max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
                    group_size=cfg.algo.group_size, env_name=cfg.env.name,
-                   resource_units=s.resource_units)
+                   resource_units=s.resource_units, admission=s.admission)
 
 
 @dataclass
@@ -196,7 +197,7 @@ class Scheduler:
         self.on_step = on_step
         self.shape = shape  # reward shaping of each finished episode (curiosity), before the buffer
         self.version = start_version
-        self.gate = StalenessGate(s.max_staleness, s.batch_size)
+        self.gate = StalenessGate(s.max_staleness, s.batch_size, s.admission)
         self.ledger = Ledger()
         self.slots = s.initial_slots()
         self.min_slots = s.min_slots or self.slots
@@ -518,7 +519,9 @@ class Scheduler:
             self.trained_sequence_tokens += sum(len(t.tokens) for t in batch)
         for lag in lags:
             self.critic_lag_histogram[lag] = self.critic_lag_histogram.get(lag, 0) + 1
-        if self.settings.partial_rollout == "restart":
+        # At max_staleness=0 an episode still running on the old weights could never train: restart
+        # it now (only an over-provisioned admission leaves any in flight there).
+        if self.settings.partial_rollout == "restart" or self.settings.max_staleness == 0:
             self._restart_older_than(self.version)
         self._changed.set()
         t_end = time.monotonic()

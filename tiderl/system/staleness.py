@@ -49,21 +49,22 @@ class StalenessGate:
     caller, so tests can drive it with a fake version source.
     """
 
-    def __init__(self, max_staleness: int, batch_size: int):
+    def __init__(self, max_staleness: int, batch_size: int, admission: int = 0):
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 (0 = synchronous)")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.max_staleness = max_staleness
         self.batch_size = batch_size
+        self.admission = admission  # 0 = (N + 1) * B; more over-provisions (the drop rule still holds)
         self.outstanding = 0
         self.histogram: Counter[int] = Counter()  # staleness of every trajectory judged
         self.dropped = 0
 
     @property
     def capacity(self) -> int:
-        """Most trajectories that may be unsettled at once: (N + 1) * B."""
-        return (self.max_staleness + 1) * self.batch_size
+        """Most trajectories that may be unsettled at once: (N + 1) * B unless `admission` is set."""
+        return self.admission or (self.max_staleness + 1) * self.batch_size
 
     def may_start(self, trainer_version: int, engine_version: int) -> bool:
         """True iff a new task may start now (see the module docstring for the rule)."""
@@ -74,7 +75,8 @@ class StalenessGate:
         """Why `may_start` is False ('' when it is True), for logs and timeout messages."""
         if self.outstanding >= self.capacity:
             return (f"{self.outstanding} trajectories unsettled, the bound allows "
-                    f"(max_staleness+1) x batch = {self.capacity}")
+                    + (f"system.admission = {self.capacity}" if self.admission
+                       else f"(max_staleness+1) x batch = {self.capacity}"))
         if trainer_version - engine_version > self.max_staleness:
             return (f"engine weights are version {engine_version}, the trainer is at "
                     f"{trainer_version}: more than max_staleness={self.max_staleness} behind")

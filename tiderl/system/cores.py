@@ -1,0 +1,186 @@
+"""Explicit core budgets per component: which cores decoding, training and preparation run on.
+
+A disaggregated deployment gives the trainer and the rollout engines devices of their own, so
+an asynchronous run overlaps two workloads that never compete. On one machine the threads that
+do the torch work (`tiderl.aio`: the decode thread, the trainer thread, the preparation thread)
+otherwise share every core and the scheduler decides nothing about it. `system.cores` makes the
+split explicit:
+
+- `shared` (default): no pinning; thread counts come from `system.*_threads` as before.
+- `auto`: asynchronous training (`max_staleness > 0`) on two or more cores splits them: the
+  trainer gets the first `n - n // 2` cores, rollout (decoding, the event loop with episode
+  bookkeeping and tool calls, preparations) the other `n // 2`. Synchronous training never
+  overlaps decoding and training, so it keeps one compute thread on every core (no pinning):
+  each phase then has the whole machine, which is what a lock-step loop gets.
+- an explicit plan, `trainer=0;rollout=1` or `trainer=0-3;rollout=4-7;prep=4`: core ids as
+  `os.sched_getaffinity` lists them, `a-b` ranges and `,` lists; `prep` defaults to the
+  rollout cores. Under synchronous training the one compute thread runs on the union.
+
+A pinned component's torch thread count defaults to its number of cores (an explicit
+`system.*_threads` still wins). Pinning is per thread (`os.sched_setaffinity` on the thread's
+native id, called from inside the thread); threads it creates afterwards (torch's OpenMP team)
+inherit the mask.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+COMPONENTS = ("trainer", "rollout", "prep")
+FIELD = "system.cores"
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def _parse_ids(text: str, component: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                ids.extend(range(lo, hi + 1))
+            else:
+                ids.append(int(part))
+        except ValueError:
+            raise ValueError(f"{FIELD}: {component}={text!r} is not a core list. Fix: write core ids as "
+                             "'0', '0,2' or '0-3', e.g. trainer=0;rollout=1") from None
+    return tuple(sorted(set(ids)))
+
+
+def parse_plan(spec: str) -> dict[str, tuple[int, ...]]:
+    """`trainer=0-1;rollout=2,3` -> {component: core ids}. Raises ValueError naming the field."""
+    plan: dict[str, tuple[int, ...]] = {}
+    for item in spec.split(";"):
+        if not item.strip():
+            continue
+        name, sep, ids = item.partition("=")
+        name = name.strip()
+        if not sep or name not in COMPONENTS:
+            raise ValueError(f"{FIELD}: {item.strip()!r} names no component. Fix: use 'shared', 'auto' or "
+                             f"component=cores pairs joined by ';' with components {', '.join(COMPONENTS)}, "
+                             "e.g. trainer=0;rollout=1")
+        if name in plan:
+            raise ValueError(f"{FIELD}: {name} is given twice. Fix: name each component once")
+        plan[name] = _parse_ids(ids, name)
+    missing = [c for c in ("trainer", "rollout") if c not in plan]
+    if missing:
+        raise ValueError(f"{FIELD}: {spec!r} gives no cores to {' and '.join(missing)}. "
+                         "Fix: name both, e.g. trainer=0;rollout=1")
+    return plan
+
+
+@dataclass
+class CorePlan:
+    """Which cores each component runs on (empty: not pinned) and the threads pinned so far."""
+
+    trainer: tuple[int, ...] = ()
+    rollout: tuple[int, ...] = ()
+    prep: tuple[int, ...] = ()
+    pinned_threads: dict[str, list[int]] = field(default_factory=dict)  # component -> native thread ids
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.trainer or self.rollout or self.prep)
+
+    def cores_of(self, component: str) -> tuple[int, ...]:
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}; one of {COMPONENTS}")
+        return getattr(self, component)
+
+    def threads_for(self, component: str, configured: int, default: int) -> int:
+        """A component's torch thread count: `configured` if > 0, else its core count when it is
+        pinned, else `default`."""
+        if configured > 0:
+            return configured
+        return len(self.cores_of(component)) or default
+
+    def thread_init(self, component: str, threads: int) -> Callable[[], None]:
+        """An executor initializer: pins the calling thread to the component's cores (when it has
+        any), records its native id, and gives it `threads` torch threads (0 = one per core it may
+        run on)."""
+        cores = self.cores_of(component)
+        lock = threading.Lock()
+
+        def init() -> None:
+            tid = threading.get_native_id()
+            if cores:
+                os.sched_setaffinity(tid, cores)
+            with lock:
+                self.pinned_threads.setdefault(component, []).append(tid)
+            import torch
+
+            torch.set_num_threads(threads if threads > 0 else len(os.sched_getaffinity(tid)))
+
+        return init
+
+    def describe(self) -> dict[str, list[int]]:
+        """{component: cores} for the run summary ({} when nothing is pinned)."""
+        return {c: list(self.cores_of(c)) for c in COMPONENTS if self.cores_of(c)}
+
+
+def resolve_cores(spec: str, available: Sequence[int], synchronous: bool) -> CorePlan:
+    """The plan `system.cores=spec` gives on `available` cores (see the module docstring).
+
+    Synchronous training runs every component on one compute thread, so each component of the
+    plan gets the union of the cores it names (or nothing, for `auto`/`shared`).
+    """
+    spec = spec.strip()
+    avail = sorted(available)
+    if spec in ("shared", ""):
+        return CorePlan()
+    if spec == "auto":
+        if synchronous or len(avail) < 2:
+            return CorePlan()
+        cut = len(avail) - len(avail) // 2
+        trainer, rollout = tuple(avail[:cut]), tuple(avail[cut:])
+        return CorePlan(trainer=trainer, rollout=rollout, prep=rollout)
+    plan = parse_plan(spec)
+    outside = sorted({c for ids in plan.values() for c in ids} - set(avail))
+    if outside:
+        raise ValueError(f"{FIELD}: cores {outside} are not available to this process (it may run on "
+                         f"{avail}). Fix: use only those, or 'auto'")
+    plan.setdefault("prep", plan["rollout"])
+    if synchronous:
+        union = tuple(sorted({c for ids in plan.values() for c in ids}))
+        return CorePlan(trainer=union, rollout=union, prep=union)
+    return CorePlan(**plan)
+
+
+@contextmanager
+def pinned_thread(cores: Sequence[int]) -> Iterator[None]:
+    """Run the body with the calling thread pinned to `cores` (nothing when empty), restoring its
+    previous mask afterwards. Threads it starts meanwhile inherit the mask."""
+    if not cores:
+        yield
+        return
+    tid = threading.get_native_id()
+    before = os.sched_getaffinity(tid)
+    os.sched_setaffinity(tid, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(tid, before)
+
+
+def thread_cpu(tid: int) -> tuple[int, float] | None:
+    """(the core a thread of this process last ran on, its CPU seconds), from
+    /proc/self/task/<tid>/stat; None when the thread is gone or /proc is missing."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    # fields[0] is the state (stat field 3): utime/stime are fields 14/15, processor is field 39.
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[36]), (int(fields[11]) + int(fields[12])) / tick
