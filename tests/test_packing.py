@@ -1,5 +1,6 @@
-"""Packed micro-batches: the layout, and that a packed forward/backward gives the padded path's
-log-probs, entropies, gradients and optimizer step."""
+"""The trainer's speed parts: packed micro-batches (the layout; a packed forward/backward gives
+the padded path's log-probs, entropies, gradients and optimizer step), the fused AdamW step and
+the batched finite-gradient guard."""
 
 import copy
 import random
@@ -103,3 +104,38 @@ def test_packs_only_plain_full_attention_models(model):
     sliding.config.use_sliding_window, sliding.config.sliding_window = True, 4
     assert not packs(sliding)
     assert not packs(torch.nn.Linear(2, 2))  # not a Hugging Face model: the padded path
+
+
+def test_learner_uses_fused_adamw_with_the_default_update(model):
+    fused = Learner(copy.deepcopy(model), lr=1e-2, weight_decay=0.1)
+    assert fused.optimizer.param_groups[0]["fused"] is True
+    plain_model = copy.deepcopy(model)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = torch.tensor([[3, 9, 4, 1, 7]])
+    for _ in range(3):
+        for m, opt in ((fused.model, fused.optimizer), (plain_model, plain)):
+            opt.zero_grad()
+            m(input_ids=ids).logits.square().mean().backward()
+            opt.step()
+    for (name, a), b in zip(fused.model.named_parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_finite_guard_refuses_one_bad_gradient_element(model, bad):
+    from tiderl.train.step import NonFiniteError, _finite_guard
+
+    learner = Learner(copy.deepcopy(model), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    for p in learner.params:
+        p.grad = torch.full_like(p, 1e-3)
+    with _finite_guard(learner, "actor", [traj([1, 2], [0, 1])]):
+        learner.optimizer.step()  # every gradient finite: the step happens
+    assert any(not torch.equal(p, before[n]) for n, p in learner.model.named_parameters())
+    stepped = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    learner.params[-1].grad.view(-1)[5] = bad
+    with pytest.raises(NonFiniteError, match="actor gradient is non-finite"):
+        with _finite_guard(learner, "actor", [traj([1, 2], [0, 1])]):
+            learner.optimizer.step()
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p, stepped[n]), f"{n} changed although a gradient was {bad}"

@@ -88,11 +88,17 @@ def _finite_guard(learner: Learner, what: str, trajectories: list[Trajectory]) -
     clipping: a non-finite norm makes every clipped gradient NaN), so the weights stay as they were."""
 
     def check(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    raise NonFiniteError(f"the {what} gradient is non-finite (NaN or inf) on the batch of tasks "
-                                         f"{_tasks(trajectories)}; the weights were not updated. {_SKIP_FIX}")
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # One batched norm over all (plain) gradients is finite whenever every element is (a NaN
+        # or inf element makes it non-finite): 0.4 ms instead of 4.6 ms for the 27 tensors of a
+        # hidden-128 model. Only when it is not (or overflows) is each gradient checked.
+        if grads and all(type(g) is torch.Tensor for g in grads) and bool(
+                torch.isfinite(torch.nn.utils.get_total_norm(grads))):
+            return
+        for g in grads:
+            if not bool(torch.isfinite(g).all()):
+                raise NonFiniteError(f"the {what} gradient is non-finite (NaN or inf) on the batch of tasks "
+                                     f"{_tasks(trajectories)}; the weights were not updated. {_SKIP_FIX}")
 
     handle = learner.optimizer.register_step_pre_hook(check)
     try:
