@@ -17,8 +17,12 @@ transformers' `generate`.
 Metric: trained completion tokens (the sampled tokens, end-of-turn included; prompt tokens
 excluded) divided by the wall time of the training call (`recipe.train` / `trainer.train()`;
 model loading excluded on both sides). Each measurement is its own subprocess; repeats interleave
-the two frameworks (alternating which goes first) so both see the same machine load.
+the two frameworks (alternating which goes first) so both see the same machine load. Both use the
+same number of torch threads (`--threads`, default 1); `--threads 0` leaves each framework its own
+default (TRL: one per core; tiderl: the cores other processes leave free, `system.trainer_threads=0`),
+which on a busy machine measures how each copes with contention more than its own speed.
 
+    pip install -e '.[bench-trl]'          # trl==1.16.0 (name torch==2.13.0 too, or pip swaps torch)
     python benchmarks/vs_trl.py            # both sizes, 30 steps, 3 interleaved repeats
     python benchmarks/vs_trl.py --quick    # hidden 128 only, 8 steps, 1 repeat (< 2 min)
 
@@ -49,7 +53,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 VOCAB = 512
 GROUP, PROMPTS_PER_STEP, MAX_NEW_TOKENS = 8, 2, 32
-LR = 1e-4
+LR = 3e-5
 WARM_STEPS, WARM_BATCH, WARM_LR = 400, 32, 3e-3
 NUM_TASKS = 4000
 
@@ -251,9 +255,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default="h128,h256")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads on both sides (0 = each framework's default: TRL one per core, "
-                             "tiderl the cores other processes leave free)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads on both sides (default 1, the same for both; 0 = each framework's "
+                             "default: TRL one per core, tiderl the cores other processes leave free)")
     parser.add_argument("--out", default="runs/bench_vs_trl")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -293,6 +297,8 @@ def main() -> None:
               f"| {statistics.fmean(x['reward_first'] for x in results):.2f}->"
               f"{statistics.fmean(x['reward_last'] for x in results):.2f} "
               f"| {statistics.fmean(x['load'] for x in results):.2f} | {len(results)} |")
+    print(f"\ntorch threads: {args.threads if args.threads > 0 else 'each framework its default'}; "
+          f"{args.steps} steps of {PROMPTS_PER_STEP} prompts x {GROUP} completions; lr {LR}")
     ratios = [f"{size} {means[(size, 'tiderl')] / means[(size, 'trl')]:.2f}x" for size in sizes
               if math.isfinite(means[(size, 'trl')]) and means[(size, 'trl')] > 0]
     print(f"\ntiderl/TRL trained completion tokens per second: {', '.join(ratios)}")
