@@ -134,8 +134,8 @@ def test_finite_guard_refuses_one_bad_gradient_element(model, bad):
     assert any(not torch.equal(p, before[n]) for n, p in learner.model.named_parameters())
     stepped = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     learner.params[-1].grad.view(-1)[5] = bad
-    with pytest.raises(NonFiniteError, match="actor gradient is non-finite"):
-        with _finite_guard(learner, "actor", [traj([1, 2], [0, 1])]):
-            learner.optimizer.step()
+    with pytest.raises(NonFiniteError, match="actor gradient is non-finite"), \
+            _finite_guard(learner, "actor", [traj([1, 2], [0, 1])]):
+        learner.optimizer.step()
     for n, p in learner.model.named_parameters():
         assert torch.equal(p, stepped[n]), f"{n} changed although a gradient was {bad}"
