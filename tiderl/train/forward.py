@@ -119,7 +119,9 @@ def packed_token_logprobs(
 
     Same arguments and `[B, T]` outputs as `token_logprobs`, except that positions whose token is
     not scored (`action_mask` 0, position 0, padding) hold 0 instead of the token's log-prob.
-    `model` must satisfy `packs(model)`.
+    `model` must satisfy `packs(model)`. Its attention kernel is switched to the packed one for
+    the duration of the call (`config._attn_implementation`), so no other thread may run the same
+    model object meanwhile (the trainer's actor: engines and snapshots hold their own copies).
     """
     from tiderl.train.batching import pack
 

@@ -289,7 +289,10 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
             ref_model = ref.model if isinstance(ref, Learner) else ref
             assert ref_model is not None
             ref_model.eval()
-            ref_lp = actor.sum_across_ranks(_forward_all(local, shape, lambda b: _logprobs(ref_model, b, packed)[0]))
+            # Padded: the packed pass switches the model's attention kernel for its duration, and
+            # the reference may be serving the buffer's RefLogprobs on another thread meanwhile.
+            ref_lp = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
+                ref_model, b.input_ids, b.attention_mask)[0]))
 
     # 4. Rewards per token, the critic, the advantages of the whole batch.
     token_rewards = outcome_token_rewards(rewards, mask)
