@@ -91,3 +91,42 @@ def slice_batch(batch: Batch, rows: list[int]) -> Batch:
         rewards=batch.rewards[idx],
         num_action_tokens=batch.num_action_tokens[idx],
     )
+
+
+@dataclass
+class Packing:
+    """A right-padded `[B, T]` micro-batch as one row of its real tokens, no padding (`L` = the
+    tokens with attention 1, row by row).
+
+    input_ids / position_ids: `[1, L]`; positions restart at 0 with every sequence.
+    valid: `[B, T]` bool, where the real tokens are (`x[valid]` packs a `[B, T]` tensor; the
+        packed row is in this order).
+    gather: `[B, T]` long, the packed index of each real token (0 on padding), so that
+        `packed[gather]` lays a packed tensor out padded again (padding then holds a copy of the
+        row's first token, which causal attention never lets a real token see).
+    keep: the packed positions whose next token is scored (`action_mask` 1 there), and
+        `keep_rows` / `keep_cols`: the `[B, T]` position of that next token.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    valid: torch.Tensor
+    gather: torch.Tensor
+    keep: torch.Tensor
+    keep_rows: torch.Tensor
+    keep_cols: torch.Tensor
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor) -> Packing:
+    """The packed layout of a right-padded micro-batch (every row's real tokens at its start)."""
+    valid = attention_mask > 0
+    b, t = valid.shape
+    columns = torch.arange(t, device=input_ids.device).expand(b, t)
+    flat = torch.cumsum(valid.reshape(-1).long(), 0).reshape(b, t) - 1
+    gather = torch.where(valid, flat, flat[:, :1].expand(b, t))
+    # Token t is scored from the logits of token t - 1 (same row): keep those packed positions.
+    scored = (action_mask > 0) & valid
+    scored[:, 0] = False
+    rows, cols = scored.nonzero(as_tuple=True)
+    return Packing(input_ids=input_ids[valid].unsqueeze(0), position_ids=columns[valid].unsqueeze(0),
+                   valid=valid, gather=gather, keep=flat[rows, cols - 1], keep_rows=rows, keep_cols=cols)

@@ -12,7 +12,7 @@ import torch
 
 from tiderl.algos.regularizers import entropy_from_logits
 
-__all__ = ["token_logprobs", "token_values"]
+__all__ = ["packed_token_logprobs", "packs", "token_logprobs", "token_values"]
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
@@ -48,3 +48,104 @@ def token_values(
     """The critic's V(state before token t) at every position t (a `train.critic.ValueModel`)."""
     v = critic(input_ids=input_ids, attention_mask=attention_mask)
     return _shift(v[:, :-1].float())
+
+
+# --- packed sequences ------------------------------------------------------------------------------
+#
+# A micro-batch runs as one row of its real tokens (`batching.pack`): embeddings, projections,
+# MLPs and norms see no padding. Attention must not cross sequences: instead of a dense
+# block-diagonal [L, L] mask (quadratic in the packed length), the attention function lays the
+# packed queries, keys and values out padded again, `[B, H, T, D]` by one gather, runs causal
+# SDPA per sequence and packs the result back. Only the positions whose next token is scored go
+# through the output layer (`logits_to_keep`).
+
+PACKED_ATTENTION = "tiderl_packed"
+
+
+def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs: object) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sequence of a packed row (`kwargs["tiderl_packing"]`).
+
+    query `[1, H, L, D]`, key / value `[1, Hkv, L, D]`; returns `[1, L, H, D]` as the Hugging
+    Face attention functions do.
+    """
+    packing = kwargs.get("tiderl_packing")
+    if packing is None or query.shape[0] != 1:
+        raise RuntimeError("the packed attention kernel ran without a packed layout: call it through "
+                           "tiderl.train.forward.packed_token_logprobs")
+    if kwargs.get("sliding_window"):
+        raise RuntimeError("packed training does not support sliding-window attention: set train.packing=false")
+    gather = packing.gather  # [B, T]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [1, H, L, D] -> [B, H, T, D]
+        return x[0].transpose(0, 1)[gather].transpose(1, 2)
+
+    q, k, v = padded(query), padded(key), padded(value)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[packing.valid].unsqueeze(0), None  # [1, L, H, D]
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """The packed kernel builds its own causal layout: no mask tensor is needed."""
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether `model` can train packed: a Hugging Face model whose full-attention layers dispatch
+    through the attention interface (sdpa or eager) and that has no sliding-window layers."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    sliding = getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None)
+    return not sliding and (layer_types is None or all(t == "full_attention" for t in layer_types))
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
+    with_entropy: bool = False, entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` where `action_mask` is 1, computed on the packed micro-batch (0 elsewhere).
+
+    Same arguments and `[B, T]` outputs as `token_logprobs`, except that positions whose token is
+    not scored (`action_mask` 0, position 0, padding) hold 0 instead of the token's log-prob.
+    `model` must satisfy `packs(model)`. Its attention kernel is switched to the packed one for
+    the duration of the call (`config._attn_implementation`), so no other thread may run the same
+    model object meanwhile (the trainer's actor: engines and snapshots hold their own copies).
+    """
+    from tiderl.train.batching import pack
+
+    p = pack(input_ids, attention_mask, action_mask)
+    config = model.config
+    previous = config._attn_implementation
+    if PACKED_ATTENTION not in _REGISTERED:
+        _register_packed_attention()
+        _REGISTERED.add(PACKED_ATTENTION)
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
+                       logits_to_keep=p.keep, tiderl_packing=p).logits[0].float()  # [K, V]
+    finally:
+        config._attn_implementation = previous
+    labels = input_ids[p.keep_rows, p.keep_cols]
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logprobs = picked.new_zeros(input_ids.shape).index_put((p.keep_rows, p.keep_cols), picked)
+    entropy = None
+    if with_entropy or entropy_grad:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = entropy_from_logits(logits)
+            entropy = ent.new_zeros(input_ids.shape).index_put((p.keep_rows, p.keep_cols), ent)
+    return logprobs, entropy
+
+
+_REGISTERED: set[str] = set()

@@ -9,6 +9,19 @@ import torch
 LossFn = Callable[[Any], tuple[torch.Tensor, dict[str, float]]]
 
 
+def fused_adam_supported(params: Sequence[torch.Tensor]) -> bool:
+    """Whether AdamW's fused kernel takes these parameters: plain floating-point tensors (not the
+    DTensors of FSDP2) on the CPU or a CUDA device.
+
+    The fused kernel updates each parameter in one pass instead of a dozen elementwise ops: on the
+    tiny models of `benchmarks/vs_trl.py` the optimizer step took 0.95 ms instead of 8.6 ms
+    (hidden 128, one thread, a loaded machine). Its update equals the default one up to float
+    rounding.
+    """
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point()
+               and p.device.type in ("cpu", "cuda") for p in params)
+
+
 class Learner:
     """Owns a model's AdamW optimizer and applies one optimizer step over micro-batches.
 
@@ -23,8 +36,8 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("Learner got a model with no trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
-                                           betas=betas)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas,
+                                           fused=fused_adam_supported(self.params) or None)
         self.grad_clip = grad_clip
 
     def step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:

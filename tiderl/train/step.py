@@ -7,7 +7,9 @@ that filled in the options (SAO is the preset `sao`). In order:
 1. rewards: the trajectory's reward plus DAPO's overlong penalty (`algo.overlong_*`); dynamic
    sampling drops groups whose rewards are all equal (`algo.dynamic_sampling`);
 2. one right-padded batch of all trajectories (`collate`), split into micro-batches by padded
-   tokens; batch-wide per-token quantities live in `[N, T]` tensors on the CPU;
+   tokens; batch-wide per-token quantities live in `[N, T]` tensors on the CPU. The policy's
+   forward passes run each micro-batch packed (one row of its real tokens, attention within each
+   sequence, logits only where a token is scored) when the model supports it (`packed`);
 3. no-grad passes: recomputed old log-probs (`registry.recomputes_old_logprobs`), reference
    log-probs (`registry.needs_ref`), critic values (`registry.needs_critic`). Reference
    log-probs and critic values that the asynchronous buffer computed ahead
@@ -50,7 +52,12 @@ from tiderl.algos.losses import PolicyLossInputs, value_loss
 from tiderl.algos.regularizers import kl_estimate, kl_reward_penalty
 from tiderl.algos.sampling import informative_groups, overlong_penalty
 from tiderl.train.batching import Batch, collate, micro_batch_indices, slice_batch
-from tiderl.train.forward import token_logprobs, token_values
+from tiderl.train.forward import (
+    packed_token_logprobs,
+    packs,
+    token_logprobs,
+    token_values,
+)
 from tiderl.train.learner import Learner
 from tiderl.types import Trajectory
 
@@ -81,11 +88,17 @@ def _finite_guard(learner: Learner, what: str, trajectories: list[Trajectory]) -
     clipping: a non-finite norm makes every clipped gradient NaN), so the weights stay as they were."""
 
     def check(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    raise NonFiniteError(f"the {what} gradient is non-finite (NaN or inf) on the batch of tasks "
-                                         f"{_tasks(trajectories)}; the weights were not updated. {_SKIP_FIX}")
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # One batched norm over all (plain) gradients is finite whenever every element is (a NaN
+        # or inf element makes it non-finite): 0.4 ms instead of 4.6 ms for the 27 tensors of a
+        # hidden-128 model. Only when it is not (or overflows) is each gradient checked.
+        if grads and all(type(g) is torch.Tensor for g in grads) and bool(
+                torch.isfinite(torch.nn.utils.get_total_norm(grads))):
+            return
+        for g in grads:
+            if not bool(torch.isfinite(g).all()):
+                raise NonFiniteError(f"the {what} gradient is non-finite (NaN or inf) on the batch of tasks "
+                                     f"{_tasks(trajectories)}; the weights were not updated. {_SKIP_FIX}")
 
     handle = learner.optimizer.register_step_pre_hook(check)
     try:
@@ -108,6 +121,16 @@ class _Micro:
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a batch-wide [N, T] tensor, on its device."""
         return full[self.rows, : self.batch.input_ids.shape[1]].to(self.batch.input_ids.device)
+
+
+def _logprobs(model: torch.nn.Module, b: Batch, packed: bool | None, with_entropy: bool = False,
+              entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of micro-batch `b`, packed (no padding; the values only where
+    `b.action_mask` is 1, which is all any loss reads) when `packed` is True, or None and
+    `packs(model)`."""
+    if packed or (packed is None and packs(model)):
+        return packed_token_logprobs(model, b.input_ids, b.attention_mask, b.action_mask, with_entropy, entropy_grad)
+    return token_logprobs(model, b.input_ids, b.attention_mask, with_entropy, entropy_grad)
 
 
 @torch.no_grad()
@@ -150,6 +173,7 @@ def train_step(
     train_actor: bool,
     device: torch.device | str = "cpu",
     nonfinite: str = "error",
+    packed: bool | None = None,
 ) -> dict[str, float]:
     """One optimizer step of the algorithm `cfg` describes; returns its metrics (docs/metrics.md,
     docs/algorithms.md).
@@ -161,21 +185,24 @@ def train_step(
     nonfinite: "error" raises `NonFiniteError` naming the trajectory (task) whose reward, or the
     tasks of the micro-batch whose loss or gradient, is NaN/inf; "skip" leaves such trajectories
     out (`nonfinite/skipped_trajectories`) or skips the optimizer step (`nonfinite/skipped_step`).
+    packed: run the policy's forward passes on packed micro-batches (`forward.packed_token_logprobs`:
+    no padding tokens, logits only where a token is scored); None = whenever the model supports
+    it (`forward.packs`), False = right-padded; both give the same losses and gradients.
     """
     if nonfinite == "skip":
         try:
             return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor,
-                               device, skip=True)
+                               device, skip=True, packed=packed)
         except NonFiniteError as exc:  # train.nonfinite=skip: counted, logged, the weights unchanged
             logger.warning("skipping the optimizer step: %s", exc)
             return {"nonfinite/skipped_step": 1.0}
     return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
-                       skip=False)
+                       skip=False, packed=packed)
 
 
 def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner | None,
                 ref: torch.nn.Module | Learner | None, cfg: AlgoConfig, pad_id: int, micro_batch_tokens: int,
-                train_actor: bool, device: torch.device | str, skip: bool) -> dict[str, float]:
+                train_actor: bool, device: torch.device | str, skip: bool, packed: bool | None) -> dict[str, float]:
     if not trajectories:
         raise ValueError("train_step() got no trajectories")
     if registry.needs_critic(cfg) and critic is None:
@@ -250,8 +277,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     old = full.behavior_logprobs
     if registry.recomputes_old_logprobs(cfg):
         actor.model.eval()
-        old = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
-            actor.model, b.input_ids, b.attention_mask)[0]))
+        old = actor.sum_across_ranks(_forward_all(local, shape, lambda b: _logprobs(actor.model, b, packed)[0]))
         metrics["policy/behavior_gap"] = float(
             ((old - full.behavior_logprobs).abs() * mask).sum() / n_tokens)
     ref_lp = None
@@ -263,6 +289,8 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
             ref_model = ref.model if isinstance(ref, Learner) else ref
             assert ref_model is not None
             ref_model.eval()
+            # Padded: the packed pass switches the model's attention kernel for its duration, and
+            # the reference may be serving the buffer's RefLogprobs on another thread meanwhile.
             ref_lp = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
                 ref_model, b.input_ids, b.attention_mask)[0]))
 
@@ -307,7 +335,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     if train_actor:
         normalizer = loss_normalizer(mask, cfg.loss_agg, norm_length=cfg.loss_agg_length)
         metrics.update(_train_actor(actor, local, len(micros), cfg, old, ref_lp, advantages, normalizer,
-                                    trajectories))
+                                    trajectories, packed))
     metrics["micro_batches"] = float(len(micros))
     return metrics
 
@@ -350,7 +378,7 @@ def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values
 
 def _train_actor(actor: Learner, micros: list[_Micro], n_micros: int, cfg: AlgoConfig, old: torch.Tensor,
                  ref_lp: torch.Tensor | None, advantages: torch.Tensor, normalizer: float,
-                 trajectories: list[Trajectory]) -> dict[str, float]:
+                 trajectories: list[Trajectory], packed: bool | None) -> dict[str, float]:
     """`cfg.actor_updates` actor optimizer steps on the batch (`micros`: this process's share of
     the batch's `n_micros` micro-batches)."""
     policy_loss = registry.policy_loss_fn(cfg.policy_loss)
@@ -358,8 +386,7 @@ def _train_actor(actor: Learner, micros: list[_Micro], n_micros: int, cfg: AlgoC
 
     def loss_fn(m: _Micro) -> tuple[torch.Tensor, dict[str, float]]:
         b = m.batch
-        lp, ent = token_logprobs(actor.model, b.input_ids, b.attention_mask, with_entropy=True,
-                                 entropy_grad=cfg.entropy_coef > 0)
+        lp, ent = _logprobs(actor.model, b, packed, with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
         assert ent is not None
         token_loss, lm = policy_loss(PolicyLossInputs(
             lp, m.take(old), b.behavior_logprobs, m.take(advantages), b.action_mask), cfg)
