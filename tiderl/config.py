@@ -379,7 +379,8 @@ class TrainConfig:
     reproducible: bool = opt(False, "Make a max_staleness=0 run repeatable bit for bit on CPU, and its "
                                      "resume exact: the local engine decodes only once every running "
                                      "episode has asked for its turn, however long its tools take (no "
-                                     "20 ms patience). Needs system.trainer_threads > 0 (a fixed thread count).")
+                                     "20 ms patience), and critic/reference preparations run one trajectory at a time. Needs "
+                                     "system.trainer_threads > 0 (a fixed thread count).")
     parallel: str = opt(
         "none", "Data-parallel trainer: none (one process: the driver), ddp or fsdp2 (train.world_size "
         "ranks as Ray actors in a placement group, torch.distributed with gloo on CPU and NCCL on "

@@ -105,7 +105,10 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         # Environments without `astep` step on the default executor: a thread per slot, so slow
         # tools do not queue behind each other.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.most_slots() + 4))
+        # Reproducible runs prepare one trajectory at a time: a batch's padded shape would depend on
+        # which trajectories happened to be waiting, and that changes float sums in the last bits.
         buffer = ReadyBuffer(preparations, group_size=settings.group_size,
+                             max_prep_batch=1 if cfg.train.reproducible else 64,
                              thread_init=plan.thread_init("prep", plan.threads_for("prep", s.prep_threads, 0)),
                              accept_group=informative if cfg.algo.dynamic_sampling else None, executor=compute)
         ledger, lost = open_ledger(run)  # run_dir/ledger.jsonl, cut back to the checkpoint on resume
