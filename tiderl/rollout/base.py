@@ -77,6 +77,28 @@ class Engine(Protocol):
     # would have. Without them a resume re-seeds nothing and draws a different stream.
 
 
+def check_request(prompt: list[int], params: SamplingParams, i: int, vocab_size: int,
+                  max_positions: int | None) -> None:
+    """Raise ValueError naming the first bad sampling parameter or prompt (the `i`-th of its batch),
+    before an engine spends anything on it. `max_positions`: the model's context (None = no limit)."""
+    if params.temperature < 0:
+        raise ValueError(f"temperature={params.temperature} is negative: use 0 for greedy or a value > 0")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p={params.top_p} is outside (0, 1]: use 1.0 to keep the full distribution")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={params.max_new_tokens} must be at least 1")
+    if len(prompt) == 0:
+        raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): was it tokenized "
+                         "with this model's tokenizer?")
+    if max_positions is not None and len(prompt) + params.max_new_tokens > max_positions:
+        raise ValueError(
+            f"prompt {i} has {len(prompt)} tokens, plus max_new_tokens={params.max_new_tokens} "
+            f"exceeds the model's max_position_embeddings={max_positions}: shorten the "
+            "prompt or lower max_new_tokens")
+
+
 def sampling_params(rollout: Any, eos_id: int, greedy: bool) -> SamplingParams:
     """The sampling of a `RolloutConfig` (or greedy decoding), stopping at the end-of-turn token."""
     return SamplingParams(

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiderl.rollout.base import Completion, SamplingParams
+from tiderl.rollout.base import Completion, SamplingParams, check_request
 from tiderl.rollout.weights import weights_checksum
 
 if TYPE_CHECKING:
@@ -290,23 +290,7 @@ class HttpEngine:
     # ------------------------------------------------------------------ requests
 
     def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
-        """Raise ValueError naming the first bad parameter or prompt, before anything is sent."""
-        if params.temperature < 0:
-            raise ValueError(f"temperature={params.temperature} is negative: use 0 for greedy or a value > 0")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p={params.top_p} is outside (0, 1]: use 1.0 to keep the full distribution")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens} must be at least 1")
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size}): was it tokenized "
-                             "with this model's tokenizer?")
-        if self._max_positions is not None and len(prompt) + params.max_new_tokens > self._max_positions:
-            raise ValueError(
-                f"prompt {i} has {len(prompt)} tokens, plus max_new_tokens={params.max_new_tokens} "
-                f"exceeds the model's max_position_embeddings={self._max_positions}: shorten the "
-                "prompt or lower max_new_tokens")
+        check_request(prompt, params, i, self._vocab_size, self._max_positions)
 
     def _url_for(self, session: Hashable | None) -> str:
         if len(self.urls) == 1:

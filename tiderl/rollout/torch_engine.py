@@ -49,7 +49,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.rollout.base import Completion, SamplingParams
+from tiderl.rollout.base import Completion, SamplingParams, check_request
 from tiderl.rollout.weights import weights_checksum
 
 # What a request's caller is told when it finishes: its Completion, or the exception that ended it.
@@ -289,26 +289,7 @@ class TorchEngine:
             return len(self._kept)
 
     def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
-        """Raise ValueError naming the first bad parameter or prompt, before any compute."""
-        if params.temperature < 0:
-            raise ValueError(f"temperature={params.temperature} is negative: use 0 for greedy or a value > 0")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p={params.top_p} is outside (0, 1]: use 1.0 to keep the full distribution")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens} must be at least 1")
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-            raise ValueError(
-                f"prompt {i} has token ids outside [0, {self._vocab_size}): was it tokenized "
-                "with this model's tokenizer?"
-            )
-        if self._max_positions is not None and len(prompt) + params.max_new_tokens > self._max_positions:
-            raise ValueError(
-                f"prompt {i} has {len(prompt)} tokens, plus max_new_tokens={params.max_new_tokens} "
-                f"exceeds the model's max_position_embeddings={self._max_positions}: shorten the "
-                "prompt or lower max_new_tokens"
-            )
+        check_request(prompt, params, i, self._vocab_size, self._max_positions)
 
     # ------------------------------------------------------------------ decoding
 
