@@ -53,8 +53,47 @@ def test_pack_layout():
     assert p.keep.tolist() == [0, 1, 3, 6]
 
 
-def test_packed_logprobs_entropies_and_gradients_equal_the_padded_path(model):
-    b = collate(random_trajectories(7, seed=1), pad_id=0)
+def grouped_trajectories(seed, vocab=60):
+    """Two prompts with four completions each (a GRPO batch), a row whose prompt leaves the first
+    prompt halfway, and two completions that begin alike: prefixes shared to different depths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(6, 12))] for _ in range(2)]
+    out = []
+    for i in range(8):
+        prompt = prompts[i % 2]
+        completion = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 10))]
+        if i == 5:
+            completion = out[1].tokens[len(prompt):][:3] + completion  # begins as row 1's did
+        out.append(traj(prompt + completion, [0] * len(prompt) + [1] * len(completion), float(i % 3 == 0),
+                        group=f"g{i % 2}"))
+    half = prompts[0][:4] + [rng.randrange(3, vocab) for _ in range(5)]
+    out.append(traj(half + [5, 6], [0] * len(half) + [1, 1], group="g2"))
+    return out
+
+
+def test_pack_holds_a_shared_prefix_once():
+    b = collate([traj([5, 6, 7, 8], [0, 0, 1, 1]), traj([5, 6, 9], [0, 0, 1]), traj([4, 6], [0, 1]),
+                 traj([5, 6, 7, 1], [0, 0, 1, 1])], pad_id=0)
+    p = pack(b.input_ids, b.attention_mask, b.action_mask)
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 6, 1]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 3]]
+    # Rows 1 and 3 read the shared tokens from row 0's copy.
+    assert p.gather.tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 5, 5], [0, 1, 2, 7]]
+    # Row 3's first scored token (7, column 2) is predicted from row 0's copy of token 6.
+    assert list(zip(p.keep_rows.tolist(), p.keep_cols.tolist())) == [(0, 2), (0, 3), (1, 2), (2, 1), (3, 2),
+                                                                      (3, 3)]
+    assert p.keep.tolist() == [1, 2, 1, 5, 1, 2]
+    whole = pack(b.input_ids, b.attention_mask, b.action_mask, share_prefixes=False)
+    assert whole.input_ids.shape[1] == int(b.attention_mask.sum()) == 13
+
+
+@pytest.mark.parametrize("batch", ["random", "shared prompts"])
+def test_packed_logprobs_entropies_and_gradients_equal_the_padded_path(model, batch):
+    trajectories = random_trajectories(7, seed=1) if batch == "random" else grouped_trajectories(seed=3)
+    b = collate(trajectories, pad_id=0)
+    if batch == "shared prompts":  # the packed row is much shorter than the real tokens
+        assert pack(b.input_ids, b.attention_mask, b.action_mask).input_ids.shape[1] < 0.7 * int(
+            b.attention_mask.sum())
     on = b.action_mask > 0
     assert int(b.attention_mask.sum()) < b.attention_mask.numel()  # there is padding to leave out
 
@@ -80,10 +119,11 @@ def test_packed_logprobs_entropies_and_gradients_equal_the_padded_path(model):
     torch.testing.assert_close(again[1:], plp.detach()[1:], atol=1e-6, rtol=1e-6)
 
 
-def test_train_step_packed_equals_padded(model):
+@pytest.mark.parametrize("batch", ["random", "shared prompts"])
+def test_train_step_packed_equals_padded(model, batch):
     cfg = load_config(None, ["algo.name=grpo", "algo.kl_coef=0.0", "algo.loss_agg=token-mean",
                              "algo.group_size=4"]).algo
-    batch = random_trajectories(8, seed=2)
+    batch = random_trajectories(8, seed=2) if batch == "random" else grouped_trajectories(seed=4)[:8]
     results = {}
     for packed in (False, True):
         learner = Learner(copy.deepcopy(model), lr=1e-2)

@@ -251,3 +251,35 @@ def test_engine_owns_its_weights_and_rejects_mismatched_state_dicts(model, token
 def test_bad_requests_get_clear_errors(model, tokenizer, params, prompt, message):
     with pytest.raises(ValueError, match=message):
         TorchEngine(model, tokenizer).generate([prompt], params)
+
+
+def test_fast_decode_step_gives_the_model_forwards_tokens_and_logprobs(model, tokenizer, prompts):
+    """The decode step without the Hugging Face module stack (`fast_decode.DecodeStep`) computes
+    what the model's own forward computes: the same greedy tokens and the same log-probs, with
+    rows joining a running batch (max_batch_size=2) and sampling from the same stream."""
+    fast = TorchEngine(model, tokenizer, seed=5, max_batch_size=2)
+    slow = TorchEngine(model, tokenizer, seed=5, max_batch_size=2)
+    assert fast._fast is not None
+    slow._fast = None
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=12),
+                   SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12)):
+        a, b = fast.generate(prompts, params), slow.generate(prompts, params)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    assert fast.stats["decode_steps"] == slow.stats["decode_steps"] > 0
+
+
+def test_fast_decode_step_only_for_models_it_reproduces(model):
+    import copy
+
+    from tiderl.rollout.fast_decode import DecodeStep
+
+    assert DecodeStep.of(model) is not None
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    assert DecodeStep.of(eager) is None
+    wrapped = copy.deepcopy(model)
+    wrapped.model.layers[0].mlp.up_proj = torch.nn.Sequential(wrapped.model.layers[0].mlp.up_proj)
+    assert DecodeStep.of(wrapped) is None
+    assert DecodeStep.of(torch.nn.Linear(2, 2)) is None

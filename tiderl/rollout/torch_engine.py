@@ -25,7 +25,8 @@ Log-probs are those of the distribution each token was actually sampled from:
 `top_p < 1`. With `temperature == 0` the engine takes the argmax and reports the log-prob under
 the temperature-1 distribution (a greedy choice has no sampling distribution of its own, and
 the temperature-1 value is what the trainer recomputes). Every row has its own sampling
-settings; the sampled rows of a step draw from the one `generator`, in row order.
+settings; the sampled rows of a step draw from the one `generator`, in row order (one uniform
+number per row, turned into a token by inverting the row's cumulative distribution).
 
 Weights can be swapped while rows decode in another thread: each forward pass holds a lock,
 `update_weights` takes the same lock, and every token carries the version of the weights that
@@ -50,6 +51,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from transformers.cache_utils import DynamicLayer
 
 from tiderl.rollout.base import Completion, SamplingParams, check_request
+from tiderl.rollout.fast_decode import DecodeStep
 from tiderl.rollout.weights import weights_checksum
 
 # What a request's caller is told when it finishes: its Completion, or the exception that ended it.
@@ -157,6 +159,8 @@ class TorchEngine:
         layer_types = getattr(text_config, "layer_types", None)
         sliding = getattr(text_config, "use_sliding_window", False) and getattr(text_config, "sliding_window", None)
         self._plain = not sliding and (layer_types is None or all(t == "full_attention" for t in layer_types))
+        # The decode step without the Hugging Face module stack, where the model allows it.
+        self._fast = DecodeStep.of(self.model) if self._plain else None
         # Argument names differ across transformers versions: the KV cache is `cache` in recent 5.x
         # and `past_key_values` before; computing only the last position's logits is
         # `logits_to_keep` (>= 4.50) or `num_logits_to_keep` (4.45-4.49).
@@ -432,8 +436,15 @@ class TorchEngine:
         rows = self._rows
         fed = torch.tensor([len(row.fed) for row in rows], device=self.device)
         columns = torch.arange(self._width + 1, device=self.device)
-        attention_mask = (columns[None, :] >= (self._width - fed)[:, None]).long()
-        self._logits, self._cache, version = self._forward(sampled[:, None], attention_mask, fed[:, None], self._cache)
+        attend = columns[None, :] >= (self._width - fed)[:, None]
+        if self._fast is not None:
+            with self._lock:
+                logits = self._fast(sampled, fed, attend[:, None, None, :], self._cache.layers)
+                version = self.version
+            self._logits = logits.float()
+        else:
+            self._logits, self._cache, version = self._forward(sampled[:, None], attend.long(), fed[:, None],
+                                                               self._cache)
         self._width += 1
         self.stats["decode_steps"] += 1
         for row, token in zip(rows, sampled.tolist()):
@@ -520,12 +531,25 @@ class TorchEngine:
             logprobs[index] = _nucleus_logprobs(logprobs[index], top_p[:, None])
         drawn = [j for j, t in enumerate(temperatures) if t > 0]
         if len(drawn) == len(params):
-            tokens = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(-1)
+            tokens = self._draw(logprobs)
         else:
             index = torch.tensor(drawn, device=logits.device)
             tokens = logits.argmax(dim=-1)
-            tokens[index] = torch.multinomial(logprobs[index].exp(), 1, generator=self.generator).squeeze(-1)
+            tokens[index] = self._draw(logprobs[index])
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+    def _draw(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """One token per row from `exp(logprobs)`, by inverting the cumulative distribution at one
+        uniform draw per row (from `self.generator`, in row order).
+
+        The token drawn is the first whose cumulative mass exceeds the draw, so a token of zero
+        probability (outside a nucleus) is never drawn. Several times cheaper than
+        `torch.multinomial` on a CPU at a few rows.
+        """
+        cdf = logprobs.exp().cumsum(dim=-1)
+        u = torch.rand((cdf.shape[0], 1), generator=self.generator, device=cdf.device, dtype=cdf.dtype)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+        return tokens.clamp_(max=cdf.shape[-1] - 1)
 
     def rng_state(self) -> torch.Tensor:
         """The sampler's random state (for checkpoints)."""

@@ -95,15 +95,17 @@ def slice_batch(batch: Batch, rows: list[int]) -> Batch:
 
 @dataclass
 class Packing:
-    """A right-padded `[B, T]` micro-batch as one row of its real tokens, no padding (`L` = the
-    tokens with attention 1, row by row).
+    """A right-padded `[B, T]` micro-batch as one row of its real tokens, no padding, and with
+    every prefix that several sequences share (a group's prompt) held once.
 
     input_ids / position_ids: `[1, L]`; positions restart at 0 with every sequence.
-    valid: `[B, T]` bool, where the real tokens are (`x[valid]` packs a `[B, T]` tensor; the
-        packed row is in this order).
-    gather: `[B, T]` long, the packed index of each real token (0 on padding), so that
-        `packed[gather]` lays a packed tensor out padded again (padding then holds a copy of the
-        row's first token, which causal attention never lets a real token see).
+    valid: `[B, T]` bool, the positions the packed row holds (`x[valid]` packs a `[B, T]`
+        tensor; the packed row is in this order): the real tokens, less those of a prefix an
+        earlier row already holds.
+    gather: `[B, T]` long, the packed index of each real token (of the earlier row's copy, for a
+        shared prefix; 0 on padding), so that `packed[gather]` lays a packed tensor out padded
+        again (padding then holds a copy of the row's first token, which causal attention never
+        lets a real token see).
     keep: the packed positions whose next token is scored (`action_mask` 1 there), and
         `keep_rows` / `keep_cols`: the `[B, T]` position of that next token.
     """
@@ -117,16 +119,39 @@ class Packing:
     keep_cols: torch.Tensor
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor) -> Packing:
-    """The packed layout of a right-padded micro-batch (every row's real tokens at its start)."""
+# Above this many [row, row, column] comparisons, prefixes are not looked for (memory: one byte each).
+_SHARE_LIMIT = 2**25
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
+         share_prefixes: bool = True) -> Packing:
+    """The packed layout of a right-padded micro-batch (every row's real tokens at its start).
+
+    With `share_prefixes`, a row's first tokens that equal an earlier row's first tokens are not
+    packed again: the row reads them (their keys and values, and the logits at the last of them)
+    from the earlier row's copy. In a causal model a position's hidden states depend only on the
+    tokens up to it, so the results are those of packing every row whole; the gradient of a
+    shared position sums over the rows that read it, as it would over the copies.
+    """
     valid = attention_mask > 0
     b, t = valid.shape
     columns = torch.arange(t, device=input_ids.device).expand(b, t)
-    flat = torch.cumsum(valid.reshape(-1).long(), 0).reshape(b, t) - 1
-    gather = torch.where(valid, flat, flat[:, :1].expand(b, t))
+    if share_prefixes and b > 1 and b * b * t <= _SHARE_LIMIT:
+        # owner[r, c]: the first row whose first c + 1 tokens are row r's (r itself when none is).
+        ids = torch.where(valid, input_ids, -1)
+        differ = (ids[:, None, :] != ids[None, :, :]) | ~valid[None, :, :]  # [a, r, T]
+        common = torch.where(differ.any(-1), differ.to(torch.uint8).argmax(-1), t)  # [a, r] prefix length
+        reaches = (common[:, :, None] > columns[0][None, None, :]).to(torch.uint8)  # [a, r, T]
+        owner = reaches.argmax(0)  # the first maximum: the earliest row
+        owned = valid & (owner == torch.arange(b, device=input_ids.device)[:, None])
+    else:
+        owner, owned = torch.arange(b, device=input_ids.device)[:, None].expand(b, t), valid
+    flat = torch.cumsum(owned.reshape(-1).long(), 0).reshape(b, t) - 1
+    index = flat[owner, columns]
+    gather = torch.where(valid, index, index[:, :1].expand(b, t))
     # Token t is scored from the logits of token t - 1 (same row): keep those packed positions.
     scored = (action_mask > 0) & valid
     scored[:, 0] = False
     rows, cols = scored.nonzero(as_tuple=True)
-    return Packing(input_ids=input_ids[valid].unsqueeze(0), position_ids=columns[valid].unsqueeze(0),
-                   valid=valid, gather=gather, keep=flat[rows, cols - 1], keep_rows=rows, keep_cols=cols)
+    return Packing(input_ids=input_ids[owned].unsqueeze(0), position_ids=columns[owned].unsqueeze(0),
+                   valid=owned, gather=gather, keep=gather[rows, cols - 1], keep_rows=rows, keep_cols=cols)

@@ -1,0 +1,125 @@
+"""One decode step (one new token per row) of a Llama-family causal LM without the Hugging Face
+module stack: the same arithmetic as the model's own forward (RMSNorm, rotary embedding from a
+precomputed table, grouped-query SDPA over the batch's KV cache, SiLU-gated MLP), in plain torch
+calls on the model's own parameters.
+
+Why: at the sizes an embedded engine decodes on a CPU (a few layers, a few hundred hidden units,
+a few dozen rows), a decode step's matrix products take microseconds and the Hugging Face forward
+spends most of the step in Python: module calls, keyword plumbing, config look-ups and the 4D
+mask it rebuilds every step. This step issues only the tensor operations.
+
+`DecodeStep.of(model)` returns None for anything it does not reproduce exactly (other
+architectures, sliding windows, q/k norms, non-default rotary scaling, adapters or quantised
+layers wrapped around `nn.Linear`); the engine then uses the model's forward. The parameters are
+read at every call, so weights loaded in place (`load_state_dict`) are used at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+# Model types whose decoder layers are exactly: x + attn(rmsnorm(x)); x + mlp(rmsnorm(x)), with
+# q/k/v/o projections (biases optional), rotary embedding on q and k, SiLU-gated MLP.
+_FAMILIES = ("qwen2", "llama")
+
+
+class DecodeStep:
+    """Logits of the next token for one new token per row; appends the new keys and values to
+    the engine's cache layers (`update(keys, values)` in place, returning the full keys/values)."""
+
+    def __init__(self, model: Any, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        inner = model.model
+        text = model.config.get_text_config(decoder=True)
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.get_output_embeddings()
+        self.eps = [(layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
+                    for layer in self.layers]
+        self.final_eps = inner.norm.variance_epsilon
+        self.heads = text.num_attention_heads
+        self.kv_heads = text.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self.scaling = self.layers[0].self_attn.scaling
+        self.cos, self.sin = cos, sin  # [max_positions, head_dim]
+
+    @classmethod
+    def of(cls, model: Any) -> DecodeStep | None:
+        """The fast step for `model`, or None when it is not a plain Llama-family model."""
+        config = getattr(model, "config", None)
+        if config is None or getattr(config, "model_type", None) not in _FAMILIES:
+            return None
+        text = config.get_text_config(decoder=True)
+        if getattr(config, "_attn_implementation", None) != "sdpa":
+            return None
+        if getattr(text, "hidden_act", None) != "silu" or getattr(text, "pretraining_tp", 1) != 1:
+            return None
+        if getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None):
+            return None
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            return None
+        inner = getattr(model, "model", None)
+        rotary = getattr(inner, "rotary_emb", None)
+        if rotary is None or getattr(rotary, "rope_type", None) != "default":
+            return None
+        linears = [model.get_output_embeddings()]
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+                return None
+            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m) is not torch.nn.Linear for m in linears) or type(inner.embed_tokens) is not torch.nn.Embedding:
+            return None
+        positions = getattr(text, "max_position_embeddings", None)
+        if not positions:
+            return None
+        # The rotary table, by the formula the model's rotary module applies per position.
+        inv_freq = rotary.inv_freq.float()
+        freqs = torch.arange(positions, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = inner.embed_tokens.weight.dtype
+        cos = (emb.cos() * rotary.attention_scaling).to(dtype)
+        sin = (emb.sin() * rotary.attention_scaling).to(dtype)
+        return cls(model, cos, sin)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 cache_layers: list[Any]) -> torch.Tensor:
+        """tokens, positions: `[B]`; mask: `[B, 1, 1, W + 1]` bool (True: attend), W the cache
+        width before this step. Returns the last-position logits `[B, V]` (model dtype)."""
+        b = tokens.shape[0]
+        h = F.embedding(tokens[:, None], self.embed.weight)  # [B, 1, hidden]
+        cos = self.cos[positions][:, None, None, :]  # [B, 1, 1, D]
+        sin = self.sin[positions][:, None, None, :]
+        half = self.head_dim // 2
+        groups = self.heads // self.kv_heads
+        for layer, cache, (eps1, eps2) in zip(self.layers, cache_layers, self.eps):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(h, layer.input_layernorm.weight, eps1)
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, 1, self.heads, self.head_dim).transpose(1, 2)
+            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            keys, values = cache.update(k, v)
+            if groups > 1:  # one query token: the query heads of a KV head attend as its rows
+                q = q.reshape(b, self.kv_heads, groups, self.head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            h = h + F.linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj.weight, attn.o_proj.bias)
+            x = _rms_norm(h, layer.post_attention_layernorm.weight, eps2)
+            gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+            h = h + F.linear(gate * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
+                             mlp.down_proj.bias)
+        h = _rms_norm(h, self.norm.weight, self.final_eps)
+        return F.linear(h[:, 0], self.lm_head.weight, self.lm_head.bias)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-family RMSNorm, computed in float32 as the models do."""
+    dtype = x.dtype
+    y = x.float() if dtype != torch.float32 else x
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (y.to(dtype) if dtype != torch.float32 else y)
