@@ -283,3 +283,20 @@ def test_fast_decode_step_only_for_models_it_reproduces(model):
     wrapped.model.layers[0].mlp.up_proj = torch.nn.Sequential(wrapped.model.layers[0].mlp.up_proj)
     assert DecodeStep.of(wrapped) is None
     assert DecodeStep.of(torch.nn.Linear(2, 2)) is None
+
+
+def test_identical_prompts_joining_together_are_encoded_once(model, tokenizer, prompts):
+    p, q = prompts[1], prompts[3]
+    engine = TorchEngine(model, tokenizer)
+    completions = engine.generate([p, q, p, p], SamplingParams(temperature=0.0, max_new_tokens=6))
+    assert engine.stats["encoded_tokens"] == len(p) + len(q)
+    assert engine.stats["shared_tokens"] == 2 * len(p)
+    alone = TorchEngine(model, tokenizer).generate([p], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    for c in (completions[0], completions[2], completions[3]):
+        assert c.token_ids == alone.token_ids
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    sampled = TorchEngine(model, tokenizer, seed=1).generate([p] * 4, SamplingParams(max_new_tokens=12))
+    assert len({tuple(c.token_ids) for c in sampled}) > 1, "the copies sample independently"
+    for c in sampled:
+        _, expected = _full_forward_logprobs(model, p, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)

@@ -6,12 +6,15 @@ calls on the model's own parameters.
 Why: at the sizes an embedded engine decodes on a CPU (a few layers, a few hundred hidden units,
 a few dozen rows), a decode step's matrix products take microseconds and the Hugging Face forward
 spends most of the step in Python: module calls, keyword plumbing, config look-ups and the 4D
-mask it rebuilds every step. This step issues only the tensor operations.
+mask it rebuilds every step. This step issues only the tensor operations, with the q/k/v and
+the gate/up projections each one matrix product over stacked weights (the modules' weights
+become views of the stacked ones, so weights loaded in place reach both).
 
 `DecodeStep.of(model)` returns None for anything it does not reproduce exactly (other
 architectures, sliding windows, q/k norms, non-default rotary scaling, adapters or quantised
 layers wrapped around `nn.Linear`); the engine then uses the model's forward. The parameters are
-read at every call, so weights loaded in place (`load_state_dict`) are used at once.
+read at every call, so weights loaded in place (`load_state_dict`) are used at once; replacing a
+parameter object of the engine's model (rather than copying into it) is not supported.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class DecodeStep:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.scaling = self.layers[0].self_attn.scaling
         self.cos, self.sin = cos, sin  # [max_positions, head_dim]
+        # Per layer: the stacked (weight, bias) of q/k/v and of gate/up (one product each).
+        self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+                    for layer in self.layers]
+        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
     @classmethod
     def of(cls, model: Any) -> DecodeStep | None:
@@ -84,6 +91,11 @@ class DecodeStep:
         dtype = inner.embed_tokens.weight.dtype
         cos = (emb.cos() * rotary.attention_scaling).to(dtype)
         sin = (emb.sin() * rotary.attention_scaling).to(dtype)
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if len({m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1 or \
+                    len({m.bias is None for m in (mlp.gate_proj, mlp.up_proj)}) > 1:
+                return None
         return cls(model, cos, sin)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -96,12 +108,15 @@ class DecodeStep:
         sin = self.sin[positions][:, None, None, :]
         half = self.head_dim // 2
         groups = self.heads // self.kv_heads
-        for layer, cache, (eps1, eps2) in zip(self.layers, cache_layers, self.eps):
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for layer, cache, (eps1, eps2), qkv_weights, gate_up_weights in zip(
+                self.layers, cache_layers, self.eps, self.qkv, self.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(h, layer.input_layernorm.weight, eps1)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, 1, self.heads, self.head_dim).transpose(1, 2)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            qkv = F.linear(x, *qkv_weights)
+            q = qkv[..., :q_width].view(b, 1, self.heads, self.head_dim).transpose(1, 2)
+            k = qkv[..., q_width: q_width + kv_width].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = qkv[..., q_width + kv_width:].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             keys, values = cache.update(k, v)
@@ -110,15 +125,40 @@ class DecodeStep:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             h = h + F.linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj.weight, attn.o_proj.bias)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, eps2)
-            gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            h = h + F.linear(gate * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
-                             mlp.down_proj.bias)
+            gate, up = F.linear(x, *gate_up_weights).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         h = _rms_norm(h, self.norm.weight, self.final_eps)
         return F.linear(h[:, 0], self.lm_head.weight, self.lm_head.bias)
 
 
+def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One stacked weight (and bias) for `linears`, which read the same input, so that one matrix
+    product computes all their outputs side by side; the modules' own weights and biases become
+    views of it.
+
+    The model is unchanged otherwise: each module keeps a weight of its own shape (a view), which
+    its own forward uses and which `load_state_dict` (or any in-place copy) overwrites in place,
+    so the stacked tensor always holds the current weights, and no second copy is kept.
+    """
+    stacked: list[torch.Tensor | None] = []
+    for name in ("weight", "bias"):
+        parts = [getattr(m, name) for m in linears]
+        if parts[0] is None:
+            stacked.append(None)
+            continue
+        whole = torch.cat([p.detach() for p in parts])
+        start = 0
+        for m, p in zip(linears, parts):
+            setattr(m, name, torch.nn.Parameter(whole[start: start + p.shape[0]], requires_grad=p.requires_grad))
+            start += p.shape[0]
+        stacked.append(whole)
+    return stacked[0], stacked[1]  # type: ignore[return-value]
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Llama-family RMSNorm, computed in float32 as the models do."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     y = x.float() if dtype != torch.float32 else x
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)

@@ -148,8 +148,10 @@ class TorchEngine:
         self._logits: torch.Tensor | None = None
         self._joining: list[Request] = []  # taken from the inbox, being prefilled
         # Counters: rows prefilled, prompt tokens encoded, prompt tokens reused from a kept cache,
-        # decode forward passes.
-        self.stats = {"requests": 0, "encoded_tokens": 0, "reused_tokens": 0, "decode_steps": 0}
+        # prompt tokens copied from an identical prompt that joined at the same time, decode
+        # forward passes.
+        self.stats = {"requests": 0, "encoded_tokens": 0, "reused_tokens": 0, "shared_tokens": 0,
+                      "decode_steps": 0}
         self._vocab_size = self.model.get_output_embeddings().weight.shape[0]
         # Any id works under a zero attention mask; the pad id keeps debugging output readable.
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -319,10 +321,18 @@ class TorchEngine:
         suffixes = [r.prompt[len(kept[0]):] if kept else r.prompt for r, kept in zip(joining, reuse)]
         prefix = [len(kept[0]) if kept else 0 for kept in reuse]
         group, span, width = len(joining), max(len(s) for s in suffixes), max(prefix)
-        input_ids = torch.full((group, span), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((group, width + span), dtype=torch.long)
-        position_ids = torch.zeros((group, span), dtype=torch.long)
-        for g, (suffix, p) in enumerate(zip(suffixes, prefix)):
+        # Identical prompts joining together (the completions of one group) are encoded once and
+        # their rows of the cache copied; only when no row reuses a kept cache (all are whole prompts).
+        encode, copies = suffixes, None
+        if width == 0 and self._plain:
+            first: dict[tuple[int, ...], int] = {}
+            source = [first.setdefault(tuple(s), len(first)) for s in suffixes]
+            if len(first) < group:
+                encode, copies = [list(k) for k in first], source
+        input_ids = torch.full((len(encode), span), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(encode), width + span), dtype=torch.long)
+        position_ids = torch.zeros((len(encode), span), dtype=torch.long)
+        for g, (suffix, p) in enumerate(zip(encode, prefix)):
             input_ids[g, span - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
             attention_mask[g, width - p: width] = 1
             attention_mask[g, width + span - len(suffix):] = 1
@@ -338,6 +348,11 @@ class TorchEngine:
             cache = _cache_of(None)
         logits, cache, version = self._forward(input_ids.to(self.device), attention_mask.to(self.device),
                                                position_ids.to(self.device), cache)
+        if copies is not None:
+            index = torch.tensor(copies, dtype=torch.long, device=self.device)
+            logits = logits[index]
+            for layer in cache.layers:
+                layer.batch_select_indices(index)
         versions = [version if not kept or kept[2] == version else -1 for kept in reuse]
         lengths = [p + len(s) for p, s in zip(prefix, suffixes)]
         if self._plain and any(p > 0 and len(s) < span for p, s in zip(prefix, suffixes)):
@@ -345,7 +360,8 @@ class TorchEngine:
             # of padding between the two parts: move each row's tokens to the right end.
             cache = _compact(cache, attention_mask.to(self.device), max(lengths))
         self.stats["requests"] += group
-        self.stats["encoded_tokens"] += sum(len(s) for s in suffixes)
+        self.stats["encoded_tokens"] += sum(len(s) for s in encode)
+        self.stats["shared_tokens"] += sum(len(s) for s in suffixes) - sum(len(s) for s in encode)
         self.stats["reused_tokens"] += sum(prefix)
         # A stop string completed by the newest token lies within its last `len(bytes)` tokens
         # (every token decodes to at least one byte); one more token absorbs a partial UTF-8
