@@ -48,6 +48,7 @@ class DecodeStep:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.scaling = self.layers[0].self_attn.scaling
         self.cos, self.sin = cos, sin  # [max_positions, head_dim]
+        self.dtype = cos.dtype  # the model's
         # Per layer: the stacked (weight, bias) of q/k/v and of gate/up (one product each).
         self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
                     for layer in self.layers]
@@ -100,8 +101,8 @@ class DecodeStep:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  cache_layers: list[Any]) -> torch.Tensor:
-        """tokens, positions: `[B]`; mask: `[B, 1, 1, W + 1]` bool (True: attend), W the cache
-        width before this step. Returns the last-position logits `[B, V]` (model dtype)."""
+        """tokens, positions: `[B]`; mask: `[B, 1, 1, W + 1]`, bool (True: attend) or additive
+        (0 or -inf, in the model's dtype), W the cache width before this step. Returns the last-position logits `[B, V]` (model dtype)."""
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)  # [B, 1, hidden]
         cos = self.cos[positions][:, None, None, :]  # [B, 1, 1, D]

@@ -454,8 +454,11 @@ class TorchEngine:
         columns = torch.arange(self._width + 1, device=self.device)
         attend = columns[None, :] >= (self._width - fed)[:, None]
         if self._fast is not None:
+            # The additive form SDPA turns a boolean mask into, made once for all layers.
+            mask = torch.zeros(attend.shape, dtype=self._fast.dtype, device=self.device)
+            mask = mask.masked_fill_(~attend, float("-inf"))[:, None, None, :]
             with self._lock:
-                logits = self._fast(sampled, fed, attend[:, None, None, :], self._cache.layers)
+                logits = self._fast(sampled, fed, mask, self._cache.layers)
                 version = self.version
             self._logits = logits.float()
         else:
