@@ -268,6 +268,18 @@ def test_fast_decode_step_gives_the_model_forwards_tokens_and_logprobs(model, to
         for x, y in zip(a, b):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
     assert fast.stats["decode_steps"] == slow.stats["decode_steps"] > 0
+    # Weights loaded in place reach the stacked (and, on a CPU, transposed) weights of the step.
+    assert fast.model.model.layers[0].mlp.down_proj.weight.stride()[0] == 1
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    before = fast.generate(prompts, params)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    if "lm_head.weight" in state:  # tied to the input embedding: one tensor, one value
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for engine in (fast, slow):
+        engine.update_weights(state, 1)
+        assert engine.state_checksum() == weights_checksum(state)
+    a, b = fast.generate(prompts, params), slow.generate(prompts, params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b] != [c.token_ids for c in before]
 
 
 def test_fast_decode_step_only_for_models_it_reproduces(model):

@@ -49,10 +49,23 @@ class DecodeStep:
         self.scaling = self.layers[0].self_attn.scaling
         self.cos, self.sin = cos, sin  # [max_positions, head_dim]
         self.dtype = cos.dtype  # the model's
+        # On a CPU every weight is stored transposed (see `_fuse`); tied input and output
+        # embeddings stay one tensor.
+        t = self.embed.weight.device.type == "cpu"
         # Per layer: the stacked (weight, bias) of q/k/v and of gate/up (one product each).
-        self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, transposed=t)
                     for layer in self.layers]
-        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj, transposed=t) for layer in self.layers]
+        if t:
+            for layer in self.layers:
+                _fuse(layer.self_attn.o_proj, transposed=True)
+                _fuse(layer.mlp.down_proj, transposed=True)
+            if self.lm_head.weight is self.embed.weight:
+                tied = torch.nn.Parameter(_transposed_copy(self.embed.weight.detach()),
+                                          requires_grad=self.embed.weight.requires_grad)
+                self.lm_head.weight = self.embed.weight = tied
+            else:
+                _fuse(self.lm_head, transposed=True)
 
     @classmethod
     def of(cls, model: Any) -> DecodeStep | None:
@@ -132,28 +145,43 @@ class DecodeStep:
         return F.linear(h[:, 0], self.lm_head.weight, self.lm_head.bias)
 
 
-def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One stacked weight (and bias) for `linears`, which read the same input, so that one matrix
     product computes all their outputs side by side; the modules' own weights and biases become
     views of it.
+
+    `transposed`: the stacked weight `[out, in]` is stored as its transpose (`[in, out]`
+    contiguous; the weight is a view of it). On a CPU, `x @ W.T` with a handful of rows in `x`
+    makes the BLAS copy (pack) all of a row-major `W` at every call, which costs as much as the
+    product itself; with `W.T` contiguous it multiplies in place (2-4x faster at decode sizes).
 
     The model is unchanged otherwise: each module keeps a weight of its own shape (a view), which
     its own forward uses and which `load_state_dict` (or any in-place copy) overwrites in place,
     so the stacked tensor always holds the current weights, and no second copy is kept.
     """
-    stacked: list[torch.Tensor | None] = []
-    for name in ("weight", "bias"):
-        parts = [getattr(m, name) for m in linears]
-        if parts[0] is None:
-            stacked.append(None)
-            continue
-        whole = torch.cat([p.detach() for p in parts])
-        start = 0
-        for m, p in zip(linears, parts):
-            setattr(m, name, torch.nn.Parameter(whole[start: start + p.shape[0]], requires_grad=p.requires_grad))
-            start += p.shape[0]
-        stacked.append(whole)
-    return stacked[0], stacked[1]  # type: ignore[return-value]
+    weights = [m.weight.detach() for m in linears]
+    whole = torch.cat(weights)
+    if transposed:
+        whole = _transposed_copy(whole)
+    start = 0
+    for m, w in zip(linears, weights):
+        m.weight = torch.nn.Parameter(whole[start: start + w.shape[0]], requires_grad=m.weight.requires_grad)
+        start += w.shape[0]
+    biases = [m.bias for m in linears]
+    if biases[0] is None:
+        return whole, None
+    stacked = torch.cat([b.detach() for b in biases])
+    start = 0
+    for m, b in zip(linears, biases):
+        m.bias = torch.nn.Parameter(stacked[start: start + b.shape[0]], requires_grad=b.requires_grad)
+        start += b.shape[0]
+    return whole, stacked
+
+
+def _transposed_copy(w: torch.Tensor) -> torch.Tensor:
+    """`w` ([rows, columns]) with the same values, stored column-major (a transposed view of a
+    contiguous `[columns, rows]` tensor)."""
+    return w.t().contiguous().t()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

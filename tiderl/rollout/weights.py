@@ -55,8 +55,12 @@ def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(state_dict):
         tensor = state_dict[name].detach()
-        flat = tensor.reshape(-1)
-        values = flat[_positions(name, flat.numel()).to(flat.device)].to(device="cpu")
+        positions = _positions(name, tensor.numel()).to(tensor.device)
+        if tensor.is_contiguous():
+            values = tensor.reshape(-1)[positions]
+        else:  # the same elements (row-major order) without copying the whole tensor
+            values = tensor[torch.unravel_index(positions, tensor.shape)] if tensor.dim() else tensor.reshape(1)
+        values = values.to(device="cpu")
         if values.is_floating_point() or values.is_complex():
             values = values.to(torch.complex128 if values.is_complex() else torch.float64)
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode("utf-8"))
