@@ -53,11 +53,13 @@ def token_values(
 # --- packed sequences ------------------------------------------------------------------------------
 #
 # A micro-batch runs as one row of its real tokens (`batching.pack`): embeddings, projections,
-# MLPs and norms see no padding. Attention must not cross sequences: instead of a dense
+# MLPs and norms see no padding, and a prefix several sequences share (the prompt of a GRPO
+# group) is in the row once. Attention must not cross sequences: instead of a dense
 # block-diagonal [L, L] mask (quadratic in the packed length), the attention function lays the
-# packed queries, keys and values out padded again, `[B, H, T, D]` by one gather, runs causal
-# SDPA per sequence and packs the result back. Only the positions whose next token is scored go
-# through the output layer (`logits_to_keep`).
+# packed queries, keys and values out padded again, `[B, H, T, D]` by one gather (a sequence
+# reads its shared prefix from the one copy), runs causal SDPA per sequence and packs the result
+# back. Only the positions whose next token is scored go through the output layer
+# (`logits_to_keep`).
 
 PACKED_ATTENTION = "tiderl_packed"
 

@@ -8,8 +8,9 @@ that filled in the options (SAO is the preset `sao`). In order:
    sampling drops groups whose rewards are all equal (`algo.dynamic_sampling`);
 2. one right-padded batch of all trajectories (`collate`), split into micro-batches by padded
    tokens; batch-wide per-token quantities live in `[N, T]` tensors on the CPU. The policy's
-   forward passes run each micro-batch packed (one row of its real tokens, attention within each
-   sequence, logits only where a token is scored) when the model supports it (`packed`);
+   forward passes run each micro-batch packed (one row of its real tokens, a prefix shared by
+   several sequences held once, attention within each sequence, logits only where a token is
+   scored) when the model supports it (`packed`);
 3. no-grad passes: recomputed old log-probs (`registry.recomputes_old_logprobs`), reference
    log-probs (`registry.needs_ref`), critic values (`registry.needs_critic`). Reference
    log-probs and critic values that the asynchronous buffer computed ahead
