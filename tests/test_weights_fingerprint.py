@@ -87,3 +87,16 @@ def test_a_sync_is_checked_with_one_fingerprint_per_side(model):
     with pytest.raises(RuntimeError, match="weight sync to version 2 failed"):
         sync_weights(run)
     assert loads == [2]
+
+
+def test_fingerprint_reads_the_same_elements_of_a_non_contiguous_tensor():
+    """The engine stores its weights transposed on a CPU (rollout/fast_decode.py): the
+    fingerprint of the same values must not depend on the layout."""
+    from tiderl.rollout.weights import weights_checksum as checksum
+
+    for shape in [(300, 70), (7, 5, 9)]:
+        w = torch.randn(*shape)
+        strided = w.transpose(0, -1).contiguous().transpose(0, -1)
+        assert not strided.is_contiguous()
+        assert checksum({"w": strided}) == checksum({"w": w})
+        assert checksum({"w": strided * 1.5}) != checksum({"w": w})

@@ -37,6 +37,16 @@ def _positions(name: str, numel: int) -> torch.Tensor:
     return torch.from_numpy(sample_positions(name, numel))
 
 
+@functools.lru_cache(maxsize=4096)
+def _offsets(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The storage offsets (relative to the tensor's own) of the elements `sample_positions` names
+    in a strided tensor of `shape` and `stride`, then the largest offset."""
+    positions = sample_positions(name, int(np.prod(shape, dtype=np.int64)))
+    coords = np.unravel_index(positions, shape)
+    offsets = sum((c.astype(np.int64) * s for c, s in zip(coords, stride)), np.zeros(len(positions), np.int64))
+    return torch.from_numpy(np.append(offsets, offsets.max()))
+
+
 def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
     """A fingerprint of a set of weights that costs a few elements per tensor, not a full pass.
 
@@ -55,11 +65,11 @@ def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(state_dict):
         tensor = state_dict[name].detach()
-        positions = _positions(name, tensor.numel()).to(tensor.device)
         if tensor.is_contiguous():
-            values = tensor.reshape(-1)[positions]
-        else:  # the same elements (row-major order) without copying the whole tensor
-            values = tensor[torch.unravel_index(positions, tensor.shape)] if tensor.dim() else tensor.reshape(1)
+            values = tensor.reshape(-1)[_positions(name, tensor.numel()).to(tensor.device)]
+        else:  # the same elements (row-major order) read in place, without copying the tensor
+            offsets = _offsets(name, tuple(tensor.shape), tuple(tensor.stride())).to(tensor.device)
+            values = tensor.as_strided((int(offsets[-1]) + 1,), (1,))[offsets[:-1]]
         values = values.to(device="cpu")
         if values.is_floating_point() or values.is_complex():
             values = values.to(torch.complex128 if values.is_complex() else torch.float64)
