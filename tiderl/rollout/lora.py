@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tiderl.rollout.fast_decode import copy_into
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 
@@ -59,7 +60,7 @@ class LoraTorchEngine(TorchEngine):
             for plain, (base, scaling, key_a, key_b) in self._layers.items():
                 a = state_dict[key_a].to(self.device, base.dtype)
                 b = state_dict[key_b].to(self.device, base.dtype)
-                params[f"{plain}.weight"].copy_(base + (b @ a) * scaling)
+                copy_into(params[f"{plain}.weight"], base + (b @ a) * scaling)
             self._adapters = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
             self.version = version
 

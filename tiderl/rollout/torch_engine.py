@@ -51,7 +51,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from transformers.cache_utils import DynamicLayer
 
 from tiderl.rollout.base import Completion, SamplingParams, check_request
-from tiderl.rollout.fast_decode import DecodeStep
+from tiderl.rollout.fast_decode import DecodeStep, copy_into
 from tiderl.rollout.weights import weights_checksum
 
 # What a request's caller is told when it finishes: its Completion, or the exception that ended it.
@@ -607,8 +607,19 @@ class TorchEngine:
                 f"update_weights state dict has wrong shapes for {wrong_shapes[:5]}: send the weights "
                 "of the same model configuration"
             )
+        # Weights the engine stores transposed (fast_decode on a CPU) are copied in blocks of rows
+        # (`copy_into`), each tensor once (tied weights are one tensor under two names); the
+        # others through load_state_dict. The keys were checked above.
+        strided = {k for k, t in own.items() if not t.is_contiguous()}
         with self._lock:
-            self.model.load_state_dict(state_dict, strict=True)
+            self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in strided}, strict=False)
+            copied: set[tuple[int, tuple[int, ...]]] = set()
+            with torch.no_grad():
+                for k in sorted(strided):
+                    target = (own[k].data_ptr(), tuple(own[k].stride()))
+                    if target not in copied:
+                        copy_into(own[k], state_dict[k])
+                        copied.add(target)
             self.version = version
             self._fingerprint = None
             with self._inbox_lock:
