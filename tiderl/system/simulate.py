@@ -48,19 +48,30 @@ from tiderl.system.staleness import StalenessGate
 @dataclass(frozen=True)
 class Dist:
     """A positive random quantity: `const` (always `mean`), `lognormal` (mean `mean`, log-space
-    sigma `spread`), `exponential` (mean `mean`) or `uniform` (mean ± `spread`·mean); samples
-    are capped at `cap`."""
+    sigma `spread`), `exponential` (mean `mean`), `uniform` (mean ± `spread`·mean) or
+    `empirical` (one of the measured `values`, each equally likely: a run's own samples);
+    samples are capped at `cap`."""
 
     kind: str = "const"
     mean: float = 1.0
     spread: float = 0.0
     cap: float = math.inf
+    values: tuple[float, ...] = ()
 
-    KINDS = ("const", "lognormal", "exponential", "uniform")
+    KINDS = ("const", "lognormal", "exponential", "uniform", "empirical")
+
+    @classmethod
+    def empirical(cls, values: list[float] | tuple[float, ...]) -> Dist:
+        """The distribution of measured samples (resampled with replacement)."""
+        if not values:
+            raise ValueError("an empirical distribution needs at least one measured value")
+        return cls("empirical", sum(values) / len(values), values=tuple(float(v) for v in values))
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
             raise ValueError(f"distribution kind {self.kind!r}: use one of {', '.join(self.KINDS)}")
+        if self.kind == "empirical" and (not self.values or min(self.values) < 0):
+            raise ValueError(f"empirical distribution: give one or more values >= 0 (got {len(self.values)})")
         if self.mean < 0 or self.spread < 0 or self.cap <= 0:
             raise ValueError(f"{self}: mean and spread must be >= 0 and cap > 0")
         if self.kind == "uniform" and self.spread > 1:
@@ -82,6 +93,8 @@ class Dist:
         return cls(parts[0], **dict(zip(names, values)))
 
     def sample(self, rng: random.Random) -> float:
+        if self.kind == "empirical":
+            return min(self.values[rng.randrange(len(self.values))], self.cap)
         if self.kind == "const" or self.mean == 0:
             value = self.mean
         elif self.kind == "lognormal":
@@ -100,17 +113,31 @@ class Workload:
     turns 60 % of the time and 3 turns 40 %), so their means are kept. A tool call follows every
     turn but the last; with `latency_on_last_turn` the last turn waits one too (tiderl's
     simulated-latency wrapper, `env.tool_latency`, delays every environment step, the answer's
-    included)."""
+    included).
+
+    `episodes`, when given, replaces `turns` and `tokens_per_turn`: each episode is one of these
+    measured profiles (the sampled tokens of each of its turns), drawn at random, so the joint
+    distribution of turns and turn lengths of a real run (its long tail included) is kept."""
 
     turns: Dist = Dist("const", 3)
     tokens_per_turn: Dist = Dist("const", 30)
     tool_latency_s: Dist = Dist("const", 0.0)
     latency_on_last_turn: bool = False
+    episodes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not profile or min(profile) < 1 for profile in self.episodes):
+            raise ValueError("Workload.episodes: every profile needs one or more turns of >= 1 token")
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The resources and their speeds (seconds)."""
+    """The resources and their speeds (seconds).
+
+    `prefill_s` and `prep_s` are work that stops an engine's decoding while it runs: the prompt
+    of each turn (`prefill_s` per turn start) and each finished episode's preparation
+    (`prep_s`: critic values or reference log-probs, which tiderl computes on the rollout
+    cores). Both default to 0 (the model's earlier behaviour)."""
 
     engines: int = 1
     engine_max_seqs: int = 64
@@ -120,6 +147,8 @@ class Cluster:
     train_s_per_token: float = 0.0
     sync_s: float = 0.05
     colocated: bool = False
+    prefill_s: float = 0.0
+    prep_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +160,7 @@ class Schedule:
     overprovision: float = 2.0
     batch_size: int = 32
     slots: int = 0  # 0: (N+1)·B for async, ceil(k·B) for overprovision
+    admission: int = 0  # async: tiderl's system.admission (0 = (N+1)·B)
     min_slots: int = 0
     max_slots: int = 0
     elastic_interval_s: float = 2.0
@@ -141,6 +171,8 @@ class Schedule:
             base = f"overprovision x{self.overprovision:g}"
         else:
             base = "sync" if self.max_staleness == 0 else f"async N={self.max_staleness}"
+            if self.admission:
+                base += f" admit {self.admission}"
         if self.min_slots and self.max_slots and self.min_slots != self.max_slots:
             base += f" elastic {self.min_slots}-{self.max_slots}"
         return f"{base} B={self.batch_size}"
@@ -163,6 +195,14 @@ class SimResult:
     engine_busy_frac: float
     staleness: dict[int, int]
     slot_changes: int = 0
+    completed_turn_tokens: int = 0  # tokens of model turns that finished (what tiderl counts as decoded)
+    restarted: int = 0
+
+    @property
+    def waste_of_completed_turns(self) -> float:
+        """1 - trained tokens / tokens of completed turns: the waste as tiderl's benchmarks
+        measure it (a turn cut off mid-way is not counted as decoded)."""
+        return 1 - self.trained_tokens / self.completed_turn_tokens if self.completed_turn_tokens else 0.0
 
     @property
     def trained_tokens_per_s(self) -> float:
@@ -196,6 +236,8 @@ class _Episode:
     tokens: int = 0  # tokens of its finished turns
     generating: bool = False
     cancelled: bool = False
+    profile: tuple[int, ...] = ()  # measured turn lengths (Workload.episodes), when given
+    turn: int = 0  # turns begun
 
 
 @dataclass
@@ -206,6 +248,7 @@ class _Engine:
     last_t: float = 0.0
     epoch: int = 0
     busy_s: float = 0.0
+    blocked_until: float = 0.0  # prefill/preparation work stops decoding until then
 
 
 class Simulation:
@@ -220,7 +263,7 @@ class Simulation:
         self.rng = random.Random(seed)
         b = schedule.batch_size
         if schedule.mode == "async":
-            self.gate = StalenessGate(schedule.max_staleness, b)
+            self.gate = StalenessGate(schedule.max_staleness, b, schedule.admission)
             default_slots = self.gate.capacity
         else:
             if schedule.overprovision < 1:
@@ -270,7 +313,10 @@ class Simulation:
         return 1.0 / (self.c.decode_step_s + self.c.decode_step_per_seq_s * n)
 
     def _advance(self, e: _Engine) -> None:
-        dt = self.t - e.last_t
+        # Decoding progresses only after the engine's blocking work (which started no earlier
+        # than `last_t`: work is added right after an advance) is done.
+        dt = self.t - max(e.last_t, e.blocked_until)
+        e.busy_s += max(0.0, min(self.t, e.blocked_until) - e.last_t)
         e.last_t = self.t
         if dt <= 0 or self.paused or not e.generating:
             return
@@ -288,14 +334,28 @@ class Simulation:
                 e.generating[ep.serial] = ep
         if e.generating and not self.paused:
             least = min(ep.remaining for ep in e.generating.values())
-            self._push(self.t + max(least, 0.0) / self._rate(len(e.generating)), "engine", (idx, e.epoch))
+            start = max(self.t, e.blocked_until)
+            self._push(start + max(least, 0.0) / self._rate(len(e.generating)), "engine", (idx, e.epoch))
+
+    def _block(self, idx: int, seconds: float) -> None:
+        """Work that stops engine `idx`'s decoding for `seconds` (queued after its other such work)."""
+        if seconds <= 0:
+            return
+        e = self.engines[idx]
+        self._advance(e)
+        e.blocked_until = max(e.blocked_until, self.t) + seconds
 
     def _begin_turn(self, ep: _Episode) -> None:
         if ep.version < 0:
             ep.version = self.engine_version
-        ep.turn_tokens = max(1, self._round(self.w.tokens_per_turn.sample(self.rng)))
+        if ep.profile:
+            ep.turn_tokens = ep.profile[ep.turn]
+        else:
+            ep.turn_tokens = max(1, self._round(self.w.tokens_per_turn.sample(self.rng)))
+        ep.turn += 1
         ep.remaining = float(ep.turn_tokens)
         ep.generating = True
+        self._block(ep.engine, self.c.prefill_s)
         e = self.engines[ep.engine]
         self._advance(e)
         e.waiting.append(ep)
@@ -312,6 +372,7 @@ class Simulation:
             ep.tokens += ep.turn_tokens
             ep.generating = False
             self.stats["generated"] += ep.turn_tokens
+            self.stats["completed_turn_tokens"] += ep.turn_tokens
             ep.turns_left -= 1
             if ep.turns_left <= 0 and not self.w.latency_on_last_turn:
                 self._finish(ep)
@@ -340,7 +401,11 @@ class Simulation:
         while self.steps < self.s.steps and self._may_start():
             self.serial += 1
             idx = min(range(len(self.engines)), key=lambda i: self.engines[i].assigned)
-            ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
+            if self.w.episodes:
+                profile = self.w.episodes[self.rng.randrange(len(self.w.episodes))]
+                ep = _Episode(self.serial, idx, len(profile), profile=profile)
+            else:
+                ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
             self.engines[idx].assigned += 1
             self.in_flight[ep.serial] = ep
             self.gate.started()
@@ -350,7 +415,13 @@ class Simulation:
     def _finish(self, ep: _Episode) -> None:
         self.engines[ep.engine].assigned -= 1
         del self.in_flight[ep.serial]
-        self.ready.append(ep)
+        if self.c.prep_s <= 0:
+            self.ready.append(ep)
+            return
+        # Its preparation runs on the rollout side (modelled as blocking its engine) and must be
+        # done before it may train: it is ready when its engine has done that work.
+        self._block(ep.engine, self.c.prep_s)
+        self._push(self.engines[ep.engine].blocked_until, "ready", ep)
 
     def _try_train(self) -> None:
         if self.training or self.steps >= self.s.steps or len(self.ready) < self.s.batch_size:
@@ -410,7 +481,28 @@ class Simulation:
         self.gate.settled(len(batch))
         self.stats["trained"] += len(batch)
         self.stats["trained_tokens"] += sum(ep.tokens for ep in batch)
+        if self.s.mode == "async" and self.gate.max_staleness == 0:
+            self._restart_older(self.version)
         self._set_paused(False)
+
+    def _restart_older(self, version: int) -> None:
+        """tiderl's rule at max_staleness 0 (`Scheduler._restart_older_than`): after a step,
+        episodes still running on older weights could never train; they are cancelled (their
+        tokens wasted) and their tasks start again. Only an admission above B leaves any."""
+        for ep in list(self.in_flight.values()):
+            if ep.version >= version or ep.version < 0:
+                continue
+            ep.cancelled = True
+            e = self.engines[ep.engine]
+            self._advance(e)
+            e.generating.pop(ep.serial, None)
+            e.assigned -= 1
+            self.stats["wasted"] += self._partial(ep)
+            self.stats["restarted"] += 1
+            self.gate.settled()
+            del self.in_flight[ep.serial]
+        for idx in range(len(self.engines)):
+            self._reschedule(idx)
 
     def _set_paused(self, paused: bool) -> None:
         if paused == self.paused:
@@ -463,6 +555,8 @@ class Simulation:
                     self._finish(data)  # the last turn's own latency (latency_on_last_turn)
                 else:
                     self._begin_turn(data)
+            elif kind == "ready":
+                self.ready.append(data)
             elif kind == "trained":
                 self._on_trained(data)
             elif kind == "elastic":
@@ -482,7 +576,8 @@ class Simulation:
             wasted_tokens=self.stats["wasted"] + unsettled,
             trainer_idle_frac=max(0.0, 1 - self.trainer_busy_s / wall) if wall else 0.0,
             engine_busy_frac=busy / wall if wall else 0.0,
-            staleness=dict(self.gate.histogram), slot_changes=self.slot_changes)
+            staleness=dict(self.gate.histogram), slot_changes=self.slot_changes,
+            completed_turn_tokens=self.stats["completed_turn_tokens"], restarted=self.stats["restarted"])
 
 
 def simulate(workload: Workload, cluster: Cluster, schedule: Schedule, seed: int = 0) -> SimResult:
