@@ -10,7 +10,14 @@ import pytest
 
 from tiderl.cli import main
 from tiderl.system.simulate import (
-    Cluster, Dist, Schedule, Workload, compare, simulate, standard_modes, strongest_sync,
+    Cluster,
+    Dist,
+    Schedule,
+    Workload,
+    compare,
+    simulate,
+    standard_modes,
+    strongest_sync,
 )
 
 # One 10-token turn per episode, no tools; a decode step of 10 ms whatever the batch, so every
