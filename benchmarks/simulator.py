@@ -109,8 +109,9 @@ VALIDATE_MODES = "sync,sync-overprov,sync-3B,async-s1,async-s2,async-s4"
 
 
 def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Weighted least squares y = a + b·x over (x, y, weight) points, with b >= 0 (a flat
-    line through the weighted mean when the slope comes out negative or x never varies)."""
+    """Weighted least squares y = a + b·x over (x, y, weight) points, with a, b >= 0: a flat
+    line through the weighted mean when the slope comes out negative or x never varies, a line
+    through the origin when the intercept does."""
     total = sum(w for _, _, w in points)
     mx = sum(x * w for x, _, w in points) / total
     my = sum(y * w for _, y, w in points) / total
@@ -118,6 +119,8 @@ def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     slope = sum(w * (x - mx) * (y - my) for x, y, w in points) / var if var > 0 else 0.0
     if slope < 0:
         return my, 0.0
+    if my - slope * mx < 0:
+        return 0.0, sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
     return my - slope * mx, slope
 
 

@@ -22,6 +22,8 @@ def test_fit_line_recovers_a_line_and_never_returns_a_negative_slope():
     a, b = sim_bench.fit_line([(1, 3.0, 1.0), (2, 1.0, 1.0)])
     assert (a, b) == (pytest.approx(2.0), 0.0)
     assert sim_bench.fit_line([(4, 1.5, 2.0)]) == (pytest.approx(1.5), 0.0)
+    a, b = sim_bench.fit_line([(1, 1.0, 1.0), (2, 3.0, 1.0)])  # y = -1 + 2x: through the origin instead
+    assert a == 0.0 and b == pytest.approx(7 / 5)
 
 
 def _row(mode: str, batch: int = 4, steps: int = 3) -> dict:

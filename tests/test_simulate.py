@@ -187,3 +187,13 @@ def test_admission_above_the_batch_at_staleness_0_restarts_what_runs_on_old_weig
     assert r.restarted + r.dropped > 0 and set(r.staleness) <= {0, 1}
     assert r.dropped == r.staleness.get(1, 0)
     assert r.waste_of_completed_turns > 0 and r.completed_turn_tokens <= r.generated_tokens
+
+
+def test_colocated_step_waits_for_the_decode_pass_under_way():
+    # Admission 2B at staleness 0 on an engine of 4 places: the first 4 finish at 0.1 s, the other
+    # 4 decode from 0.1 to 0.2 s. Apart, the step starts at 0.1 s; sharing the devices (tiderl's
+    # synchronous loop), it starts when the pass under way ends.
+    small = replace(ONE_ENGINE, engine_max_seqs=4)
+    schedule = Schedule(max_staleness=0, batch_size=4, steps=1, admission=8)
+    assert simulate(FIXED, small, schedule).wall_s == pytest.approx(0.1 + 1.0)
+    assert simulate(FIXED, replace(small, colocated=True), schedule).wall_s == pytest.approx(0.2 + 1.0)

@@ -16,8 +16,10 @@ modelled, and how:
   (their action tokens)`, then `sync_s` to hand the weights to every engine. Engines sample with
   the new version from then on; an episode's staleness is the trainer version at training minus
   the version of its first sampled token (partial rollouts continue on new weights, tiderl's
-  default `system.partial_rollout=continue`). With `colocated`, engines stop while the trainer
-  trains and syncs (one set of devices).
+  default `system.partial_rollout=continue`). With `colocated`, the devices do one thing at a
+  time, as tiderl's synchronous loop (decoding, preparation and training in one thread): once a
+  batch is ready no new turn joins a decode pass, the step starts when the engines have
+  finished what they were decoding and preparing, and engines stop while it trains and syncs.
 - **Modes**: `async` with `max_staleness` N (N = 0 is tiderl's synchronous on-policy loop);
   `overprovision` with a factor k: admit k·B episodes per version, train the first B finishers,
   cancel and re-queue the rest when the step starts (on-policy, their tokens are wasted).
@@ -282,6 +284,7 @@ class Simulation:
         self.in_flight: dict[int, _Episode] = {}
         self.ready: deque[_Episode] = deque()
         self.training = False
+        self.step_waiting = False  # colocated: a ready batch waits for the engines' pass to end
         self.paused = False
         self.serial = 0
         self.steps = 0
@@ -328,7 +331,7 @@ class Simulation:
     def _reschedule(self, idx: int) -> None:
         e = self.engines[idx]
         e.epoch += 1
-        while e.waiting and len(e.generating) < self.c.engine_max_seqs:
+        while e.waiting and len(e.generating) < self.c.engine_max_seqs and not self.step_waiting:
             ep = e.waiting.popleft()
             if not ep.cancelled:
                 e.generating[ep.serial] = ep
@@ -440,6 +443,14 @@ class Simulation:
         if len(batch) < self.s.batch_size:
             self.ready.extendleft(reversed(batch))
             return
+        if self.c.colocated and any(e.generating or e.blocked_until > self.t for e in self.engines):
+            self.ready.extendleft(reversed(batch))
+            self.step_waiting = True  # the engines finish their pass first (see _reschedule)
+            busy_until = max(e.blocked_until for e in self.engines)
+            if busy_until > self.t:
+                self._push(busy_until, "wake")  # look again when the blocking work is done
+            return
+        self.step_waiting = False
         for ep in batch:
             self.gate.histogram[self.version - ep.version] += 1
         if self.s.mode == "overprovision":
