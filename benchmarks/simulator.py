@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -165,9 +166,12 @@ def hist_text(fractions: dict[int, float]) -> str:
     return " ".join(parts + ([f"3+:{high:.2f}"] if high >= 0.005 else []))
 
 
-def predict_row(row: dict, seeds: int) -> dict:
-    """The simulator's figures for one measured run: means over `seeds` simulated seeds."""
+def predict_row(row: dict, seeds: int, without_rollout_costs: bool = False) -> dict:
+    """The simulator's figures for one measured run: means over `seeds` simulated seeds.
+    `without_rollout_costs`: prefill and preparation left out (the model before they were added)."""
     workload, cluster, schedule = calibrate(row)
+    if without_rollout_costs:
+        cluster = replace(cluster, prefill_s=0.0, prep_s=0.0)
     runs = [simulate(workload, cluster, schedule, seed) for seed in range(seeds)]
     hist: dict[int, float] = {}
     for r in runs:
@@ -189,7 +193,7 @@ def total_variation(a: dict[int, float], b: dict[int, float]) -> float:
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
-def validation_report(rows: list[dict], seeds: int) -> list[str]:
+def validation_report(rows: list[dict], seeds: int, without_rollout_costs: bool = False) -> list[str]:
     """Predicted against measured for every run in `rows` (async_vs_sync's results.json); the last
     line is the median |relative error| of throughput over the runs."""
     lines, errors = [], []
@@ -204,7 +208,7 @@ def validation_report(rows: list[dict], seeds: int) -> list[str]:
                  f"the mean of {seeds} simulated seeds")
         lines += [title, header, "-" * len(header)]
         for r in rs:
-            p = predict_row(r, seeds)
+            p = predict_row(r, seeds, without_rollout_costs)
             err = (p["trained_tok_s"] - r["trained_tok_s"]) / r["trained_tok_s"]
             errors.append((w, r["mode"], err))
             measured_hist = staleness_fractions(r["staleness_hist"])
@@ -258,7 +262,7 @@ def validate(args: argparse.Namespace) -> None:
                       flush=True)
                 results.write_text(json.dumps(rows, indent=1))
         rows = [r for r in rows if r["workload"] in workloads and r["mode"] in names]
-    lines = validation_report(rows, args.sim_seeds)
+    lines = validation_report(rows, args.sim_seeds, args.without_rollout_costs)
     (out / "validation.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps(
         [{k: r[k] for k in ("workload", "mode", "seed", "trained_tok_s", "waste", "trainer_idle", "staleness_hist",
@@ -284,6 +288,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="--validate: B")
     parser.add_argument("--eval-n", type=int, default=30, help="--validate: held-out tasks per evaluation")
     parser.add_argument("--sim-seeds", type=int, default=20, help="--validate: simulated seeds per prediction")
+    parser.add_argument("--without-rollout-costs", action="store_true",
+                        help="--validate: leave prefill and preparation time out of the model (an ablation)")
     args = parser.parse_args()
     if args.validate:
         args.out = args.out or "runs/bench_simulator_validate"
