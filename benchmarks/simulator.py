@@ -1,5 +1,19 @@
 """Does the simulator predict tiderl? Measured runs against the discrete-event model's predictions.
 
+`--validate` (the main check): every mode of `benchmarks/async_vs_sync.py` (sync, sync-overprov,
+sync-3B, async-s1/s2/s4) on its workloads (default none, ln1.0, longgen; 1 seed, 21 steps of
+B=8), each run predicted by the simulator fed only what that same run measured about its
+components (episode profiles, environment-step times, decode step time by batch size, prefill,
+preparation, train and sync times; see `calibrate`), compared on what it was not fed: trained
+sampled tokens/s, waste, trainer idle fraction and the staleness histogram. Runs go to
+`--out`/results.json and are resumed from there; `--results FILE` compares existing runs only.
+The last line is the median |relative error| of throughput over the runs.
+
+    nice -n 10 .venv/bin/python benchmarks/simulator.py --validate            # ~35 min on 2 loaded cores
+    nice -n 10 .venv/bin/python benchmarks/simulator.py --validate --quick    # 2 workloads x 3 modes x 4 steps
+
+Without `--validate` (the first, narrower check):
+
 Each mode (synchronous, and asynchronous at staleness 1 and 2) is run for real on the embedded
 default with the heavy-tailed tool latency of `async_vs_sync.py`. The simulator is then given
 only the component speeds of that same run — the mean optimizer-step and weight-sync times it
