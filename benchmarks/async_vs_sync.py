@@ -558,7 +558,7 @@ def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: one workload, three modes, one seed")
-    parser.add_argument("--workloads", default="none,fixed1,ln0.5,ln1.0,ln1.5")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--modes", default=",".join(m.name for m in MODES))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps at batch B (sync-3B: a third)")
