@@ -33,10 +33,11 @@ measured distribution of sampled tokens per episode.
 
 For `benchmarks/simulator.py --validate`, every run also records what the simulator is fed
 (`measured` in results.json): every finished episode's sampled tokens per turn (counted by
-re-tokenizing each turn's text, +1 for its end-of-turn token), the wall time of every
-environment step (tool latency included: the benchmark applies tiderl's `with_latency` itself,
-outermost but for this recorder), the engine's time per decode step by batch size and its
-prefill time, and per optimizer step the train, sync and preparation seconds and tokens.
+re-tokenizing each turn's text, +1 for its end-of-turn token), the time of every environment
+step (its own: drawn latency plus the environment's work; and as the episode waited for it on
+the event loop; the benchmark applies tiderl's `with_latency` itself, between the two timers),
+the engine's time per decode step by batch size and its prefill time, and per optimizer step the
+train, sync and preparation seconds and tokens.
 
 Rules, fixed here before any run:
 - The clock is the training wall time from the start of `train` (setup excluded). Held-out
@@ -208,16 +209,50 @@ def with_budget(make_env: Any, gen_budget: tuple[float, float, int], count: Toke
 
 
 class Recorder:
-    """Records, for the simulator, each finished episode's sampled tokens per turn and the wall
-    time of every environment step (its simulated latency included)."""
+    """Records, for the simulator, each finished episode's sampled tokens per turn and every
+    environment step's time, twice: `step_s`, as the episode waited for it (timed around the
+    step on the event loop: in synchronous modes that includes time the loop spent decoding or
+    training), and `own_step_s`, the step's own time (its drawn latency plus the environment's
+    work, timed in the thread that ran it)."""
 
     def __init__(self, count: TokenCounter):
         self.count = count
         self.profiles: list[list[int]] = []
         self.step_s: list[float] = []
+        self.own_step_s: list[float] = []
+
+    def timed(self, make_env: Any) -> Any:
+        """`make_env` with each step's own work timed (wrap it below the latency wrapper)."""
+        return lambda: _TimedEnv(make_env())
 
     def wrap(self, make_env: Any) -> Any:
+        """`make_env` recorded (the outermost wrapper)."""
         return lambda: _RecordingEnv(make_env(), self)
+
+
+class _TimedEnv:
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.last_s = 0.0
+
+    def system_prompt(self) -> str:
+        return self.inner.system_prompt()
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    def reset(self, task: Any) -> str:
+        return self.inner.reset(task)
+
+    def step(self, action: Any) -> StepResult:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.step(action)
+        finally:
+            self.last_s = time.perf_counter() - t0
+
+    def finish(self, reason: str) -> StepResult:
+        return self.inner.finish(reason)
 
 
 class _RecordingEnv:
@@ -234,23 +269,31 @@ class _RecordingEnv:
     def reset(self, task: Any) -> str:
         return self.inner.reset(task)
 
-    def _done(self, action: Any, result: StepResult, seconds: float) -> StepResult:
+    def _own_work_s(self) -> float:
+        env = self.inner
+        while not isinstance(env, _TimedEnv) and hasattr(env, "inner"):
+            env = env.inner
+        return env.last_s if isinstance(env, _TimedEnv) else 0.0
+
+    def _done(self, action: Any, result: StepResult, seconds: float, latency_before: float) -> StepResult:
         self.turns.append(self.recorder.count(action.text))
         self.recorder.step_s.append(seconds)
+        latency = getattr(self.inner, "total_latency_s", 0.0) - latency_before
+        self.recorder.own_step_s.append(latency + self._own_work_s())
         if result.done:
             self.recorder.profiles.append(self.turns)
         return result
 
     def step(self, action: Any) -> StepResult:
-        t0 = time.perf_counter()
+        before, t0 = getattr(self.inner, "total_latency_s", 0.0), time.perf_counter()
         result = self.inner.step(action)
-        return self._done(action, result, time.perf_counter() - t0)
+        return self._done(action, result, time.perf_counter() - t0, before)
 
     async def astep(self, action: Any) -> StepResult:
-        t0 = time.perf_counter()
+        before, t0 = getattr(self.inner, "total_latency_s", 0.0), time.perf_counter()
         astep = getattr(self.inner, "astep", None)
         result = await astep(action) if astep is not None else await asyncio.to_thread(self.inner.step, action)
-        return self._done(action, result, time.perf_counter() - t0)
+        return self._done(action, result, time.perf_counter() - t0, before)
 
     def finish(self, reason: str) -> StepResult:
         result = self.inner.finish(reason)
@@ -396,7 +439,7 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
     make_env = plain_env
     if spec.gen_budget:
         make_env = with_budget(make_env, spec.gen_budget, count, seed)
-    make_env = recorder.wrap(with_latency(make_env, *spec.latency, seed=seed))  # as env.tool_latency would
+    make_env = recorder.wrap(with_latency(recorder.timed(make_env), *spec.latency, seed=seed))  # as env.tool_latency would
     run.setup.make_env = make_env
     engine_stats = instrument_engine(run.engine)
     snapshots: list[tuple[int, float, dict[str, Any]]] = []
@@ -473,6 +516,7 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
                            "finished": percentiles([sum(p) for p in recorder.profiles])},
         "measured": {
             "profiles": recorder.profiles, "env_step_s": [round(x, 5) for x in recorder.step_s],
+            "env_step_own_s": [round(x, 5) for x in recorder.own_step_s],
             "decode_steps": {str(n): [c, round(engine_stats["step_s"][n], 5)]
                              for n, c in sorted(engine_stats["step_n"].items())},
             "admit_s": round(engine_stats["admit_s"], 4), "decode_requests": backend["decode_requests"],

@@ -149,7 +149,10 @@ def calibrate(row: dict) -> tuple[Workload, Cluster, Schedule]:
     m = row["measured"]
     if not m["profiles"]:
         raise ValueError(f"{row['workload']} {row['mode']}: no finished episode recorded; re-run it")
-    workload = Workload(tool_latency_s=Dist.empirical(m["env_step_s"] or [0.0]), latency_on_last_turn=True,
+    # A step's own time (drawn latency + the environment's work) where the run recorded it; the
+    # time an episode waited for it on the event loop otherwise (older runs).
+    steps_s = m.get("env_step_own_s") or m["env_step_s"] or [0.0]
+    workload = Workload(tool_latency_s=Dist.empirical(steps_s), latency_on_last_turn=True,
                         episodes=tuple(tuple(p) for p in m["profiles"]))
     decode = [(int(n), s / c, c) for n, (c, s) in m["decode_steps"].items() if int(n) > 0 and c > 0]
     a, b = fit_line(decode)
@@ -159,7 +162,7 @@ def calibrate(row: dict) -> tuple[Workload, Cluster, Schedule]:
     cluster = Cluster(engines=1, engine_max_seqs=m["engine_max_seqs"], decode_step_s=max(a, 1e-6),
                       decode_step_per_seq_s=b, train_step_s=t0, train_s_per_token=t_tok,
                       sync_s=statistics.mean(s["sync_s"] for s in steps),
-                      colocated=row["mode"].startswith("sync"),
+                      colocated=row["mode"].startswith("sync"), lockstep=row["mode"].startswith("sync"),
                       prefill_s=m["admit_s"] / max(1, m["decode_requests"]),
                       prep_s=sum(s["prep_s"] for s in steps) / prepared)
     schedule = Schedule(mode="async", max_staleness=int(row["mode"][7:]) if row["mode"].startswith("async-s") else 0,

@@ -116,5 +116,6 @@ def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(tmp_path):
     m = row["measured"]
     assert len(m["profiles"]) >= 8 and all(min(p) >= 1 for p in m["profiles"])
     assert len(m["env_step_s"]) >= sum(len(p) for p in m["profiles"])  # unfinished episodes' steps too
+    assert len(m["env_step_own_s"]) == len(m["env_step_s"]) and 0 < sum(m["env_step_own_s"]) <= sum(m["env_step_s"])
     assert sum(c for c, _ in m["decode_steps"].values()) > 0 and len(m["steps"]) == 2
     assert row["episode_tokens"]["trained"]["n"] == 8

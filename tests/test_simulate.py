@@ -197,3 +197,23 @@ def test_colocated_step_waits_for_the_decode_pass_under_way():
     schedule = Schedule(max_staleness=0, batch_size=4, steps=1, admission=8)
     assert simulate(FIXED, small, schedule).wall_s == pytest.approx(0.1 + 1.0)
     assert simulate(FIXED, replace(small, colocated=True), schedule).wall_s == pytest.approx(0.2 + 1.0)
+
+
+def test_lockstep_passes_hold_finished_turns_until_the_pass_ends():
+    # Turns of 10 and 30 tokens in one pass: in lockstep (tiderl's synchronous loop) the short
+    # ones' second turns wait for the long ones, so a step takes longer; a single profile with
+    # tools slower than the gather's patience is the same either way.
+    mixed = Workload(episodes=((10, 10), (30, 10)))
+    sync = Schedule(max_staleness=0, batch_size=8, steps=3)
+    plain = simulate(mixed, ONE_ENGINE, sync)
+    lock = simulate(mixed, replace(ONE_ENGINE, colocated=True, lockstep=True), sync)
+    assert lock.wall_s > plain.wall_s and lock.trained == plain.trained == 24
+    same = Workload(tool_latency_s=Dist("const", 0.05), episodes=((10, 10),))
+    for c in (ONE_ENGINE, replace(ONE_ENGINE, colocated=True, lockstep=True)):
+        assert simulate(same, c, Schedule(max_staleness=0, batch_size=8, steps=1)).wall_s == \
+            pytest.approx(0.1 + 0.05 + 0.1 + 1.0)
+    # Overprovisioned and lockstep with preparations: runs to the end, trains B per step.
+    heavy = Workload(tool_latency_s=Dist("lognormal", 0.01, 1.0), episodes=((10, 5), (20, 5, 5)))
+    c = replace(ONE_ENGINE, colocated=True, lockstep=True, prefill_s=0.001, prep_s=0.002)
+    r = simulate(heavy, c, Schedule(max_staleness=0, batch_size=8, steps=5, admission=16), seed=2)
+    assert r.trained == 40 and set(r.staleness) <= {0, 1}

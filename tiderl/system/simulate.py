@@ -139,7 +139,14 @@ class Cluster:
     `prefill_s` and `prep_s` are work that stops an engine's decoding while it runs: the prompt
     of each turn (`prefill_s` per turn start) and each finished episode's preparation
     (`prep_s`: critic values or reference log-probs, which tiderl computes on the rollout
-    cores). Both default to 0 (the model's earlier behaviour)."""
+    cores). Both default to 0 (the model's earlier behaviour).
+
+    `lockstep` decodes as tiderl's synchronous loop does (its decoding runs in the event loop's
+    own thread): an engine decodes in passes; a pass starts with every turn waiting, once no
+    episode has been in its tool call for less than `patience_s` (at most `gather_s` after the
+    first turn waited, `BatchingEngine`'s gather); no turn joins a running pass; the turns that
+    finish wait for the pass's end before their tool calls start; preparations run only while
+    the engine has no turn to decode."""
 
     engines: int = 1
     engine_max_seqs: int = 64
@@ -151,6 +158,9 @@ class Cluster:
     colocated: bool = False
     prefill_s: float = 0.0
     prep_s: float = 0.0
+    lockstep: bool = False
+    patience_s: float = 0.02
+    gather_s: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -240,6 +250,7 @@ class _Episode:
     cancelled: bool = False
     profile: tuple[int, ...] = ()  # measured turn lengths (Workload.episodes), when given
     turn: int = 0  # turns begun
+    tool_since: float = -1.0  # when its running tool call began (-1: not in one)
 
 
 @dataclass
@@ -251,6 +262,10 @@ class _Engine:
     epoch: int = 0
     busy_s: float = 0.0
     blocked_until: float = 0.0  # prefill/preparation work stops decoding until then
+    held: list = field(default_factory=list)  # lockstep: turns finished in the running pass
+    to_prepare: list = field(default_factory=list)  # lockstep: finished episodes not yet prepared
+    waiting_since: float = -1.0  # lockstep: when a turn first waited for the next pass
+    pass_due: float = -1.0  # lockstep: the instant a pass was found ready to start
 
 
 class Simulation:
@@ -285,6 +300,8 @@ class Simulation:
         self.ready: deque[_Episode] = deque()
         self.training = False
         self.step_waiting = False  # colocated: a ready batch waits for the engines' pass to end
+        self.releasing = False  # lockstep: releasing a finished pass's turns
+        self.waking = False  # lockstep: a pass may start only on a "wake" event
         self.paused = False
         self.serial = 0
         self.steps = 0
@@ -331,7 +348,10 @@ class Simulation:
     def _reschedule(self, idx: int) -> None:
         e = self.engines[idx]
         e.epoch += 1
-        while e.waiting and len(e.generating) < self.c.engine_max_seqs and not self.step_waiting:
+        if self.c.lockstep:
+            self._next_pass(idx)
+        while e.waiting and len(e.generating) < self.c.engine_max_seqs and not self.step_waiting \
+                and not self.c.lockstep:
             ep = e.waiting.popleft()
             if not ep.cancelled:
                 e.generating[ep.serial] = ep
@@ -339,6 +359,43 @@ class Simulation:
             least = min(ep.remaining for ep in e.generating.values())
             start = max(self.t, e.blocked_until)
             self._push(start + max(least, 0.0) / self._rate(len(e.generating)), "engine", (idx, e.epoch))
+
+    def _next_pass(self, idx: int) -> None:
+        """Lockstep: between passes, release the finished turns, then start the next pass (after
+        the gather) or, with no turn to decode, the waiting preparations."""
+        e = self.engines[idx]
+        if e.generating:
+            return
+        held, e.held = e.held, []
+        self.releasing = True  # the episodes that finish now are prepared after this decision
+        for ep in held:
+            self._after_turn(ep)
+        self.releasing = False
+        e.waiting = deque(ep for ep in e.waiting if not ep.cancelled)
+        if e.waiting and not self.paused and not self.step_waiting:
+            if e.waiting_since < 0:
+                e.waiting_since = self.t
+            fast = [ep.tool_since + self.c.patience_s for ep in self.in_flight.values()
+                    if ep.engine == idx and 0 <= ep.tool_since and self.t - ep.tool_since < self.c.patience_s - 1e-9]
+            deadline = e.waiting_since + self.c.gather_s
+            if fast and self.t < deadline - 1e-12:
+                self._push(min(min(fast), deadline), "wake")
+                return
+            if e.pass_due != self.t:  # first let every other event of this instant ask (one loop turn)
+                e.pass_due = self.t
+                self._push(self.t, "wake")
+                return
+            if not self.waking:
+                return
+            while e.waiting and len(e.generating) < self.c.engine_max_seqs:
+                ep = e.waiting.popleft()
+                e.generating[ep.serial] = ep
+            e.waiting_since = -1.0
+        elif not e.waiting and e.to_prepare:
+            for ep in e.to_prepare:
+                self._block(idx, self.c.prep_s)
+                self._push(e.blocked_until, "ready", ep)
+            e.to_prepare = []
 
     def _block(self, idx: int, seconds: float) -> None:
         """Work that stops engine `idx`'s decoding for `seconds` (queued after its other such work)."""
@@ -377,11 +434,21 @@ class Simulation:
             self.stats["generated"] += ep.turn_tokens
             self.stats["completed_turn_tokens"] += ep.turn_tokens
             ep.turns_left -= 1
-            if ep.turns_left <= 0 and not self.w.latency_on_last_turn:
-                self._finish(ep)
+            if self.c.lockstep:
+                e.held.append(ep)  # its tool call starts when the pass ends
             else:
-                self._push(self.t + self.w.tool_latency_s.sample(self.rng), "tool", ep)
+                self._after_turn(ep)
         self._reschedule(idx)
+
+    def _after_turn(self, ep: _Episode) -> None:
+        """A finished turn: the episode's tool call starts, or it finishes."""
+        if ep.cancelled:
+            return
+        if ep.turns_left <= 0 and not self.w.latency_on_last_turn:
+            self._finish(ep)
+        else:
+            ep.tool_since = self.t
+            self._push(self.t + self.w.tool_latency_s.sample(self.rng), "tool", ep)
 
     # -- admission, training --------------------------------------------------------------
     def _may_start(self) -> bool:
@@ -420,6 +487,11 @@ class Simulation:
         del self.in_flight[ep.serial]
         if self.c.prep_s <= 0:
             self.ready.append(ep)
+            return
+        if self.c.lockstep:  # prepared once the engine has no turn to decode
+            self.engines[ep.engine].to_prepare.append(ep)
+            if not self.releasing:
+                self._reschedule(ep.engine)
             return
         # Its preparation runs on the rollout side (modelled as blocking its engine) and must be
         # done before it may train: it is ready when its engine has done that work.
@@ -560,6 +632,7 @@ class Simulation:
             if kind == "engine":
                 self._on_engine(*data)
             elif kind == "tool":
+                data.tool_since = -1.0
                 if data.cancelled:
                     pass
                 elif data.turns_left <= 0:
@@ -568,6 +641,11 @@ class Simulation:
                     self._begin_turn(data)
             elif kind == "ready":
                 self.ready.append(data)
+            elif kind == "wake":
+                self.waking = True
+                for idx in range(len(self.engines)):
+                    self._reschedule(idx)
+                self.waking = False
             elif kind == "trained":
                 self._on_trained(data)
             elif kind == "elastic":
