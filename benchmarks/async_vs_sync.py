@@ -18,7 +18,26 @@ deployment places them. The modes and their concurrency (episodes running at onc
 
 sync-3B has the concurrency of async-s2. Workloads (`--workloads`): `none` (no tool latency:
 decoding and training compete for the cores), `fixed1` (every tool call 1 s), `ln0.5`, `ln1.0`,
-`ln1.5` (log-normal tool latency, mean 1 s, sigma 0.5/1.0/1.5, capped at 30 s).
+`ln1.5` (log-normal tool latency, mean 1 s, sigma 0.5/1.0/1.5, capped at 30 s), and `longgen`
+(long-tailed generation lengths, no tool latency): every episode draws a budget of sampled
+tokens, log-normal with median 40 and sigma 1.2 (mean ~82, p99 ~650), capped at 1200, from a
+generator seeded by (seed, episode index); the episode may not end before it has sampled that
+many tokens: when the environment's answer (or its 4-turn limit) comes first, the answer is held
+back and the model is told "Continue." until the budget is spent, then the held answer (and its
+reward) ends the episode. Most episodes end as they would (the policy's own ~50 tokens); a few
+sample 10-20x the mean. The tiny policy's turns are short (<= 64 tokens), so a long episode is
+many turns: its context may grow to 2048 tokens (the cached policy is copied with
+max_position_embeddings 2048; its rotary positions are relative, the weights are unchanged).
+Held-out evaluation uses the plain environment and the default limits. Each run prints the
+measured distribution of sampled tokens per episode.
+
+For `benchmarks/simulator.py --validate`, every run also records what the simulator is fed
+(`measured` in results.json): every finished episode's sampled tokens per turn (counted by
+re-tokenizing each turn's text, +1 for its end-of-turn token), the time of every environment
+step (its own: drawn latency plus the environment's work; and as the episode waited for it on
+the event loop; the benchmark applies tiderl's `with_latency` itself, between the two timers),
+the engine's time per decode step by batch size and its prefill time, and per optimizer step the
+train, sync and preparation seconds and tokens.
 
 Rules, fixed here before any run:
 - The clock is the training wall time from the start of `train` (setup excluded). Held-out
@@ -65,25 +84,276 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import asyncio
+import dataclasses
+import random
+import shutil
+from collections import Counter, defaultdict
+
 from tiderl.config import load_config
+from tiderl.envs.protocol import StepResult
 from tiderl.evaluate import evaluate
 from tiderl.models.embedded import embedded_model_dir
 from tiderl.recipe import train
 from tiderl.rollout.weights import weights_checksum
 from tiderl.run import build_run
 from tiderl.system.cores import thread_cpu
+from tiderl.system.latency import with_latency
 
 CONFIG = "configs/kg_sao_tiny.yaml"
 TARGET_GAIN = 0.10  # held-out success above the initial policy's
 HEADLINE_ASYNC = "async-s2"
 BASE = ["system.backend=local", "system.cores=auto", "log.progress=false", "log.tensorboard=false",
         "algo.critic_warmup_steps=2"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Simulated tool latency (kind, mean s, spread, cap s; tiderl.system.latency's kinds) and,
+    for `longgen`, the log-normal budget of sampled tokens per episode (median, sigma, cap)."""
+
+    latency: tuple[str, float, float, float] = ("none", 0.0, 0.0, 0.0)
+    gen_budget: tuple[float, float, int] | None = None
+
+    def overrides(self) -> list[str]:
+        # The benchmark applies the latency itself (so it can record it); the config has none.
+        out = ["env.tool_latency=none"]
+        if self.gen_budget:
+            out += [f"env.max_turns={LONG_MAX_TURNS}", f"env.max_total_tokens={LONG_CONTEXT}"]
+        return out
+
+
+LONG_CONTEXT, LONG_MAX_TURNS, NATURAL_MAX_TURNS = 2048, 128, 4
+CONTINUE = "Continue."
 WORKLOADS = {
-    "none": ["env.tool_latency=none"],
-    "fixed1": ["env.tool_latency=fixed", "env.tool_latency_s=1.0"],
-    **{f"ln{s}": ["env.tool_latency=lognormal", "env.tool_latency_s=1.0", f"env.tool_latency_spread={s}",
-                  "env.tool_latency_max_s=30"] for s in (0.5, 1.0, 1.5)},
+    "none": Workload(),
+    "fixed1": Workload(("fixed", 1.0, 0.0, 0.0)),
+    **{f"ln{s}": Workload(("lognormal", 1.0, s, 30.0)) for s in (0.5, 1.0, 1.5)},
+    "longgen": Workload(gen_budget=(40.0, 1.2, 1200)),
 }
+
+
+def draw_budget(median: float, sigma: float, cap: int, rng: random.Random) -> int:
+    """One episode's budget of sampled tokens: log-normal (median `median`, log-space sigma
+    `sigma`), at least 1, at most `cap`."""
+    return max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma))))
+
+
+class TokenCounter:
+    """Sampled tokens of one turn, from its text: re-tokenized, plus its end-of-turn token (the
+    agent loop does not hand the sampled ids to the environment). Thread-safe."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()
+
+    def __call__(self, text: str) -> int:
+        with self.lock:
+            return len(self.tokenizer.encode(text, add_special_tokens=False)) + 1
+
+
+class GenerationBudgetEnv:
+    """`inner`, except that the episode cannot end before it has sampled `budget` tokens.
+
+    Until the budget is spent, an ending result of `inner` (its answer, or its own
+    `NATURAL_MAX_TURNS`-turn limit) is held back and the model is answered CONTINUE; once the
+    budget is spent the held result ends the episode. When the loop's limits end the episode
+    first, `finish` returns the held result (or `inner.finish`)."""
+
+    def __init__(self, inner: Any, budget: int, count: TokenCounter):
+        self.inner, self.budget, self.count = inner, budget, count
+        self.sampled = 0
+        self.inner_turns = 0
+        self.held: StepResult | None = None
+
+    def system_prompt(self) -> str:
+        return self.inner.system_prompt()
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    def reset(self, task: Any) -> str:
+        return self.inner.reset(task)
+
+    def step(self, action: Any) -> StepResult:
+        self.sampled += self.count(action.text)
+        if self.held is None:
+            result = self.inner.step(action)
+            self.inner_turns += 1
+            if not result.done and self.inner_turns >= NATURAL_MAX_TURNS:
+                result = self.inner.finish("max_turns")
+            if not result.done or self.sampled >= self.budget:
+                return result
+            self.held = result
+        if self.sampled >= self.budget:
+            return self.held
+        return StepResult([CONTINUE])
+
+    def finish(self, reason: str) -> StepResult:
+        return self.held if self.held is not None else self.inner.finish(reason)
+
+
+def with_budget(make_env: Any, gen_budget: tuple[float, float, int], count: TokenCounter, seed: int) -> Any:
+    """`make_env` wrapped in GenerationBudgetEnv, budgets drawn from a generator seeded by
+    (seed, creation index), as tiderl's latency wrapper seeds its draws."""
+    counter = iter(range(1 << 62))
+    lock = threading.Lock()
+
+    def make() -> Any:
+        with lock:
+            index = next(counter)
+        rng = random.Random(seed * 1_000_003 + index + 7)
+        return GenerationBudgetEnv(make_env(), draw_budget(*gen_budget, rng), count)
+
+    return make
+
+
+class Recorder:
+    """Records, for the simulator, each finished episode's sampled tokens per turn and every
+    environment step's time, twice: `step_s`, as the episode waited for it (timed around the
+    step on the event loop: in synchronous modes that includes time the loop spent decoding or
+    training), and `own_step_s`, the step's own time (its drawn latency plus the environment's
+    work, timed in the thread that ran it)."""
+
+    def __init__(self, count: TokenCounter):
+        self.count = count
+        self.profiles: list[list[int]] = []
+        self.step_s: list[float] = []
+        self.own_step_s: list[float] = []
+
+    def timed(self, make_env: Any) -> Any:
+        """`make_env` with each step's own work timed (wrap it below the latency wrapper)."""
+        return lambda: _TimedEnv(make_env())
+
+    def wrap(self, make_env: Any) -> Any:
+        """`make_env` recorded (the outermost wrapper)."""
+        return lambda: _RecordingEnv(make_env(), self)
+
+
+class _TimedEnv:
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.last_s = 0.0
+
+    def system_prompt(self) -> str:
+        return self.inner.system_prompt()
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    def reset(self, task: Any) -> str:
+        return self.inner.reset(task)
+
+    def step(self, action: Any) -> StepResult:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.step(action)
+        finally:
+            self.last_s = time.perf_counter() - t0
+
+    def finish(self, reason: str) -> StepResult:
+        return self.inner.finish(reason)
+
+
+class _RecordingEnv:
+    def __init__(self, inner: Any, recorder: Recorder):
+        self.inner, self.recorder = inner, recorder
+        self.turns: list[int] = []
+
+    def system_prompt(self) -> str:
+        return self.inner.system_prompt()
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    def reset(self, task: Any) -> str:
+        return self.inner.reset(task)
+
+    def _own_work_s(self) -> float:
+        env = self.inner
+        while not isinstance(env, _TimedEnv) and hasattr(env, "inner"):
+            env = env.inner
+        return env.last_s if isinstance(env, _TimedEnv) else 0.0
+
+    def _done(self, action: Any, result: StepResult, seconds: float, latency_before: float) -> StepResult:
+        self.turns.append(self.recorder.count(action.text))
+        self.recorder.step_s.append(seconds)
+        latency = getattr(self.inner, "total_latency_s", 0.0) - latency_before
+        self.recorder.own_step_s.append(latency + self._own_work_s())
+        if result.done:
+            self.recorder.profiles.append(self.turns)
+        return result
+
+    def step(self, action: Any) -> StepResult:
+        before, t0 = getattr(self.inner, "total_latency_s", 0.0), time.perf_counter()
+        result = self.inner.step(action)
+        return self._done(action, result, time.perf_counter() - t0, before)
+
+    async def astep(self, action: Any) -> StepResult:
+        before, t0 = getattr(self.inner, "total_latency_s", 0.0), time.perf_counter()
+        astep = getattr(self.inner, "astep", None)
+        result = await astep(action) if astep is not None else await asyncio.to_thread(self.inner.step, action)
+        return self._done(action, result, time.perf_counter() - t0, before)
+
+    def finish(self, reason: str) -> StepResult:
+        result = self.inner.finish(reason)
+        if self.turns:
+            self.recorder.profiles.append(self.turns)
+        return result
+
+
+def instrument_engine(engine: Any) -> dict[str, Any]:
+    """Time the engine's decode steps (by the number of rows decoding) and its prefills
+    (`_admit`), by wrapping the two methods on this engine instance; returns the live totals
+    (`uninstrument_engine` ends the timing)."""
+    stats: dict[str, Any] = {"step_n": Counter(), "step_s": defaultdict(float), "admit_s": 0.0}
+    step, admit = engine._step, engine._admit
+
+    def timed_step() -> None:
+        n, t0 = len(engine._rows), time.perf_counter()
+        step()
+        stats["step_n"][n] += 1
+        stats["step_s"][n] += time.perf_counter() - t0
+
+    def timed_admit() -> None:
+        t0 = time.perf_counter()
+        admit()
+        stats["admit_s"] += time.perf_counter() - t0
+
+    engine._step, engine._admit = timed_step, timed_admit
+    return stats
+
+
+def uninstrument_engine(engine: Any) -> None:
+    """The engine's own methods again (the held-out evaluation is not timed)."""
+    del engine._step, engine._admit
+
+
+def long_context_model(model: str, out: Path) -> str:
+    """A copy of the policy at `model` whose config allows LONG_CONTEXT positions (same weights)."""
+    target = out / f"model_ctx{LONG_CONTEXT}"
+    if not (target / "config.json").is_file():
+        tmp = out / f"model_ctx{LONG_CONTEXT}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(model, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["max_position_embeddings"] = LONG_CONTEXT
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.replace(tmp, target)
+    return str(target)
+
+
+def percentiles(values: list[int]) -> dict[str, float]:
+    """mean, p50, p99 and max of `values` (nearest-rank percentiles)."""
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+
+    def rank(q: float) -> int:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return {"n": len(ordered), "mean": round(sum(ordered) / len(ordered), 1), "p50": rank(0.5),
+            "p99": rank(0.99), "max": ordered[-1]}
 
 
 @dataclass(frozen=True)
@@ -152,12 +422,30 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
              out: Path, evaluated: dict[Any, float], model: str = "tiny") -> dict[str, Any]:
     """Train one mode from the policy at `model`; returns its row (figures, curve, ledger, placement)."""
     mode_steps = max(1, steps // mode.batch_factor)
-    cfg = load_config(CONFIG, BASE + WORKLOADS[workload] + mode.overrides(b) + [f"model.path={model}",
+    spec = WORKLOADS[workload]
+    if spec.gen_budget:
+        model = long_context_model(model, out)
+    cfg = load_config(CONFIG, BASE + spec.overrides() + mode.overrides(b) + [f"model.path={model}",
         f"train.steps={mode_steps}", f"seed={seed}", f"data.eval_size={eval_n}",
         f"run_dir={out / workload / f'{mode.name}_seed{seed}'}"])
     run = build_run(cfg)
+    plain_env, eval_env_cfg = run.setup.make_env, cfg.env
+    if spec.gen_budget:  # held-out evaluation keeps the default limits
+        default = load_config(CONFIG, []).env
+        eval_env_cfg = dataclasses.replace(cfg.env, max_turns=default.max_turns,
+                                           max_total_tokens=default.max_total_tokens)
+    count = TokenCounter(run.tokenizer)
+    recorder = Recorder(count)
+    make_env = plain_env
+    if spec.gen_budget:
+        make_env = with_budget(make_env, spec.gen_budget, count, seed)
+    make_env = recorder.wrap(with_latency(recorder.timed(make_env), *spec.latency, seed=seed))  # as env.tool_latency would
+    run.setup.make_env = make_env
+    engine_stats = instrument_engine(run.engine)
     snapshots: list[tuple[int, float, dict[str, Any]]] = []
     trained_sampled = [0]
+    trained_episode_tokens: list[int] = []
+    steps_measured: list[dict[str, float]] = []
     t0 = [0.0]
 
     def snapshot(step: int, clock: float) -> None:
@@ -166,6 +454,11 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
     def observe(version: int, metrics: dict[str, float], batch: list) -> None:
         clock = time.perf_counter() - t0[0]
         trained_sampled[0] += sum(sum(t.loss_mask) for t in batch)
+        trained_episode_tokens.extend(sum(t.loss_mask) for t in batch)
+        steps_measured.append({"train_s": metrics.get("time/train_s", 0.0), "sync_s": metrics.get("time/sync_s", 0.0),
+                               "prep_s": metrics.get("time/prep_s", 0.0),
+                               "action_tokens": sum(sum(t.loss_mask) for t in batch),
+                               "tokens": sum(len(t.tokens) for t in batch)})
         if version % eval_every == 0 or version == mode_steps:
             snapshot(version, clock)
 
@@ -179,6 +472,8 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
         wall = time.perf_counter() - t0[0]
     finally:
         placement.stop()
+        uninstrument_engine(run.engine)
+        run.setup.make_env = plain_env
     busy1, load1 = core_busy(), loadavg()
 
     # Held-out evaluation, off the clock (cached by weights: step 0 is shared by a seed's modes), of
@@ -192,7 +487,7 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
         key = (weights_checksum(state), tuple(t.task_id for t in tasks))
         if key not in evaluated:
             run.engine.update_weights(state, run.engine.version + 1)
-            evaluated[key] = evaluate(run.engine, run.tokenizer, run.make_env, tasks, cfg.env, cfg.rollout,
+            evaluated[key] = evaluate(run.engine, run.tokenizer, run.make_env, tasks, eval_env_cfg, cfg.rollout,
                                       greedy=True)["success"]
         curve.append({"step": step, "clock_s": clock, "success": evaluated[key]})
         if hit is None and i > 0 and curve[-1]["success"] >= curve[0]["success"] + TARGET_GAIN:
@@ -217,7 +512,23 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
         "trainer_idle": summary["trainer_idle_frac"], "core_plan": summary["cores"]["plan"], "ran_on": ran_on,
         "core_busy_frac": {c: round((busy1[c] - busy0[c]) / wall, 3) for c in busy1},
         "load": [load0, load1], "curve": curve,
+        "episode_tokens": {"trained": percentiles(trained_episode_tokens),
+                           "finished": percentiles([sum(p) for p in recorder.profiles])},
+        "measured": {
+            "profiles": recorder.profiles, "env_step_s": [round(x, 5) for x in recorder.step_s],
+            "env_step_own_s": [round(x, 5) for x in recorder.own_step_s],
+            "decode_steps": {str(n): [c, round(engine_stats["step_s"][n], 5)]
+                             for n, c in sorted(engine_stats["step_n"].items())},
+            "admit_s": round(engine_stats["admit_s"], 4), "decode_requests": backend["decode_requests"],
+            "engine_max_seqs": cfg.rollout.engine_batch_size, "steps": steps_measured,
+            "admission": mode.concurrency(b) if mode.admission_factor else 0,
+        },
     }
+
+
+def episode_totals(row: dict[str, Any]) -> list[int]:
+    """Sampled tokens of every episode a run finished (rows without `measured` give none)."""
+    return [sum(p) for p in row.get("measured", {}).get("profiles", [])]
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -266,6 +577,11 @@ def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) 
                 f"{fmt([r['waste'] for r in rs], 3):>15}{fmt([r['final'] for r in rs], 3):>18}"
                 f"{fmt([r['dropped'] for r in rs], 0) + ' / ' + fmt([r['restarted'] for r in rs], 0) + ' / ' + fmt([r['unsettled'] for r in rs], 0):>30}"
                 f"  {hist}")
+        finished = [t for rs in by_mode.values() for r in rs for t in episode_totals(r)]
+        if finished:
+            d = percentiles(finished)
+            lines.append(f"sampled tokens per finished episode, all runs: mean {d['mean']}, p50 {d['p50']}, "
+                         f"p99 {d['p99']}, max {d['max']} (n={d['n']})")
         sync = {k: v for k, v in by_mode.items() if k.startswith("sync")}
         if HEADLINE_ASYNC in by_mode and sync:
             strongest = min(sync, key=lambda k: interval([r["time_to_target_s"] for r in sync[k]])[0])
@@ -286,7 +602,7 @@ def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: one workload, three modes, one seed")
-    parser.add_argument("--workloads", default="none,fixed1,ln0.5,ln1.0,ln1.5")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--modes", default=",".join(m.name for m in MODES))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps at batch B (sync-3B: a third)")
@@ -337,7 +653,8 @@ def main() -> None:
                 reached = f"at {r['time_to_target_s']:.1f} s" if not r["censored"] else "not reached"
                 print(f"  {w} {mode.name} seed {seed}: wall {r['wall_s']:.1f} s, target {r['target']:.3f} {reached}, final "
                       f"{r['final']:.3f}, {r['trained_tok_s']:.0f} tok/s, waste {r['waste']:.3f}, plan "
-                      f"{r['core_plan']}, ran on {r['ran_on']}, load {r['load']}", flush=True)
+                      f"{r['core_plan']}, ran on {r['ran_on']}, load {r['load']}; sampled tokens per episode "
+                      f"{r['episode_tokens']}", flush=True)
                 results.write_text(json.dumps(rows, indent=1))
     for line in report(rows, workloads, modes):
         print(line)

@@ -51,6 +51,56 @@ def test_headline_compares_async_with_the_strongest_sync_mode():
     assert "trained tokens/s 1.50x" in lines[-1]
 
 
+def test_generation_budgets_are_heavy_tailed_and_fixed_by_the_seed():
+    median, sigma, cap = bench.WORKLOADS["longgen"].gen_budget
+    draws = [bench.draw_budget(median, sigma, cap, bench.random.Random(i)) for i in range(4000)]
+    again = [bench.draw_budget(median, sigma, cap, bench.random.Random(i)) for i in range(4000)]
+    d = bench.percentiles(draws)
+    assert draws == again and 1 <= min(draws) and max(draws) <= cap
+    assert abs(d["p50"] - median) <= 4  # log-normal: the median is exp(mu)
+    assert d["p99"] > 10 * median and d["mean"] > 1.5 * median
+    assert bench.percentiles([5, 1, 3]) == {"n": 3, "mean": 3.0, "p50": 3, "p99": 5, "max": 5}
+
+
+class _AnswerAtOnce:
+    """Answers on its first step (reward 1), or never (done=False) with `answer=False`."""
+
+    def __init__(self, answer: bool = True):
+        self.answer, self.finished = answer, []
+
+    def step(self, action):
+        return bench.StepResult([], reward=1.0, done=True) if self.answer else bench.StepResult(["obs"])
+
+    def finish(self, reason):
+        self.finished.append(reason)
+        return bench.StepResult([], reward=0.0, done=True)
+
+
+class _Action:
+    def __init__(self, text):
+        self.text = text
+
+
+def test_budget_env_holds_the_answer_back_until_the_budget_is_spent():
+    def count(text):  # one token per word, +1 for the end of turn
+        return len(text.split()) + 1
+
+    env = bench.GenerationBudgetEnv(_AnswerAtOnce(), budget=10, count=count)
+    first = env.step(_Action("a b c"))  # 4 tokens: the answer is held back
+    assert not first.done and first.observations == [bench.CONTINUE]
+    assert not env.step(_Action("d e")).done  # 7
+    last = env.step(_Action("f g h"))  # 11 >= 10: the held answer ends it
+    assert last.done and last.reward == 1.0
+    # A budget spent before the answer changes nothing.
+    assert bench.GenerationBudgetEnv(_AnswerAtOnce(), budget=2, count=count).step(_Action("a b")).done
+    # The inner environment's own turn limit still ends its part; the loop's limit returns the held result.
+    inner = _AnswerAtOnce(answer=False)
+    env = bench.GenerationBudgetEnv(inner, budget=1000, count=count)
+    for _ in range(bench.NATURAL_MAX_TURNS):
+        assert not env.step(_Action("x")).done
+    assert inner.finished == ["max_turns"] and env.finish("max_tokens").reward == 0.0
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the asynchronous plan needs 2 cores")
 def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(tmp_path):
     mode = next(m for m in bench.MODES if m.name == "async-s1")
@@ -62,3 +112,10 @@ def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(tmp_path):
     assert set(plan) == {"trainer", "rollout", "prep"} and not set(plan["trainer"]) & set(plan["rollout"])
     for component, cores in row["ran_on"].items():  # threads seen running only where they were pinned
         assert set(cores) <= set(plan[component]), (component, cores, plan)
+    # What the simulator is fed: finished episodes' turns, env step times, decode and train timings.
+    m = row["measured"]
+    assert len(m["profiles"]) >= 8 and all(min(p) >= 1 for p in m["profiles"])
+    assert len(m["env_step_s"]) >= sum(len(p) for p in m["profiles"])  # unfinished episodes' steps too
+    assert len(m["env_step_own_s"]) == len(m["env_step_s"]) and 0 < sum(m["env_step_own_s"]) <= sum(m["env_step_s"])
+    assert sum(c for c, _ in m["decode_steps"].values()) > 0 and len(m["steps"]) == 2
+    assert row["episode_tokens"]["trained"]["n"] == 8

@@ -10,7 +10,14 @@ import pytest
 
 from tiderl.cli import main
 from tiderl.system.simulate import (
-    Cluster, Dist, Schedule, Workload, compare, simulate, standard_modes, strongest_sync,
+    Cluster,
+    Dist,
+    Schedule,
+    Workload,
+    compare,
+    simulate,
+    standard_modes,
+    strongest_sync,
 )
 
 # One 10-token turn per episode, no tools; a decode step of 10 ms whatever the batch, so every
@@ -136,3 +143,77 @@ def test_latency_on_the_last_turn_adds_one_wait_per_episode():
                           Schedule(max_staleness=0, batch_size=4, steps=3))
     assert plain.wall_s == pytest.approx(3 * (0.1 + 0.5 + 0.1 + 1.0))
     assert every_step.wall_s == pytest.approx(plain.wall_s + 3 * 0.5)
+
+
+def test_empirical_distributions_resample_the_measured_values():
+    d = Dist.empirical([0.5, 1.5, 4.0])
+    rng = random.Random(0)
+    draws = [d.sample(rng) for _ in range(3000)]
+    assert set(draws) == {0.5, 1.5, 4.0} and d.mean == pytest.approx(2.0)
+    assert sum(draws) / len(draws) == pytest.approx(2.0, rel=0.05)
+    with pytest.raises(ValueError, match="empirical"):
+        Dist.empirical([])
+
+
+def test_measured_episode_profiles_replace_turns_and_turn_lengths():
+    # One profile of a single 10-token turn is FIXED exactly; two turns of 5 and 5 are the same
+    # tokens with one extra 0.2 s tool call between them.
+    one = Workload(episodes=((10,),))
+    assert simulate(one, ONE_ENGINE, Schedule(max_staleness=0, batch_size=8, steps=3)).wall_s == \
+        pytest.approx(simulate(FIXED, ONE_ENGINE, Schedule(max_staleness=0, batch_size=8, steps=3)).wall_s)
+    two = Workload(tool_latency_s=Dist("const", 0.2), episodes=((5, 5),))
+    r = simulate(two, ONE_ENGINE, Schedule(max_staleness=0, batch_size=8, steps=1))
+    assert r.wall_s == pytest.approx(0.1 + 0.2 + 1.0) and r.trained_tokens == 80
+    with pytest.raises(ValueError, match="episodes"):
+        Workload(episodes=((3, 0),))
+
+
+def test_prefill_and_preparation_stop_decoding_and_delay_training():
+    # 8 prefills of 10 ms block the engine before the 0.1 s of decoding; then 8 preparations of
+    # 20 ms, one after another, before the batch may train.
+    c = replace(ONE_ENGINE, prefill_s=0.01, prep_s=0.02)
+    r = simulate(FIXED, c, Schedule(max_staleness=0, batch_size=8, steps=1))
+    assert r.wall_s == pytest.approx(0.08 + 0.1 + 0.16 + 1.0)
+
+
+def test_admission_above_the_batch_at_staleness_0_restarts_what_runs_on_old_weights():
+    # tiderl's over-provisioned sync (max_staleness 0, system.admission 2B): the first B finishers
+    # train; after the step the episodes still running on old weights restart, and those that
+    # finished meanwhile are judged one version old and dropped.
+    heavy = Workload(Dist("const", 2), Dist("const", 10), Dist("lognormal", 0.5, 1.0, 10), latency_on_last_turn=True)
+    r = simulate(heavy, replace(ONE_ENGINE, colocated=True),
+                 Schedule(max_staleness=0, batch_size=8, steps=6, admission=16), seed=3)
+    assert r.trained == 48 and r.staleness[0] == 48
+    assert r.restarted + r.dropped > 0 and set(r.staleness) <= {0, 1}
+    assert r.dropped == r.staleness.get(1, 0)
+    assert r.waste_of_completed_turns > 0 and r.completed_turn_tokens <= r.generated_tokens
+
+
+def test_colocated_step_waits_for_the_decode_pass_under_way():
+    # Admission 2B at staleness 0 on an engine of 4 places: the first 4 finish at 0.1 s, the other
+    # 4 decode from 0.1 to 0.2 s. Apart, the step starts at 0.1 s; sharing the devices (tiderl's
+    # synchronous loop), it starts when the pass under way ends.
+    small = replace(ONE_ENGINE, engine_max_seqs=4)
+    schedule = Schedule(max_staleness=0, batch_size=4, steps=1, admission=8)
+    assert simulate(FIXED, small, schedule).wall_s == pytest.approx(0.1 + 1.0)
+    assert simulate(FIXED, replace(small, colocated=True), schedule).wall_s == pytest.approx(0.2 + 1.0)
+
+
+def test_lockstep_passes_hold_finished_turns_until_the_pass_ends():
+    # Turns of 10 and 30 tokens in one pass: in lockstep (tiderl's synchronous loop) the short
+    # ones' second turns wait for the long ones, so a step takes longer; a single profile with
+    # tools slower than the gather's patience is the same either way.
+    mixed = Workload(episodes=((10, 10), (30, 10)))
+    sync = Schedule(max_staleness=0, batch_size=8, steps=3)
+    plain = simulate(mixed, ONE_ENGINE, sync)
+    lock = simulate(mixed, replace(ONE_ENGINE, colocated=True, lockstep=True), sync)
+    assert lock.wall_s > plain.wall_s and lock.trained == plain.trained == 24
+    same = Workload(tool_latency_s=Dist("const", 0.05), episodes=((10, 10),))
+    for c in (ONE_ENGINE, replace(ONE_ENGINE, colocated=True, lockstep=True)):
+        assert simulate(same, c, Schedule(max_staleness=0, batch_size=8, steps=1)).wall_s == \
+            pytest.approx(0.1 + 0.05 + 0.1 + 1.0)
+    # Overprovisioned and lockstep with preparations: runs to the end, trains B per step.
+    heavy = Workload(tool_latency_s=Dist("lognormal", 0.01, 1.0), episodes=((10, 5), (20, 5, 5)))
+    c = replace(ONE_ENGINE, colocated=True, lockstep=True, prefill_s=0.001, prep_s=0.002)
+    r = simulate(heavy, c, Schedule(max_staleness=0, batch_size=8, steps=5, admission=16), seed=2)
+    assert r.trained == 40 and set(r.staleness) <= {0, 1}

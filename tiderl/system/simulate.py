@@ -16,8 +16,10 @@ modelled, and how:
   (their action tokens)`, then `sync_s` to hand the weights to every engine. Engines sample with
   the new version from then on; an episode's staleness is the trainer version at training minus
   the version of its first sampled token (partial rollouts continue on new weights, tiderl's
-  default `system.partial_rollout=continue`). With `colocated`, engines stop while the trainer
-  trains and syncs (one set of devices).
+  default `system.partial_rollout=continue`). With `colocated`, the devices do one thing at a
+  time, as tiderl's synchronous loop (decoding, preparation and training in one thread): once a
+  batch is ready no new turn joins a decode pass, the step starts when the engines have
+  finished what they were decoding and preparing, and engines stop while it trains and syncs.
 - **Modes**: `async` with `max_staleness` N (N = 0 is tiderl's synchronous on-policy loop);
   `overprovision` with a factor k: admit k·B episodes per version, train the first B finishers,
   cancel and re-queue the rest when the step starts (on-policy, their tokens are wasted).
@@ -48,19 +50,30 @@ from tiderl.system.staleness import StalenessGate
 @dataclass(frozen=True)
 class Dist:
     """A positive random quantity: `const` (always `mean`), `lognormal` (mean `mean`, log-space
-    sigma `spread`), `exponential` (mean `mean`) or `uniform` (mean ± `spread`·mean); samples
-    are capped at `cap`."""
+    sigma `spread`), `exponential` (mean `mean`), `uniform` (mean ± `spread`·mean) or
+    `empirical` (one of the measured `values`, each equally likely: a run's own samples);
+    samples are capped at `cap`."""
 
     kind: str = "const"
     mean: float = 1.0
     spread: float = 0.0
     cap: float = math.inf
+    values: tuple[float, ...] = ()
 
-    KINDS = ("const", "lognormal", "exponential", "uniform")
+    KINDS = ("const", "lognormal", "exponential", "uniform", "empirical")
+
+    @classmethod
+    def empirical(cls, values: list[float] | tuple[float, ...]) -> Dist:
+        """The distribution of measured samples (resampled with replacement)."""
+        if not values:
+            raise ValueError("an empirical distribution needs at least one measured value")
+        return cls("empirical", sum(values) / len(values), values=tuple(float(v) for v in values))
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
             raise ValueError(f"distribution kind {self.kind!r}: use one of {', '.join(self.KINDS)}")
+        if self.kind == "empirical" and (not self.values or min(self.values) < 0):
+            raise ValueError(f"empirical distribution: give one or more values >= 0 (got {len(self.values)})")
         if self.mean < 0 or self.spread < 0 or self.cap <= 0:
             raise ValueError(f"{self}: mean and spread must be >= 0 and cap > 0")
         if self.kind == "uniform" and self.spread > 1:
@@ -82,6 +95,8 @@ class Dist:
         return cls(parts[0], **dict(zip(names, values)))
 
     def sample(self, rng: random.Random) -> float:
+        if self.kind == "empirical":
+            return min(self.values[rng.randrange(len(self.values))], self.cap)
         if self.kind == "const" or self.mean == 0:
             value = self.mean
         elif self.kind == "lognormal":
@@ -100,17 +115,38 @@ class Workload:
     turns 60 % of the time and 3 turns 40 %), so their means are kept. A tool call follows every
     turn but the last; with `latency_on_last_turn` the last turn waits one too (tiderl's
     simulated-latency wrapper, `env.tool_latency`, delays every environment step, the answer's
-    included)."""
+    included).
+
+    `episodes`, when given, replaces `turns` and `tokens_per_turn`: each episode is one of these
+    measured profiles (the sampled tokens of each of its turns), drawn at random, so the joint
+    distribution of turns and turn lengths of a real run (its long tail included) is kept."""
 
     turns: Dist = Dist("const", 3)
     tokens_per_turn: Dist = Dist("const", 30)
     tool_latency_s: Dist = Dist("const", 0.0)
     latency_on_last_turn: bool = False
+    episodes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not profile or min(profile) < 1 for profile in self.episodes):
+            raise ValueError("Workload.episodes: every profile needs one or more turns of >= 1 token")
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The resources and their speeds (seconds)."""
+    """The resources and their speeds (seconds).
+
+    `prefill_s` and `prep_s` are work that stops an engine's decoding while it runs: the prompt
+    of each turn (`prefill_s` per turn start) and each finished episode's preparation
+    (`prep_s`: critic values or reference log-probs, which tiderl computes on the rollout
+    cores). Both default to 0 (the model's earlier behaviour).
+
+    `lockstep` decodes as tiderl's synchronous loop does (its decoding runs in the event loop's
+    own thread): an engine decodes in passes; a pass starts with every turn waiting, once no
+    episode has been in its tool call for less than `patience_s` (at most `gather_s` after the
+    first turn waited, `BatchingEngine`'s gather); no turn joins a running pass; the turns that
+    finish wait for the pass's end before their tool calls start; preparations run only while
+    the engine has no turn to decode."""
 
     engines: int = 1
     engine_max_seqs: int = 64
@@ -120,6 +156,11 @@ class Cluster:
     train_s_per_token: float = 0.0
     sync_s: float = 0.05
     colocated: bool = False
+    prefill_s: float = 0.0
+    prep_s: float = 0.0
+    lockstep: bool = False
+    patience_s: float = 0.02
+    gather_s: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -131,6 +172,7 @@ class Schedule:
     overprovision: float = 2.0
     batch_size: int = 32
     slots: int = 0  # 0: (N+1)·B for async, ceil(k·B) for overprovision
+    admission: int = 0  # async: tiderl's system.admission (0 = (N+1)·B)
     min_slots: int = 0
     max_slots: int = 0
     elastic_interval_s: float = 2.0
@@ -141,6 +183,8 @@ class Schedule:
             base = f"overprovision x{self.overprovision:g}"
         else:
             base = "sync" if self.max_staleness == 0 else f"async N={self.max_staleness}"
+            if self.admission:
+                base += f" admit {self.admission}"
         if self.min_slots and self.max_slots and self.min_slots != self.max_slots:
             base += f" elastic {self.min_slots}-{self.max_slots}"
         return f"{base} B={self.batch_size}"
@@ -163,6 +207,14 @@ class SimResult:
     engine_busy_frac: float
     staleness: dict[int, int]
     slot_changes: int = 0
+    completed_turn_tokens: int = 0  # tokens of model turns that finished (what tiderl counts as decoded)
+    restarted: int = 0
+
+    @property
+    def waste_of_completed_turns(self) -> float:
+        """1 - trained tokens / tokens of completed turns: the waste as tiderl's benchmarks
+        measure it (a turn cut off mid-way is not counted as decoded)."""
+        return 1 - self.trained_tokens / self.completed_turn_tokens if self.completed_turn_tokens else 0.0
 
     @property
     def trained_tokens_per_s(self) -> float:
@@ -196,6 +248,9 @@ class _Episode:
     tokens: int = 0  # tokens of its finished turns
     generating: bool = False
     cancelled: bool = False
+    profile: tuple[int, ...] = ()  # measured turn lengths (Workload.episodes), when given
+    turn: int = 0  # turns begun
+    tool_since: float = -1.0  # when its running tool call began (-1: not in one)
 
 
 @dataclass
@@ -206,6 +261,11 @@ class _Engine:
     last_t: float = 0.0
     epoch: int = 0
     busy_s: float = 0.0
+    blocked_until: float = 0.0  # prefill/preparation work stops decoding until then
+    held: list = field(default_factory=list)  # lockstep: turns finished in the running pass
+    to_prepare: list = field(default_factory=list)  # lockstep: finished episodes not yet prepared
+    waiting_since: float = -1.0  # lockstep: when a turn first waited for the next pass
+    pass_due: float = -1.0  # lockstep: the instant a pass was found ready to start
 
 
 class Simulation:
@@ -220,7 +280,7 @@ class Simulation:
         self.rng = random.Random(seed)
         b = schedule.batch_size
         if schedule.mode == "async":
-            self.gate = StalenessGate(schedule.max_staleness, b)
+            self.gate = StalenessGate(schedule.max_staleness, b, schedule.admission)
             default_slots = self.gate.capacity
         else:
             if schedule.overprovision < 1:
@@ -239,6 +299,9 @@ class Simulation:
         self.in_flight: dict[int, _Episode] = {}
         self.ready: deque[_Episode] = deque()
         self.training = False
+        self.step_waiting = False  # colocated: a ready batch waits for the engines' pass to end
+        self.releasing = False  # lockstep: releasing a finished pass's turns
+        self.waking = False  # lockstep: a pass may start only on a "wake" event
         self.paused = False
         self.serial = 0
         self.steps = 0
@@ -270,7 +333,10 @@ class Simulation:
         return 1.0 / (self.c.decode_step_s + self.c.decode_step_per_seq_s * n)
 
     def _advance(self, e: _Engine) -> None:
-        dt = self.t - e.last_t
+        # Decoding progresses only after the engine's blocking work (which started no earlier
+        # than `last_t`: work is added right after an advance) is done.
+        dt = self.t - max(e.last_t, e.blocked_until)
+        e.busy_s += max(0.0, min(self.t, e.blocked_until) - e.last_t)
         e.last_t = self.t
         if dt <= 0 or self.paused or not e.generating:
             return
@@ -282,20 +348,74 @@ class Simulation:
     def _reschedule(self, idx: int) -> None:
         e = self.engines[idx]
         e.epoch += 1
-        while e.waiting and len(e.generating) < self.c.engine_max_seqs:
+        if self.c.lockstep:
+            self._next_pass(idx)
+        while e.waiting and len(e.generating) < self.c.engine_max_seqs and not self.step_waiting \
+                and not self.c.lockstep:
             ep = e.waiting.popleft()
             if not ep.cancelled:
                 e.generating[ep.serial] = ep
         if e.generating and not self.paused:
             least = min(ep.remaining for ep in e.generating.values())
-            self._push(self.t + max(least, 0.0) / self._rate(len(e.generating)), "engine", (idx, e.epoch))
+            start = max(self.t, e.blocked_until)
+            self._push(start + max(least, 0.0) / self._rate(len(e.generating)), "engine", (idx, e.epoch))
+
+    def _next_pass(self, idx: int) -> None:
+        """Lockstep: between passes, release the finished turns, then start the next pass (after
+        the gather) or, with no turn to decode, the waiting preparations."""
+        e = self.engines[idx]
+        if e.generating:
+            return
+        held, e.held = e.held, []
+        self.releasing = True  # the episodes that finish now are prepared after this decision
+        for ep in held:
+            self._after_turn(ep)
+        self.releasing = False
+        e.waiting = deque(ep for ep in e.waiting if not ep.cancelled)
+        if e.waiting and not self.paused and not self.step_waiting:
+            if e.waiting_since < 0:
+                e.waiting_since = self.t
+            fast = [ep.tool_since + self.c.patience_s for ep in self.in_flight.values()
+                    if ep.engine == idx and 0 <= ep.tool_since and self.t - ep.tool_since < self.c.patience_s - 1e-9]
+            deadline = e.waiting_since + self.c.gather_s
+            if fast and self.t < deadline - 1e-12:
+                self._push(min(min(fast), deadline), "wake")
+                return
+            if e.pass_due != self.t:  # first let every other event of this instant ask (one loop turn)
+                e.pass_due = self.t
+                self._push(self.t, "wake")
+                return
+            if not self.waking:
+                return
+            while e.waiting and len(e.generating) < self.c.engine_max_seqs:
+                ep = e.waiting.popleft()
+                e.generating[ep.serial] = ep
+            e.waiting_since = -1.0
+        elif not e.waiting and e.to_prepare:
+            for ep in e.to_prepare:
+                self._block(idx, self.c.prep_s)
+                self._push(e.blocked_until, "ready", ep)
+            e.to_prepare = []
+
+    def _block(self, idx: int, seconds: float) -> None:
+        """Work that stops engine `idx`'s decoding for `seconds` (queued after its other such work)."""
+        if seconds <= 0:
+            return
+        e = self.engines[idx]
+        self._advance(e)
+        e.blocked_until = max(e.blocked_until, self.t) + seconds
 
     def _begin_turn(self, ep: _Episode) -> None:
         if ep.version < 0:
             ep.version = self.engine_version
-        ep.turn_tokens = max(1, self._round(self.w.tokens_per_turn.sample(self.rng)))
+        if ep.profile:
+            ep.turn_tokens = ep.profile[ep.turn]
+        else:
+            ep.turn_tokens = max(1, self._round(self.w.tokens_per_turn.sample(self.rng)))
+        ep.turn += 1
         ep.remaining = float(ep.turn_tokens)
         ep.generating = True
+        self._block(ep.engine, self.c.prefill_s)
         e = self.engines[ep.engine]
         self._advance(e)
         e.waiting.append(ep)
@@ -312,12 +432,23 @@ class Simulation:
             ep.tokens += ep.turn_tokens
             ep.generating = False
             self.stats["generated"] += ep.turn_tokens
+            self.stats["completed_turn_tokens"] += ep.turn_tokens
             ep.turns_left -= 1
-            if ep.turns_left <= 0 and not self.w.latency_on_last_turn:
-                self._finish(ep)
+            if self.c.lockstep:
+                e.held.append(ep)  # its tool call starts when the pass ends
             else:
-                self._push(self.t + self.w.tool_latency_s.sample(self.rng), "tool", ep)
+                self._after_turn(ep)
         self._reschedule(idx)
+
+    def _after_turn(self, ep: _Episode) -> None:
+        """A finished turn: the episode's tool call starts, or it finishes."""
+        if ep.cancelled:
+            return
+        if ep.turns_left <= 0 and not self.w.latency_on_last_turn:
+            self._finish(ep)
+        else:
+            ep.tool_since = self.t
+            self._push(self.t + self.w.tool_latency_s.sample(self.rng), "tool", ep)
 
     # -- admission, training --------------------------------------------------------------
     def _may_start(self) -> bool:
@@ -340,7 +471,11 @@ class Simulation:
         while self.steps < self.s.steps and self._may_start():
             self.serial += 1
             idx = min(range(len(self.engines)), key=lambda i: self.engines[i].assigned)
-            ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
+            if self.w.episodes:
+                profile = self.w.episodes[self.rng.randrange(len(self.w.episodes))]
+                ep = _Episode(self.serial, idx, len(profile), profile=profile)
+            else:
+                ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
             self.engines[idx].assigned += 1
             self.in_flight[ep.serial] = ep
             self.gate.started()
@@ -350,7 +485,18 @@ class Simulation:
     def _finish(self, ep: _Episode) -> None:
         self.engines[ep.engine].assigned -= 1
         del self.in_flight[ep.serial]
-        self.ready.append(ep)
+        if self.c.prep_s <= 0:
+            self.ready.append(ep)
+            return
+        if self.c.lockstep:  # prepared once the engine has no turn to decode
+            self.engines[ep.engine].to_prepare.append(ep)
+            if not self.releasing:
+                self._reschedule(ep.engine)
+            return
+        # Its preparation runs on the rollout side (modelled as blocking its engine) and must be
+        # done before it may train: it is ready when its engine has done that work.
+        self._block(ep.engine, self.c.prep_s)
+        self._push(self.engines[ep.engine].blocked_until, "ready", ep)
 
     def _try_train(self) -> None:
         if self.training or self.steps >= self.s.steps or len(self.ready) < self.s.batch_size:
@@ -369,6 +515,14 @@ class Simulation:
         if len(batch) < self.s.batch_size:
             self.ready.extendleft(reversed(batch))
             return
+        if self.c.colocated and any(e.generating or e.blocked_until > self.t for e in self.engines):
+            self.ready.extendleft(reversed(batch))
+            self.step_waiting = True  # the engines finish their pass first (see _reschedule)
+            busy_until = max(e.blocked_until for e in self.engines)
+            if busy_until > self.t:
+                self._push(busy_until, "wake")  # look again when the blocking work is done
+            return
+        self.step_waiting = False
         for ep in batch:
             self.gate.histogram[self.version - ep.version] += 1
         if self.s.mode == "overprovision":
@@ -410,7 +564,28 @@ class Simulation:
         self.gate.settled(len(batch))
         self.stats["trained"] += len(batch)
         self.stats["trained_tokens"] += sum(ep.tokens for ep in batch)
+        if self.s.mode == "async" and self.gate.max_staleness == 0:
+            self._restart_older(self.version)
         self._set_paused(False)
+
+    def _restart_older(self, version: int) -> None:
+        """tiderl's rule at max_staleness 0 (`Scheduler._restart_older_than`): after a step,
+        episodes still running on older weights could never train; they are cancelled (their
+        tokens wasted) and their tasks start again. Only an admission above B leaves any."""
+        for ep in list(self.in_flight.values()):
+            if ep.version >= version or ep.version < 0:
+                continue
+            ep.cancelled = True
+            e = self.engines[ep.engine]
+            self._advance(e)
+            e.generating.pop(ep.serial, None)
+            e.assigned -= 1
+            self.stats["wasted"] += self._partial(ep)
+            self.stats["restarted"] += 1
+            self.gate.settled()
+            del self.in_flight[ep.serial]
+        for idx in range(len(self.engines)):
+            self._reschedule(idx)
 
     def _set_paused(self, paused: bool) -> None:
         if paused == self.paused:
@@ -457,12 +632,20 @@ class Simulation:
             if kind == "engine":
                 self._on_engine(*data)
             elif kind == "tool":
+                data.tool_since = -1.0
                 if data.cancelled:
                     pass
                 elif data.turns_left <= 0:
                     self._finish(data)  # the last turn's own latency (latency_on_last_turn)
                 else:
                     self._begin_turn(data)
+            elif kind == "ready":
+                self.ready.append(data)
+            elif kind == "wake":
+                self.waking = True
+                for idx in range(len(self.engines)):
+                    self._reschedule(idx)
+                self.waking = False
             elif kind == "trained":
                 self._on_trained(data)
             elif kind == "elastic":
@@ -482,7 +665,8 @@ class Simulation:
             wasted_tokens=self.stats["wasted"] + unsettled,
             trainer_idle_frac=max(0.0, 1 - self.trainer_busy_s / wall) if wall else 0.0,
             engine_busy_frac=busy / wall if wall else 0.0,
-            staleness=dict(self.gate.histogram), slot_changes=self.slot_changes)
+            staleness=dict(self.gate.histogram), slot_changes=self.slot_changes,
+            completed_turn_tokens=self.stats["completed_turn_tokens"], restarted=self.stats["restarted"])
 
 
 def simulate(workload: Workload, cluster: Cluster, schedule: Schedule, seed: int = 0) -> SimResult:
