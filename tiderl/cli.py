@@ -409,7 +409,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         results, tokenizer_source, tokenizer = _oracle_eval(cfg, setup, make_env, model, chunk_size, watch)
         what, label = "oracle", (lambda mode: "oracle")
     else:
-        if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa", "arithmetic", "small_arithmetic", "digit_arithmetic"):
+        if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa", "arithmetic", "small_arithmetic", "digit_arithmetic", "place_value"):
             print(f"tiderl: the embedded tiny model is a KG model for data.source embedded or metaqa, "
                   f"not {setup.name}. Fix: pass --model DIR (or model.path=DIR), or --oracle.",
                   file=sys.stderr)

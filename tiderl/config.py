@@ -128,7 +128,7 @@ class DataConfig:
         "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
         "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
         "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, "
-        "data.questions). env.name=math: 'arithmetic' (questions tiderl generates), 'small_arithmetic', 'digit_arithmetic' (smaller generated questions for the embedded tiny model), 'gsm8k', "
+        "data.questions). env.name=math: 'arithmetic' (questions tiderl generates), 'small_arithmetic', 'digit_arithmetic', 'place_value' (smaller generated questions for the embedded tiny model), 'gsm8k', "
         "'math500', 'aime24', 'aime25', 'amc23' (test sets, evaluation only). A user's environment "
         "reads it as it likes.",
     )

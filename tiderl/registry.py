@@ -33,7 +33,7 @@ ENVIRONMENTS: dict[str, str] = {
 DATA_SOURCES: dict[str, tuple[str, ...]] = {
     "kg": ("embedded", "metaqa", "agentbench_kg"),
     "db": ("agentbench_db", "db_file"),
-    "math": ("arithmetic", "small_arithmetic", "digit_arithmetic", "gsm8k", "math500", "aime24", "aime25", "amc23"),
+    "math": ("arithmetic", "small_arithmetic", "digit_arithmetic", "place_value", "gsm8k", "math500", "aime24", "aime25", "amc23"),
     "code": ("humaneval", "mbpp"),
     "repo": ("humaneval", "mbpp", "folder"),
 }

@@ -308,3 +308,70 @@ def digit_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[li
     for i, task in enumerate(tasks):
         task.task_id = f"digit-{i}"
     return tasks[num_eval:num_eval + num_train], tasks[:num_eval]
+
+
+# -- place value: a three-digit number's tens and hundreds (single turn, no calculator) -----------
+
+
+def _one_number(rng: random.Random) -> dict[str, int]:
+    raise NotImplementedError("place_value questions are enumerated, not drawn: see place_value_tasks")
+
+
+# Questions about one three-digit number n (100-999) whose answer is a prefix of n's digits
+# followed by zeros (n times ten, a hundred or a thousand; the multiple of ten or of a hundred at
+# or below n; the count of whole tens or hundreds in n), so the tiny model answers by copying
+# digits (tokenised one by one) from the question, not by computing. Every question ends with
+# n and a question mark, so the digit to copy next always sits at the same distance back from
+# the answer, whatever the kind; what the kind decides is how many digits to copy and how many
+# zeros to write. `confusion` is a neighbouring variant (ten for a hundred, tens for hundreds), a
+# plausible mistake whose answer is made the same way. Expressions use the calculator's `//`,
+# so the calculator oracle and `calculate` give every answer.
+PLACE_VALUE_KINDS: tuple[Kind, ...] = (
+    Kind("times_one", "What is one times {n}?", "{n}", "{n} * 10", _one_number),
+    Kind("times_ten", "What is ten times {n}?", "{n} * 10", "{n} * 100", _one_number),
+    Kind("times_hundred", "What is a hundred times {n}?", "{n} * 100", "{n} * 10", _one_number),
+    Kind("times_thousand", "What is a thousand times {n}?", "{n} * 1000", "{n} * 100", _one_number),
+    Kind("floor_ten", "What is the multiple of ten at or below {n}?", "{n} // 10 * 10", "{n} // 100 * 100",
+         _one_number),
+    Kind("floor_hundred", "What is the multiple of a hundred at or below {n}?", "{n} // 100 * 100",
+         "{n} // 10 * 10", _one_number),
+    Kind("count_tens", "How many whole tens are in {n}?", "{n} // 10", "{n} // 100", _one_number),
+    Kind("count_hundreds", "How many whole hundreds are in {n}?", "{n} // 100", "{n} // 10", _one_number),
+)
+
+
+def held_out_number(n: int, seed: int, fraction: float = 0.25) -> bool:
+    """Whether the number n belongs to `place_value`'s held-out split (a string-seeded draw, the
+    same in every process): every question about a held-out number is an evaluation question."""
+    return random.Random(f"place-value-split-{seed}|{n}").random() < fraction
+
+
+def place_value_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Task], list[Task]]:
+    """`num_train` training and `num_eval` held-out `place_value` tasks (every kind of
+    `PLACE_VALUE_KINDS` about every number 100-999, split by number with `held_out_number`,
+    each split shuffled with `seed` and cut to its size). No held-out question is about a number
+    any training question uses, so a held-out success needs digits copied from a number never
+    trained on."""
+    from tiderl.envs.math.calculator import calculate
+
+    splits: dict[bool, list[Task]] = {False: [], True: []}
+    for n in range(100, 1000):
+        held = held_out_number(n, seed)
+        for kind in PLACE_VALUE_KINDS:
+            expression = kind.expression.format(n=n)
+            meta = {"dataset": "place_value", "kind": kind.name, "expression": expression,
+                    "confusion": kind.confusion.format(n=n), "number": n}
+            splits[held].append(Task("", kind.template.format(n=n), calculate(expression), meta))
+    train, held_out = splits[False], splits[True]
+    if num_train > len(train) or num_eval > len(held_out):
+        raise ValueError(f"place_value has {len(train)} training and {len(held_out)} held-out questions "
+                         f"(seed {seed}), fewer than asked ({num_train}, {num_eval}): lower "
+                         "data.num_train_tasks or data.eval_size")
+    rng = random.Random(f"place-value-{seed}")
+    rng.shuffle(train)
+    rng.shuffle(held_out)
+    train, held_out = train[:num_train], held_out[:num_eval]
+    for prefix, tasks in (("train", train), ("eval", held_out)):
+        for i, task in enumerate(tasks):
+            task.task_id = f"place-{prefix}-{i}"
+    return train, held_out

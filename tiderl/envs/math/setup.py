@@ -5,6 +5,7 @@
 | `arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` other generated questions |
 | `digit_arithmetic` | `data.num_train_tasks` of its 540 questions | `data.eval_size` other questions (single turn, no calculator) |
 | `small_arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` generated questions over number pairs no training question uses |
+| `place_value` | `data.num_train_tasks` questions about three-digit numbers | `data.eval_size` questions about other numbers (single turn, no calculator) |
 | `gsm8k`, `math500`, `aime24`, `aime25`, `amc23` | none (the files are test sets) | a fixed-seed sample of at most `data.eval_size` |
 
 The environment is configured by `env.math_tools` (the calculator; multi-turn),
@@ -28,11 +29,13 @@ from tiderl.envs.math.data import (
     ARITHMETIC_KINDS,
     BENCHMARK_FILES,
     DIGIT_ARITHMETIC_KINDS,
+    PLACE_VALUE_KINDS,
     SMALL_ARITHMETIC_KINDS,
     Kind,
     arithmetic_tasks,
     digit_arithmetic_tasks,
     load_benchmark,
+    place_value_tasks,
     small_arithmetic_tasks,
 )
 from tiderl.envs.math.env import MathEnv
@@ -43,11 +46,14 @@ from tiderl.envs.setup import Setup, data_root, sample_tasks
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
-MATH_SOURCES = ("arithmetic", "small_arithmetic", "digit_arithmetic", *BENCHMARK_FILES)
+MATH_SOURCES = ("arithmetic", "small_arithmetic", "digit_arithmetic", "place_value", *BENCHMARK_FILES)
 # The generated sources the embedded tiny model can be built for, with their kinds of question.
 GENERATED_KINDS: dict[str, tuple[Kind, ...]] = {"arithmetic": ARITHMETIC_KINDS,
                                                 "small_arithmetic": SMALL_ARITHMETIC_KINDS,
-                                                "digit_arithmetic": DIGIT_ARITHMETIC_KINDS}
+                                                "digit_arithmetic": DIGIT_ARITHMETIC_KINDS,
+                                                "place_value": PLACE_VALUE_KINDS}
+# The generated sources whose tiny model answers in one turn, without the calculator.
+SINGLE_TURN_SOURCES = ("digit_arithmetic", "place_value")
 
 
 def setup(cfg: "RunConfig") -> Setup:
@@ -59,6 +65,8 @@ def setup(cfg: "RunConfig") -> Setup:
         train, held_out = digit_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
     elif data.source == "small_arithmetic":
         train, held_out = small_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+    elif data.source == "place_value":
+        train, held_out = place_value_tasks(data.seed, data.num_train_tasks, data.eval_size)
     elif data.source in BENCHMARK_FILES:
         root = data_root(data.data_dir)
         try:
@@ -122,16 +130,31 @@ def confusion_rates(noise: float, seed: int, kinds: tuple[Kind, ...] = ARITHMETI
     return {k.name: min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9) for k in kinds}
 
 
+def spread_confusion_rates(noise: float, seed: int, kinds: tuple[Kind, ...]) -> dict[str, float]:
+    """Per kind, the rate at which demonstrations use the confused calculation: the rates are
+    evenly spaced over [noise - 0.25, noise + 0.25] (clipped to [0, 0.9]) and dealt to the
+    kinds in a `seed`-shuffled order. Unlike `confusion_rates`' independent draws, every seed
+    gets the same set of rates, so about half the kinds are mostly right in the demonstrations
+    and half mostly wrong, none hopelessly (at noise 0.5: 0.25 to 0.75)."""
+    count = len(kinds)
+    rates = [min(max(noise - 0.25 + 0.5 * i / max(count - 1, 1), 0.0), 0.9) for i in range(count)]
+    random.Random(f"spread-confusions-{seed}").shuffle(rates)
+    return {k.name: rate for k, rate in zip(kinds, rates)}
+
+
 def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
-    """Warm-start scripts for the embedded tiny model on arithmetic or small_arithmetic: `model.warmstart.num_traces`
-    training tasks, each solved by a calculator call (the task's expression, or its confusion at
-    the kind's `confusion_rates` rate with `model.warmstart.relation_noise` as the mean) and
-    `\\boxed{<the calculator's result>}`. Returns (tasks, scripts, build-report entries)."""
-    if setup.name not in GENERATED_KINDS or (setup.name != "digit_arithmetic") != cfg.env.math_tools:
+    """Warm-start scripts for the embedded tiny model on a generated source: `model.warmstart.num_traces`
+    training tasks, each solved with the task's expression, or its confusion at the kind's rate
+    (`confusion_rates`, or `spread_confusion_rates` for place_value, with
+    `model.warmstart.relation_noise` as the mean): a calculator call and `\\boxed{<its result>}`
+    (arithmetic, small_arithmetic), `\\boxed{<the result>}` alone (digit_arithmetic) or
+    `Final Answer: <the result>` alone (place_value). Returns (tasks, scripts, build-report entries)."""
+    if setup.name not in GENERATED_KINDS or (setup.name not in SINGLE_TURN_SOURCES) != cfg.env.math_tools:
         raise ValueError("the embedded tiny model is built for data.source=arithmetic or small_arithmetic with the "
-                         "calculator (env.math_tools=true), or digit_arithmetic without it. Fix: set one of those, "
-                         "or pass a real model (model.path=DIR) for the math benchmarks.")
-    rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed, GENERATED_KINDS[setup.name])
+                         "calculator (env.math_tools=true), or digit_arithmetic or place_value without it. Fix: set "
+                         "one of those, or pass a real model (model.path=DIR) for the math benchmarks.")
+    draw_rates = spread_confusion_rates if setup.name == "place_value" else confusion_rates
+    rates = draw_rates(cfg.model.warmstart.relation_noise, cfg.seed, GENERATED_KINDS[setup.name])
     tasks = [rng.choice(setup.train_tasks) for _ in range(cfg.model.warmstart.num_traces)]
     scripts = []
     for task in tasks:
@@ -143,6 +166,12 @@ def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[
             result = "0"
         if cfg.env.math_tools:
             scripts.append([tool_call_text("calculator", {"expression": expression}), f"\\boxed{{{result}}}"])
+        elif setup.name == "place_value":
+            # `Final Answer: ` ends in the same lone-space token that comes before the number in
+            # every place_value question, so the answer's first digit has an anchor to copy from
+            # (the token after that lone space in the question); after `\\boxed{` it had none, and
+            # the model learned the answer's shape but wrote the same digits for every number.
+            scripts.append([f"Final Answer: {result}"])
         else:  # single turn: the (possibly confused) result, boxed
             scripts.append([f"\\boxed{{{result}}}"])
     return tasks, scripts, {"confusion_rates": {k: round(r, 3) for k, r in rates.items()}}
