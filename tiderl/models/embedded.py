@@ -84,7 +84,24 @@ def build_key(cfg: RunConfig) -> str:
     }
     if cfg.env.name == "math":  # only then, so the KG models' keys (and caches) stay as they were
         recipe["env"]["math_tools"] = cfg.env.math_tools
+        # The math families are still changing: a changed generator or demonstration script must
+        # not reuse a model warm-started on the old one (it silently did once), so their source
+        # text is part of the key.
+        recipe["source"] = _source_digest(("tiderl.envs.math.data", "tiderl.envs.math.setup"))
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _source_digest(modules: tuple[str, ...]) -> str:
+    """sha256 of the named modules' source files, in order (without importing them)."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"cannot find the source of {name} to key the embedded model's cache")
+        digest.update(Path(spec.origin).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def embedded_model_dir(cfg: RunConfig) -> Path:

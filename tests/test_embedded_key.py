@@ -1,0 +1,24 @@
+"""The embedded model's cache key: what a build depends on changes it, and nothing else."""
+
+from tiderl.config import load_config
+from tiderl.models import embedded
+
+
+def test_math_key_follows_the_generator_source(monkeypatch):
+    cfg = load_config("configs/math_place_sao_tiny.yaml", [])
+    before = embedded.build_key(cfg)
+    assert embedded.build_key(cfg) == before  # deterministic
+    monkeypatch.setattr(embedded, "_source_digest", lambda modules: "changed")
+    assert embedded.build_key(cfg) != before
+
+
+def test_kg_key_does_not_read_math_sources(monkeypatch):
+    cfg = load_config("configs/kg_sao_tiny.yaml", [])
+    before = embedded.build_key(cfg)
+    monkeypatch.setattr(embedded, "_source_digest", lambda modules: "changed")
+    assert embedded.build_key(cfg) == before
+
+
+def test_source_digest_reads_the_files():
+    digest = embedded._source_digest(("tiderl.envs.math.data",))
+    assert len(digest) == 16 and digest != embedded._source_digest(("tiderl.envs.math.setup",))
