@@ -152,7 +152,23 @@ class TokenCounter:
             return len(self.tokenizer.encode(text, add_special_tokens=False)) + 1
 
 
-class GenerationBudgetEnv:
+class EnvWrapper:
+    """An environment that passes the prompt, tools and reset through to `self.inner`; the
+    benchmark's wrappers below change only what they override."""
+
+    inner: Any
+
+    def system_prompt(self) -> str:
+        return self.inner.system_prompt()
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    def reset(self, task: Any) -> str:
+        return self.inner.reset(task)
+
+
+class GenerationBudgetEnv(EnvWrapper):
     """`inner`, except that the episode cannot end before it has sampled `budget` tokens.
 
     Until the budget is spent, an ending result of `inner` (its answer, or its own
@@ -165,15 +181,6 @@ class GenerationBudgetEnv:
         self.sampled = 0
         self.inner_turns = 0
         self.held: StepResult | None = None
-
-    def system_prompt(self) -> str:
-        return self.inner.system_prompt()
-
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        return self.inner.tool_schemas()
-
-    def reset(self, task: Any) -> str:
-        return self.inner.reset(task)
 
     def step(self, action: Any) -> StepResult:
         self.sampled += self.count(action.text)
@@ -230,19 +237,10 @@ class Recorder:
         return lambda: _RecordingEnv(make_env(), self)
 
 
-class _TimedEnv:
+class _TimedEnv(EnvWrapper):
     def __init__(self, inner: Any):
         self.inner = inner
         self.last_s = 0.0
-
-    def system_prompt(self) -> str:
-        return self.inner.system_prompt()
-
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        return self.inner.tool_schemas()
-
-    def reset(self, task: Any) -> str:
-        return self.inner.reset(task)
 
     def step(self, action: Any) -> StepResult:
         t0 = time.perf_counter()
@@ -255,19 +253,10 @@ class _TimedEnv:
         return self.inner.finish(reason)
 
 
-class _RecordingEnv:
+class _RecordingEnv(EnvWrapper):
     def __init__(self, inner: Any, recorder: Recorder):
         self.inner, self.recorder = inner, recorder
         self.turns: list[int] = []
-
-    def system_prompt(self) -> str:
-        return self.inner.system_prompt()
-
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        return self.inner.tool_schemas()
-
-    def reset(self, task: Any) -> str:
-        return self.inner.reset(task)
 
     def _own_work_s(self) -> float:
         env = self.inner

@@ -538,15 +538,7 @@ class Simulation:
         """Overprovisioned on-policy sync: the episodes still running when B have finished are
         cancelled (their tokens are wasted) and their tasks re-queued for the next version."""
         for ep in list(self.in_flight.values()):
-            ep.cancelled = True
-            e = self.engines[ep.engine]
-            self._advance(e)
-            e.generating.pop(ep.serial, None)
-            e.assigned -= 1
-            self.stats["wasted"] += self._partial(ep)
-            self.stats["cancelled"] += 1
-            self.gate.settled()
-            del self.in_flight[ep.serial]
+            self._cancel(ep, "cancelled")
         for idx in range(len(self.engines)):
             self._reschedule(idx)
         # Finished beyond the first B: training them later would be off-policy; also cancelled.
@@ -555,6 +547,19 @@ class Simulation:
             self.stats["wasted"] += ep.tokens
             self.stats["cancelled"] += 1
             self.gate.settled()
+
+    def _cancel(self, ep: _Episode, counter: str) -> None:
+        """Stop in-flight `ep`: its engine slot is freed, its sampled tokens count as wasted and
+        it is counted under `counter` (`cancelled` or `restarted`)."""
+        ep.cancelled = True
+        e = self.engines[ep.engine]
+        self._advance(e)
+        e.generating.pop(ep.serial, None)
+        e.assigned -= 1
+        self.stats["wasted"] += self._partial(ep)
+        self.stats[counter] += 1
+        self.gate.settled()
+        del self.in_flight[ep.serial]
 
     def _on_trained(self, batch: list[_Episode]) -> None:
         self.training = False
@@ -575,15 +580,7 @@ class Simulation:
         for ep in list(self.in_flight.values()):
             if ep.version >= version or ep.version < 0:
                 continue
-            ep.cancelled = True
-            e = self.engines[ep.engine]
-            self._advance(e)
-            e.generating.pop(ep.serial, None)
-            e.assigned -= 1
-            self.stats["wasted"] += self._partial(ep)
-            self.stats["restarted"] += 1
-            self.gate.settled()
-            del self.in_flight[ep.serial]
+            self._cancel(ep, "restarted")
         for idx in range(len(self.engines)):
             self._reschedule(idx)
 
