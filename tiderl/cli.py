@@ -468,8 +468,9 @@ def cmd_models(cfg: RunConfig, action: str, name: str | None, dtype: str, keep_w
 
     if action == "list":
         for model in MODELS.values():
-            print(f"{model.name}: {model.upstream}; {model.parts} wheels {model.requirement(1)} .. "
-                  f"{model.requirement(model.parts)}; GGUF {model.gguf_bytes:,} bytes, sha256 "
+            wheels = (f"{model.parts} wheels {model.requirement(1)} .. {model.requirement(model.parts)}"
+                      if model.parts > 1 else f"1 wheel {model.requirement(1)}")
+            print(f"{model.name}: {model.upstream}; {wheels}; GGUF {model.gguf_bytes:,} bytes, sha256 "
                   f"{model.gguf_sha256}; licence: {model.licence}")
         return 0
     if not name:

