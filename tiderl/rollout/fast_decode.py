@@ -62,7 +62,7 @@ class DecodeStep:
                 _fuse(layer.mlp.down_proj, transposed=True)
             if self.lm_head.weight is not self.embed.weight:
                 _fuse(self.lm_head, transposed=True)
-            elif _pays_transposed(self.embed.weight):
+            elif self.embed.weight.numel() <= TRANSPOSE_MAX_ELEMENTS:
                 tied = torch.nn.Parameter(_transposed_copy(self.embed.weight.detach()),
                                           requires_grad=self.embed.weight.requires_grad)
                 self.lm_head.weight = self.embed.weight = tied
@@ -151,15 +151,15 @@ def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Te
     views of it.
 
     `transposed`: the stacked weight `[out, in]` is stored as its transpose (`[in, out]`
-    contiguous; the weight is a view of it) when `_pays_transposed` says so: float32 and at most
-    `TRANSPOSE_MAX_ELEMENTS`. On a CPU, `x @ W.T` in float32 with a handful of rows in `x` makes
-    the BLAS copy (pack) all of a row-major `W` at every call, which costs as much as the product
-    itself; with `W.T` contiguous it multiplies in place. Measured with one thread (median of
-    40-200 calls): 1.4-1.9x faster at 4-16 rows for weights of 0.55M-5.8M elements (SmolLM2-135M's
-    MLP, Qwen2.5-0.5B's), 1.0-1.4x at 32 rows, but 0.7x for a 16.8M-element weight and 0.96x for
-    a 28M-element output head, so larger matrices keep their layout (and weight loads stay plain
-    copies for them). bfloat16 products ran slower transposed (0.57-0.92x), so only float32
-    weights are transposed.
+    contiguous; the weight is a view of it) when it has at most `TRANSPOSE_MAX_ELEMENTS`. On a
+    CPU, `x @ W.T` with a handful of rows in `x` makes the BLAS copy (pack) all of a row-major
+    small `W` at every call, which costs as much as the product itself; with `W.T` contiguous it
+    multiplies in place (1.5-4x faster at 16 rows up to 2048 x 256). Larger matrices keep their
+    layout: a 100M-parameter model decoded no faster transposed, and on SmolLM2-135M (float32)
+    a limit of 2^23 elements, which transposes its MLP weights, decoded at 0.94x the speed of
+    this limit (alternated `generate` calls, 16 rows x 32 tokens), although one product alone, its
+    weight hot in the cache, ran 1.4x faster transposed: in a whole model every weight streams
+    from memory once per step, and there the layout does not pay.
 
     The model is unchanged otherwise: each module keeps a weight of its own shape (a view), which
     its own forward uses and which `load_state_dict` (or any in-place copy) overwrites in place,
@@ -167,7 +167,7 @@ def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Te
     """
     weights = [m.weight.detach() for m in linears]
     whole = torch.cat(weights)
-    if transposed and _pays_transposed(whole):
+    if transposed and whole.numel() <= TRANSPOSE_MAX_ELEMENTS:
         whole = _transposed_copy(whole)
     start = 0
     for m, w in zip(linears, weights):
@@ -199,14 +199,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 _COPY_ROWS = 32
 
 
-# The largest stacked weight stored transposed (32 MiB of float32): measured gains up to 5.8M
-# elements, a loss at 16.8M (see `_fuse`).
-TRANSPOSE_MAX_ELEMENTS = 2**23
-
-
-def _pays_transposed(weight: torch.Tensor) -> bool:
-    """Whether decoding multiplies faster with `weight` stored transposed (see `_fuse`)."""
-    return weight.dtype == torch.float32 and weight.numel() <= TRANSPOSE_MAX_ELEMENTS
+# The largest stacked weight stored transposed (2 MiB of float32; the h256 benchmark model's
+# gate/up weight is exactly this size).
+TRANSPOSE_MAX_ELEMENTS = 2**19
 
 
 def _transposed_copy(w: torch.Tensor) -> torch.Tensor:
