@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from tiderl.cli import main
 from tiderl.system.simulate import (
     Cluster,
     Dist,
@@ -101,11 +100,15 @@ def test_same_seed_same_run_and_modes_cover_the_baselines():
     a = simulate(heavy, ONE_ENGINE, Schedule(max_staleness=2, batch_size=8, steps=10), seed=3)
     b = simulate(heavy, ONE_ENGINE, Schedule(max_staleness=2, batch_size=8, steps=10), seed=3)
     assert a.row() == b.row()
-    labels = [s.label() for s in standard_modes(Schedule(batch_size=8, steps=9))]
-    assert labels == ["sync B=8", "overprovision x1.5 B=8", "overprovision x2 B=8", "sync B=24",
-                      "async N=1 B=8", "async N=2 B=8", "async N=4 B=8"]
-    summaries = compare(heavy, ONE_ENGINE, standard_modes(Schedule(batch_size=8, steps=9)), seeds=2)
-    assert not strongest_sync(summaries).label.startswith("async")
+    modes = standard_modes(Schedule(batch_size=8, steps=9))
+    assert [m.name for m in modes] == ["sync", "sync-overprov", "sync-cancel-x1.5", "sync-cancel-x2", "sync-3B",
+                                       "async-s1", "async-s2", "async-s4"]
+    assert [m.synchronous for m in modes] == [True] * 5 + [False] * 3
+    overprov, three_b = modes[1].schedule, modes[4].schedule
+    assert (overprov.max_staleness, overprov.admission) == (0, 16)  # tiderl's: system.admission = 2B
+    assert (three_b.batch_size, three_b.steps) == (24, 3)
+    summaries = compare(heavy, ONE_ENGINE, modes, seeds=2)
+    assert strongest_sync(summaries).synchronous
 
 
 def test_distributions_parse_and_sample_their_mean():
@@ -115,18 +118,15 @@ def test_distributions_parse_and_sample_their_mean():
     assert mean == pytest.approx(2.0, rel=0.03)
     assert Dist.parse("lognormal:1:1.5:30").cap == 30
     assert Dist.parse("3") == Dist("const", 3.0)
+    assert Dist.parse("empirical:0.5,1.5,4") == Dist.empirical([0.5, 1.5, 4.0])
+    with pytest.raises(ValueError, match="empirical:V1,V2"):
+        Dist.parse("empirical:1,-2")
+    with pytest.raises(ValueError, match="at most"):
+        Dist.parse("lognormal:1:1:1:1")
     with pytest.raises(ValueError, match="kind:mean"):
         Dist.parse("lognormal:x")
     with pytest.raises(ValueError, match="use one of"):
         Dist.parse("pareto:1")
-
-
-def test_cli_prints_every_mode_and_the_comparison(capsys):
-    assert main(["simulate", "--steps", "6", "--seeds", "2", "--batch-size", "8"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert sum(line.startswith(("sync", "overprovision", "async N")) for line in out) == 7
-    assert out[-1].startswith("async / strongest sync (")
-    assert main(["simulate", "--tool-latency", "weird:1"]) == 2
 
 
 def test_turn_counts_round_stochastically_so_the_mean_is_kept():

@@ -82,8 +82,14 @@ class Dist:
     @classmethod
     def parse(cls, text: str) -> Dist:
         """'const:1', 'lognormal:1.0:1.5', 'lognormal:1.0:1.5:30' (kind:mean[:spread[:cap]]),
-        or a bare number for a constant."""
+        'empirical:0.5,1.5,4' (measured values, resampled), or a bare number for a constant."""
         parts = text.strip().split(":")
+        if parts[0] == "empirical":
+            try:
+                return cls.empirical([float(v) for v in ":".join(parts[1:]).split(",") if v.strip()])
+            except ValueError:
+                raise ValueError(f"distribution {text!r}: write empirical:V1,V2,... with values >= 0, "
+                                 "e.g. empirical:0.5,1.5,4") from None
         try:
             if len(parts) == 1:
                 return cls("const", float(parts[0]))
@@ -91,6 +97,8 @@ class Dist:
         except ValueError:
             raise ValueError(f"distribution {text!r}: write kind:mean[:spread[:cap]], "
                              "e.g. lognormal:1.0:1.5:30") from None
+        if len(values) > 3:
+            raise ValueError(f"distribution {text!r}: at most kind:mean:spread:cap, e.g. lognormal:1.0:1.5:30")
         names = ("mean", "spread", "cap")
         return cls(parts[0], **dict(zip(names, values)))
 
@@ -257,7 +265,6 @@ class _Episode:
 class _Engine:
     generating: dict[int, _Episode] = field(default_factory=dict)
     waiting: deque = field(default_factory=deque)
-    assigned: int = 0
     last_t: float = 0.0
     epoch: int = 0
     busy_s: float = 0.0
@@ -294,6 +301,7 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.engines = [_Engine() for _ in range(cluster.engines)]
+        self.assigned = [0] * cluster.engines  # episodes per engine, as a list for a fast min
         self.version = 0  # trainer version == engine version once synced
         self.engine_version = 0
         self.in_flight: dict[int, _Episode] = {}
@@ -470,20 +478,20 @@ class Simulation:
     def _fill(self) -> None:
         while self.steps < self.s.steps and self._may_start():
             self.serial += 1
-            idx = min(range(len(self.engines)), key=lambda i: self.engines[i].assigned)
+            idx = self.assigned.index(min(self.assigned))  # the least-loaded engine (lowest index on ties)
             if self.w.episodes:
                 profile = self.w.episodes[self.rng.randrange(len(self.w.episodes))]
                 ep = _Episode(self.serial, idx, len(profile), profile=profile)
             else:
                 ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
-            self.engines[idx].assigned += 1
+            self.assigned[idx] += 1
             self.in_flight[ep.serial] = ep
             self.gate.started()
             self.stats["started"] += 1
             self._begin_turn(ep)
 
     def _finish(self, ep: _Episode) -> None:
-        self.engines[ep.engine].assigned -= 1
+        self.assigned[ep.engine] -= 1
         del self.in_flight[ep.serial]
         if self.c.prep_s <= 0:
             self.ready.append(ep)
@@ -555,7 +563,7 @@ class Simulation:
         e = self.engines[ep.engine]
         self._advance(e)
         e.generating.pop(ep.serial, None)
-        e.assigned -= 1
+        self.assigned[ep.engine] -= 1
         self.stats["wasted"] += self._partial(ep)
         self.stats[counter] += 1
         self.gate.settled()
@@ -671,15 +679,66 @@ def simulate(workload: Workload, cluster: Cluster, schedule: Schedule, seed: int
     return Simulation(workload, cluster, schedule, seed).run()
 
 
-def standard_modes(schedule: Schedule) -> list[Schedule]:
-    """The modes every comparison reports, at equal trained trajectories: sync; overprovisioned
-    sync (x1.5, x2); sync at the concurrency of async N=2 (batch 3B, a third of the steps);
-    async at staleness 1, 2, 4."""
+@dataclass(frozen=True)
+class Mode:
+    """One schedule a comparison runs, named as `benchmarks/async_vs_sync.py` names its modes.
+    `sync_loop`: run it as tiderl's synchronous loop runs (devices shared with the trainer and
+    decoding in lockstep passes: `Cluster.colocated` and `Cluster.lockstep`), the way
+    `benchmarks/simulator.py --validate` models tiderl's synchronous modes."""
+
+    name: str
+    schedule: Schedule
+    sync_loop: bool = False
+
+    @property
+    def synchronous(self) -> bool:
+        """On-policy: every trained trajectory was sampled with the weights it trains."""
+        return self.schedule.mode == "overprovision" or self.schedule.max_staleness == 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.schedule.label()}{', sync loop' if self.sync_loop else ''})"
+
+    def cluster(self, cluster: Cluster) -> Cluster:
+        return replace(cluster, colocated=True, lockstep=True) if self.sync_loop else cluster
+
+
+def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
+                   cancel_factors: tuple[float, ...] = (1.5, 2.0), overprov_admission: int = 0,
+                   sync_batch_factor: int = 3, sync_loop: bool = False,
+                   elastic: tuple[int, int] | None = None) -> list[Mode]:
+    """The modes every comparison reports, at equal trained trajectories, named as
+    `benchmarks/async_vs_sync.py` names them:
+
+    - `sync`: tiderl's synchronous loop (staleness 0, B admitted per version);
+    - `sync-overprov`: tiderl's over-provisioned sync (staleness 0, `overprov_admission`
+      admitted, default 2B: the first B finishers train, episodes still running on old weights
+      restart after the step and those that finish a version late are dropped);
+    - `sync-cancel-xK`: the model's harsher over-provisioning (admit K·B, train the first B,
+      cancel the rest when the step starts), for each K in `cancel_factors`;
+    - `sync-{F}B`: sync at batch F·B and a F-th of the steps (F = 3: the concurrency of async
+      at staleness 2);
+    - `async-sN`: asynchronous at staleness N (admission `schedule.admission`, 0 = (N+1)·B);
+    - with `elastic` (min, max slots): each async mode again with elastic slots.
+
+    `sync_loop` runs the synchronous modes as tiderl's synchronous loop does (see `Mode`)."""
     b, steps = schedule.batch_size, schedule.steps
-    return ([replace(schedule, mode="async", max_staleness=0)]
-            + [replace(schedule, mode="overprovision", overprovision=k, max_staleness=0) for k in (1.5, 2.0)]
-            + [replace(schedule, mode="async", max_staleness=0, batch_size=3 * b, steps=max(1, steps // 3))]
-            + [replace(schedule, mode="async", max_staleness=n) for n in (1, 2, 4)])
+    sync = replace(schedule, mode="async", max_staleness=0, admission=0, min_slots=0, max_slots=0)
+    modes = [Mode("sync", sync, sync_loop),
+             Mode("sync-overprov", replace(sync, admission=overprov_admission or 2 * b), sync_loop)]
+    modes += [Mode(f"sync-cancel-x{k:g}", replace(sync, mode="overprovision", overprovision=k), sync_loop)
+              for k in cancel_factors]
+    if sync_batch_factor > 1:
+        modes.append(Mode(f"sync-{sync_batch_factor}B", replace(
+            sync, batch_size=sync_batch_factor * b, steps=max(1, steps // sync_batch_factor)), sync_loop))
+    asynchronous = [Mode(f"async-s{n}", replace(schedule, mode="async", max_staleness=n, min_slots=0, max_slots=0))
+                    for n in staleness]
+    modes += asynchronous
+    if elastic:
+        low, high = elastic
+        modes += [Mode(f"{m.name}-elastic", replace(m.schedule, min_slots=low, max_slots=high))
+                  for m in asynchronous]
+    return modes
 
 
 # Named starting points for `tiderl simulate --scenario`. They are assumptions to explore with,
@@ -715,6 +774,8 @@ class ModeSummary:
 
     label: str
     results: list[SimResult]
+    name: str = ""
+    synchronous: bool = False
 
     @staticmethod
     def _interval(values: list[float]) -> tuple[float, float]:
@@ -730,14 +791,34 @@ class ModeSummary:
     def figure(self, name: str) -> tuple[float, float]:
         return self._interval([float(getattr(r, name)) for r in self.results])
 
+    def spread(self, name: str) -> tuple[float, float]:
+        """The smallest and largest value of a figure over the seeds."""
+        values = [float(getattr(r, name)) for r in self.results]
+        return min(values), max(values)
 
-def compare(workload: Workload, cluster: Cluster, schedules: list[Schedule], seeds: int = 3) -> list[ModeSummary]:
-    """Every schedule over `seeds` seeds (the same seeds for every mode)."""
-    return [ModeSummary(s.label(), [simulate(workload, cluster, s, seed) for seed in range(seeds)])
-            for s in schedules]
+    def staleness_fractions(self) -> dict[int, float]:
+        """The staleness histogram (every trajectory judged for training: trained or dropped as
+        too stale) as fractions, averaged over the seeds."""
+        out: dict[int, float] = {}
+        for r in self.results:
+            total = sum(r.staleness.values()) or 1
+            for k, v in r.staleness.items():
+                out[k] = out.get(k, 0.0) + v / total / len(self.results)
+        return dict(sorted(out.items()))
+
+
+def compare(workload: Workload, cluster: Cluster, modes: list[Mode] | list[Schedule], seeds: int = 3) -> list[ModeSummary]:
+    """Every mode (a `Mode`, or a bare `Schedule` named by its label) over `seeds` seeds (the
+    same seeds for every mode)."""
+    out = []
+    for m in modes:
+        mode = m if isinstance(m, Mode) else Mode(m.label(), m)
+        runs = [simulate(workload, mode.cluster(cluster), mode.schedule, seed) for seed in range(seeds)]
+        out.append(ModeSummary(mode.label if isinstance(m, Mode) else m.label(), runs, mode.name, mode.synchronous))
+    return out
 
 
 def strongest_sync(summaries: list[ModeSummary]) -> ModeSummary:
     """The synchronous (on-policy) mode with the highest mean trained tokens per second."""
-    sync = [m for m in summaries if not m.label.startswith("async")]
+    sync = [m for m in summaries if m.synchronous]
     return max(sync, key=lambda m: m.figure("trained_tokens_per_s")[0])
