@@ -126,3 +126,13 @@ def test_sweep_reports_each_value_and_where_async_stops_paying(capsys):
         assert last == f"async stops paying (best gain < 1.1x) at --tool-latency {first}"
     else:
         assert last.startswith("async's best gain stays >= 1.1x")
+
+
+def test_every_scenario_runs_and_reports_tokens_per_trajectory(capsys):
+    from tiderl.system.simulate import SCENARIOS
+
+    for name in SCENARIOS:
+        assert main(["simulate", "--scenario", name, "--batch-size", "16", "--steps", "3", "--seeds", "1",
+                     "--staleness", "2", "--cancel-factors", "none"]) == 0
+        out = capsys.readouterr().out
+        assert f"scenario {name}" in out and "tok/traj" in out and "async-s2" in out.splitlines()[-2]

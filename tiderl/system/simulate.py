@@ -28,10 +28,13 @@ modelled, and how:
   gate admits) from the trainer's idle fraction, the finished-trajectory queue and the time the
   gate held slots back.
 
-What is not modelled: prompt prefill cost, memory limits of the KV cache, preparation
-(critic/reference) time apart from what `train_step_s` includes, failures and retries, and
-network time beyond `sync_s`. `benchmarks/simulator.py` checks the predictions against runs of
-tiderl on this machine.
+- **Rollout-side work** (`prefill_s` per turn, `prep_s` per finished episode) stops an
+  engine's decoding; **lockstep** decoding models tiderl's synchronous loop (see `Cluster`).
+
+What is not modelled: memory limits of the KV cache, prefill cost growing with the context,
+failures and retries, and network time beyond `sync_s`. `benchmarks/simulator.py --validate`
+checks the predictions against runs of tiderl on this machine; `tiderl simulate`
+(`tiderl/system/simulate_cli.py`) is its command line.
 """
 
 from __future__ import annotations
@@ -233,12 +236,19 @@ class SimResult:
         return self.wall_s / self.steps if self.steps else math.inf
 
     @property
+    def tokens_per_trajectory(self) -> float:
+        """Mean sampled tokens of a trained trajectory: below the workload's mean where a mode
+        trains the episodes that finish first (short ones) and drops or cancels long ones."""
+        return self.trained_tokens / self.trained if self.trained else 0.0
+
+    @property
     def waste_frac(self) -> float:
         return self.wasted_tokens / self.generated_tokens if self.generated_tokens else 0.0
 
     def row(self) -> dict[str, Any]:
         return {"mode": self.label, "wall_s": round(self.wall_s, 3), "step_s": round(self.step_s, 4),
-                "trained_tok_per_s": round(self.trained_tokens_per_s, 1),
+                "trained_tok_per_s": round(self.trained_tokens_per_s, 1), "trained": self.trained,
+                "trained_tokens": self.trained_tokens, "restarted": self.restarted,
                 "waste_frac": round(self.waste_frac, 4), "dropped": self.dropped,
                 "cancelled": self.cancelled, "trainer_idle": round(self.trainer_idle_frac, 3),
                 "engine_busy": round(self.engine_busy_frac, 3),
@@ -765,6 +775,29 @@ SCENARIOS: dict[str, tuple[Workload, Cluster, Schedule]] = {
         Cluster(engines=16, engine_max_seqs=64, decode_step_s=0.02, decode_step_per_seq_s=0.0003,
                 train_step_s=30.0, sync_s=3.0),
         Schedule(batch_size=256, steps=40)),
+    # Cluster-scale shapes of the kind the seeds' papers train (their exact configurations are not
+    # public: these are assumptions, documented with their figures in docs/simulate.md). Trainer
+    # time grows with the batch's tokens, so a larger synchronous batch is not free.
+    # SAO/TideRL-style agentic episodes (SWE-like): several long-tailed turns, slow long-tailed tools.
+    "agentic-256": (
+        Workload(Dist("lognormal", 6, 0.6, 40), Dist("lognormal", 400, 1.2, 16384),
+                 Dist("lognormal", 4.0, 1.5, 600)),
+        Cluster(engines=256, engine_max_seqs=32, decode_step_s=0.02, decode_step_per_seq_s=0.0005,
+                prefill_s=0.1, train_step_s=10.0, train_s_per_token=2e-5, sync_s=10.0),
+        Schedule(batch_size=1024, steps=20)),
+    # KARL-style knowledge agents: many short turns against fast database/graph tools.
+    "kg-db-512": (
+        Workload(Dist("lognormal", 8, 0.5, 40), Dist("lognormal", 120, 0.8, 2048),
+                 Dist("lognormal", 0.3, 1.0, 30)),
+        Cluster(engines=512, engine_max_seqs=32, decode_step_s=0.015, decode_step_per_seq_s=0.0003,
+                prefill_s=0.03, train_step_s=5.0, train_s_per_token=1.5e-5, sync_s=5.0),
+        Schedule(batch_size=2048, steps=15)),
+    # SAO-style long reasoning (math answers): one long-tailed generation, no tools.
+    "reasoning-128": (
+        Workload(Dist("const", 1), Dist("lognormal", 6000, 0.8, 32768), Dist("const", 0.0)),
+        Cluster(engines=128, engine_max_seqs=64, decode_step_s=0.02, decode_step_per_seq_s=0.0003,
+                prefill_s=0.05, train_step_s=10.0, train_s_per_token=2e-5, sync_s=10.0),
+        Schedule(batch_size=512, steps=20)),
 }
 
 

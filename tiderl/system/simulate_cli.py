@@ -3,7 +3,8 @@
 A scenario gives every setting; each flag overrides one (every field of `Workload`, `Cluster`
 and `Schedule` has one). The command runs every mode `standard_modes` lists over several seeds
 and prints, per mode, trained sampled tokens per second, step time, waste, trainer idle,
-dropped/cancelled/restarted trajectories and the staleness histogram, then how each async mode
+sampled tokens per trained trajectory, dropped/cancelled/restarted trajectories and the
+staleness histogram, then how each async mode
 compares with the strongest synchronous one. `--sweep FLAG V1 V2 ...` (FLAG without its dashes) repeats that for each
 value of one flag and says where async's gain falls below 1.1x.
 
@@ -300,7 +301,7 @@ def table(summaries: list[ModeSummary]) -> list[str]:
     """One line per mode: mean ± 95 % interval over the seeds."""
     width = max(len(m.label) for m in summaries) + 1
     header = (f"{'mode':<{width}} {'trained tok/s':>19} {'step s':>15} {'waste':>13} {'trainer idle':>13} "
-              f"{'dropped':>8} {'cancel/restart':>14}  staleness (fraction per level)")
+              f"{'tok/traj':>8} {'dropped':>8} {'cancel/restart':>14}  staleness (fraction per level)")
     lines = [header]
     for m in summaries:
         tps, step, waste, idle = (m.figure(f) for f in ("trained_tokens_per_s", "step_s", "waste_frac",
@@ -309,6 +310,7 @@ def table(summaries: list[ModeSummary]) -> list[str]:
         lines.append(
             f"{m.label:<{width}} {tps[0]:>10.1f} ± {tps[1]:<6.1f} {step[0]:>7.2f} ± {step[1]:<5.2f} "
             f"{waste[0]:>6.1%} ± {waste[1]:<4.1%} {idle[0]:>6.2f} ± {idle[1]:<4.2f} "
+            f"{m.figure('tokens_per_trajectory')[0]:>8.0f} "
             f"{sum(r.dropped for r in m.results) / n:>8.1f} "
             f"{sum(r.cancelled + r.restarted for r in m.results) / n:>14.1f}  {_hist_text(m.staleness_fractions())}")
     return lines
@@ -322,7 +324,7 @@ def gain_line(summaries: list[ModeSummary]) -> str:
 
 
 def _rows(summaries: list[ModeSummary]) -> dict[str, Any]:
-    return {m.label: [r.row() | {"restarted": r.restarted} for r in m.results] for m in summaries}
+    return {m.label: [r.row() for r in m.results] for m in summaries}
 
 
 def _sweep_values(args: argparse.Namespace) -> tuple[str, list[tuple[str, Any]]]:
