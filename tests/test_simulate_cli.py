@@ -83,6 +83,10 @@ def test_bad_values_fail_naming_the_flag_and_the_fix(capsys, argv, flag, fix):
 def test_cross_flag_errors_name_the_flag(capsys, tmp_path):
     assert main(["simulate", "--batch-size", "8", "--sync-overprov-admission", "8"]) == 2
     assert "--sync-overprov-admission 8: must be above the batch size (8)" in capsys.readouterr().err
+    assert main(["simulate", "--batch-size", "8", "--admission", "4"]) == 2
+    assert "--admission 4: below the batch size (8)" in capsys.readouterr().err
+    assert main(["simulate", "--batch-size", "8", "--slots", "7"]) == 2
+    assert "--slots 7: below the batch size (8)" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text("[[3, 0]]")
     with pytest.raises(SystemExit):

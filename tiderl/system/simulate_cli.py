@@ -244,6 +244,10 @@ def modes_of(args: argparse.Namespace, schedule: Schedule) -> list:
     if args.sync_overprov_admission is not None and args.sync_overprov_admission <= schedule.batch_size:
         raise ValueError(f"--sync-overprov-admission {args.sync_overprov_admission}: must be above the batch "
                          f"size ({schedule.batch_size}); e.g. --sync-overprov-admission {2 * schedule.batch_size}")
+    for flag, value in (("--admission", schedule.admission), ("--slots", schedule.slots)):
+        if 0 < value < schedule.batch_size:
+            raise ValueError(f"{flag} {value}: below the batch size ({schedule.batch_size}) no batch could fill; "
+                             f"use 0 (the mode's own) or >= {schedule.batch_size}, e.g. {flag} {3 * schedule.batch_size}")
     return standard_modes(schedule, staleness=args.staleness, cancel_factors=args.cancel_factors,
                           overprov_admission=args.sync_overprov_admission or 0,
                           sync_batch_factor=args.sync_batch_factor, sync_loop=args.sync_loop, elastic=args.elastic)
