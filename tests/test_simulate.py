@@ -354,3 +354,11 @@ def test_every_scenario_runs_and_reports_tokens_per_trajectory(capsys):
                      "--staleness", "2", "--cancel-factors", "none"]) == 0
         out = capsys.readouterr().out
         assert f"scenario {name}" in out and "tok/traj" in out and "async-s2" in out.splitlines()[-2]
+
+
+def test_sync_loop_runs_every_sync_mode_as_tiderls_synchronous_loop(capsys):
+    # Lockstep and colocated with rollout-side work, in every sync mode (the over-provisioned ones
+    # included): every run ends and trains B per step.
+    assert main(["simulate", *SMALL, "--sync-loop", "--prep-s", "0.01", "--prefill-s", "0.002"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sync")]
+    assert len(rows) == 5 and all("sync loop)" in row for row in rows)
