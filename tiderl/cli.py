@@ -106,29 +106,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _simulate_parser(sub: Any) -> None:
-    """`tiderl simulate`: the discrete-event model of the pipeline (tiderl/system/simulate.py).
-    A scenario gives every figure; each flag overrides one."""
-    from tiderl.system.simulate import SCENARIOS
+    """`tiderl simulate`: the discrete-event model of the pipeline (tiderl/system/simulate.py);
+    its flags live with it in tiderl/system/simulate_cli.py."""
+    from tiderl.system.simulate_cli import add_parser
 
-    sim = sub.add_parser("simulate", help="predict throughput, staleness and waste of sync/async/"
-                         "elastic schedules at any scale (discrete-event model)")
-    sim.add_argument("--scenario", default="tiny-lognormal", choices=sorted(SCENARIOS))
-    for flag, what in [("--turns", "turns per episode"), ("--tokens-per-turn", "sampled tokens per turn"),
-                       ("--tool-latency", "seconds per tool call")]:
-        sim.add_argument(flag, help=f"{what}: kind:mean[:spread[:cap]], e.g. lognormal:1.0:1.5:30")
-    for flag, kind, what in [
-            ("--engines", int, "inference engines"), ("--engine-max-seqs", int, "sequences one engine decodes at once"),
-            ("--decode-step-s", float, "seconds per decode step, fixed part"),
-            ("--decode-step-per-seq-s", float, "seconds per decode step per sequence"),
-            ("--train-step-s", float, "seconds per optimizer step, fixed part"),
-            ("--train-s-per-token", float, "seconds per trained token"),
-            ("--sync-s", float, "seconds per weight sync"), ("--batch-size", int, "trajectories per step"),
-            ("--steps", int, "optimizer steps per run")]:
-        sim.add_argument(flag, type=kind, help=what)
-    sim.add_argument("--colocated", action="store_true", help="engines stop while the trainer runs")
-    sim.add_argument("--elastic", help="MIN-MAX slots: also run each async mode with elastic slots")
-    sim.add_argument("--seeds", type=int, default=3, help="seeds per mode (default 3)")
-    sim.add_argument("--json", help="also write every run's figures to this JSON file")
+    add_parser(sub)
 
 
 def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
@@ -270,52 +252,9 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+    from tiderl.system.simulate_cli import run
 
-    from tiderl.system.simulate import SCENARIOS, Dist, compare, standard_modes, strongest_sync
-
-    workload, cluster, schedule = SCENARIOS[args.scenario]
-    try:
-        workload = replace(workload, **{
-            field: Dist.parse(text) for field, text in (
-                ("turns", args.turns), ("tokens_per_turn", args.tokens_per_turn),
-                ("tool_latency_s", args.tool_latency)) if text is not None})
-    except ValueError as exc:
-        print(f"tiderl simulate: {exc}", file=sys.stderr)
-        return 2
-    cluster = replace(cluster, **{k: getattr(args, k) for k in (
-        "engines", "engine_max_seqs", "decode_step_s", "decode_step_per_seq_s", "train_step_s",
-        "train_s_per_token", "sync_s") if getattr(args, k) is not None})
-    if args.colocated:
-        cluster = replace(cluster, colocated=True)
-    schedule = replace(schedule, **{k: getattr(args, k) for k in ("batch_size", "steps")
-                                    if getattr(args, k) is not None})
-    modes = standard_modes(schedule)
-    if args.elastic:
-        low, _, high = args.elastic.partition("-")
-        modes += [replace(m, min_slots=int(low), max_slots=int(high)) for m in modes
-                  if m.mode == "async" and m.max_staleness > 0]
-    summaries = compare(workload, cluster, modes, seeds=args.seeds)
-    print(f"scenario {args.scenario}: {workload}\n  {cluster}\n  {args.seeds} seeds per mode; "
-          "mean ± 95 % interval; tokens are sampled tokens")
-    print(f"{'mode':<34} {'trained tok/s':>17} {'step s':>13} {'waste':>13} {'trainer idle':>12} "
-          f"{'dropped':>8} {'cancelled':>9} {'max stale':>9}")
-    for m in summaries:
-        tps, step, waste, idle = (m.figure(f) for f in ("trained_tokens_per_s", "step_s", "waste_frac",
-                                                         "trainer_idle_frac"))
-        stale = max(max(r.staleness) for r in m.results)
-        print(f"{m.label:<34} {tps[0]:>9.1f} ± {tps[1]:<5.1f} {step[0]:>6.2f} ± {step[1]:<4.2f} "
-              f"{waste[0]:>6.1%} ± {waste[1]:<4.1%} {idle[0]:>12.2f} "
-              f"{sum(r.dropped for r in m.results) / len(m.results):>8.1f} "
-              f"{sum(r.cancelled for r in m.results) / len(m.results):>9.1f} {stale:>9}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({m.label: [r.row() for r in m.results] for m in summaries}, indent=1))
-    best_sync = strongest_sync(summaries)
-    base = best_sync.figure("trained_tokens_per_s")[0]
-    ratios = ", ".join(f"{m.label.split(' B=')[0]} {m.figure('trained_tokens_per_s')[0] / base:.2f}x"
-                       for m in summaries if m.label.startswith("async"))
-    print(f"async / strongest sync ({best_sync.label}) trained tokens per second: {ratios}")
-    return 0
+    return run(args)
 
 
 def cmd_train(cfg: RunConfig) -> int:

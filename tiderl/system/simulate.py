@@ -28,10 +28,13 @@ modelled, and how:
   gate admits) from the trainer's idle fraction, the finished-trajectory queue and the time the
   gate held slots back.
 
-What is not modelled: prompt prefill cost, memory limits of the KV cache, preparation
-(critic/reference) time apart from what `train_step_s` includes, failures and retries, and
-network time beyond `sync_s`. `benchmarks/simulator.py` checks the predictions against runs of
-tiderl on this machine.
+- **Rollout-side work** (`prefill_s` per turn, `prep_s` per finished episode) stops an
+  engine's decoding; **lockstep** decoding models tiderl's synchronous loop (see `Cluster`).
+
+What is not modelled: memory limits of the KV cache, prefill cost growing with the context,
+failures and retries, and network time beyond `sync_s`. `benchmarks/simulator.py --validate`
+checks the predictions against runs of tiderl on this machine; `tiderl simulate`
+(`tiderl/system/simulate_cli.py`) is its command line.
 """
 
 from __future__ import annotations
@@ -82,8 +85,14 @@ class Dist:
     @classmethod
     def parse(cls, text: str) -> Dist:
         """'const:1', 'lognormal:1.0:1.5', 'lognormal:1.0:1.5:30' (kind:mean[:spread[:cap]]),
-        or a bare number for a constant."""
+        'empirical:0.5,1.5,4' (measured values, resampled), or a bare number for a constant."""
         parts = text.strip().split(":")
+        if parts[0] == "empirical":
+            try:
+                return cls.empirical([float(v) for v in ":".join(parts[1:]).split(",") if v.strip()])
+            except ValueError:
+                raise ValueError(f"distribution {text!r}: write empirical:V1,V2,... with values >= 0, "
+                                 "e.g. empirical:0.5,1.5,4") from None
         try:
             if len(parts) == 1:
                 return cls("const", float(parts[0]))
@@ -91,6 +100,8 @@ class Dist:
         except ValueError:
             raise ValueError(f"distribution {text!r}: write kind:mean[:spread[:cap]], "
                              "e.g. lognormal:1.0:1.5:30") from None
+        if len(values) > 3:
+            raise ValueError(f"distribution {text!r}: at most kind:mean:spread:cap, e.g. lognormal:1.0:1.5:30")
         names = ("mean", "spread", "cap")
         return cls(parts[0], **dict(zip(names, values)))
 
@@ -225,12 +236,19 @@ class SimResult:
         return self.wall_s / self.steps if self.steps else math.inf
 
     @property
+    def tokens_per_trajectory(self) -> float:
+        """Mean sampled tokens of a trained trajectory: below the workload's mean where a mode
+        trains the episodes that finish first (short ones) and drops or cancels long ones."""
+        return self.trained_tokens / self.trained if self.trained else 0.0
+
+    @property
     def waste_frac(self) -> float:
         return self.wasted_tokens / self.generated_tokens if self.generated_tokens else 0.0
 
     def row(self) -> dict[str, Any]:
         return {"mode": self.label, "wall_s": round(self.wall_s, 3), "step_s": round(self.step_s, 4),
-                "trained_tok_per_s": round(self.trained_tokens_per_s, 1),
+                "trained_tok_per_s": round(self.trained_tokens_per_s, 1), "trained": self.trained,
+                "trained_tokens": self.trained_tokens, "restarted": self.restarted,
                 "waste_frac": round(self.waste_frac, 4), "dropped": self.dropped,
                 "cancelled": self.cancelled, "trainer_idle": round(self.trainer_idle_frac, 3),
                 "engine_busy": round(self.engine_busy_frac, 3),
@@ -257,7 +275,6 @@ class _Episode:
 class _Engine:
     generating: dict[int, _Episode] = field(default_factory=dict)
     waiting: deque = field(default_factory=deque)
-    assigned: int = 0
     last_t: float = 0.0
     epoch: int = 0
     busy_s: float = 0.0
@@ -294,6 +311,7 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.engines = [_Engine() for _ in range(cluster.engines)]
+        self.assigned = [0] * cluster.engines  # episodes per engine, as a list for a fast min
         self.version = 0  # trainer version == engine version once synced
         self.engine_version = 0
         self.in_flight: dict[int, _Episode] = {}
@@ -470,20 +488,20 @@ class Simulation:
     def _fill(self) -> None:
         while self.steps < self.s.steps and self._may_start():
             self.serial += 1
-            idx = min(range(len(self.engines)), key=lambda i: self.engines[i].assigned)
+            idx = self.assigned.index(min(self.assigned))  # the least-loaded engine (lowest index on ties)
             if self.w.episodes:
                 profile = self.w.episodes[self.rng.randrange(len(self.w.episodes))]
                 ep = _Episode(self.serial, idx, len(profile), profile=profile)
             else:
                 ep = _Episode(self.serial, idx, max(1, self._round(self.w.turns.sample(self.rng))))
-            self.engines[idx].assigned += 1
+            self.assigned[idx] += 1
             self.in_flight[ep.serial] = ep
             self.gate.started()
             self.stats["started"] += 1
             self._begin_turn(ep)
 
     def _finish(self, ep: _Episode) -> None:
-        self.engines[ep.engine].assigned -= 1
+        self.assigned[ep.engine] -= 1
         del self.in_flight[ep.serial]
         if self.c.prep_s <= 0:
             self.ready.append(ep)
@@ -555,7 +573,7 @@ class Simulation:
         e = self.engines[ep.engine]
         self._advance(e)
         e.generating.pop(ep.serial, None)
-        e.assigned -= 1
+        self.assigned[ep.engine] -= 1
         self.stats["wasted"] += self._partial(ep)
         self.stats[counter] += 1
         self.gate.settled()
@@ -671,15 +689,66 @@ def simulate(workload: Workload, cluster: Cluster, schedule: Schedule, seed: int
     return Simulation(workload, cluster, schedule, seed).run()
 
 
-def standard_modes(schedule: Schedule) -> list[Schedule]:
-    """The modes every comparison reports, at equal trained trajectories: sync; overprovisioned
-    sync (x1.5, x2); sync at the concurrency of async N=2 (batch 3B, a third of the steps);
-    async at staleness 1, 2, 4."""
+@dataclass(frozen=True)
+class Mode:
+    """One schedule a comparison runs, named as `benchmarks/async_vs_sync.py` names its modes.
+    `sync_loop`: run it as tiderl's synchronous loop runs (devices shared with the trainer and
+    decoding in lockstep passes: `Cluster.colocated` and `Cluster.lockstep`), the way
+    `benchmarks/simulator.py --validate` models tiderl's synchronous modes."""
+
+    name: str
+    schedule: Schedule
+    sync_loop: bool = False
+
+    @property
+    def synchronous(self) -> bool:
+        """On-policy: every trained trajectory was sampled with the weights it trains."""
+        return self.schedule.mode == "overprovision" or self.schedule.max_staleness == 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.schedule.label()}{', sync loop' if self.sync_loop else ''})"
+
+    def cluster(self, cluster: Cluster) -> Cluster:
+        return replace(cluster, colocated=True, lockstep=True) if self.sync_loop else cluster
+
+
+def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
+                   cancel_factors: tuple[float, ...] = (1.5, 2.0), overprov_admission: int = 0,
+                   sync_batch_factor: int = 3, sync_loop: bool = False,
+                   elastic: tuple[int, int] | None = None) -> list[Mode]:
+    """The modes every comparison reports, at equal trained trajectories, named as
+    `benchmarks/async_vs_sync.py` names them:
+
+    - `sync`: tiderl's synchronous loop (staleness 0, B admitted per version);
+    - `sync-overprov`: tiderl's over-provisioned sync (staleness 0, `overprov_admission`
+      admitted, default 2B: the first B finishers train, episodes still running on old weights
+      restart after the step and those that finish a version late are dropped);
+    - `sync-cancel-xK`: the model's harsher over-provisioning (admit K·B, train the first B,
+      cancel the rest when the step starts), for each K in `cancel_factors`;
+    - `sync-{F}B`: sync at batch F·B and a F-th of the steps (F = 3: the concurrency of async
+      at staleness 2);
+    - `async-sN`: asynchronous at staleness N (admission `schedule.admission`, 0 = (N+1)·B);
+    - with `elastic` (min, max slots): each async mode again with elastic slots.
+
+    `sync_loop` runs the synchronous modes as tiderl's synchronous loop does (see `Mode`)."""
     b, steps = schedule.batch_size, schedule.steps
-    return ([replace(schedule, mode="async", max_staleness=0)]
-            + [replace(schedule, mode="overprovision", overprovision=k, max_staleness=0) for k in (1.5, 2.0)]
-            + [replace(schedule, mode="async", max_staleness=0, batch_size=3 * b, steps=max(1, steps // 3))]
-            + [replace(schedule, mode="async", max_staleness=n) for n in (1, 2, 4)])
+    sync = replace(schedule, mode="async", max_staleness=0, admission=0, min_slots=0, max_slots=0)
+    modes = [Mode("sync", sync, sync_loop),
+             Mode("sync-overprov", replace(sync, admission=overprov_admission or 2 * b), sync_loop)]
+    modes += [Mode(f"sync-cancel-x{k:g}", replace(sync, mode="overprovision", overprovision=k), sync_loop)
+              for k in cancel_factors]
+    if sync_batch_factor > 1:
+        modes.append(Mode(f"sync-{sync_batch_factor}B", replace(
+            sync, batch_size=sync_batch_factor * b, steps=max(1, steps // sync_batch_factor)), sync_loop))
+    asynchronous = [Mode(f"async-s{n}", replace(schedule, mode="async", max_staleness=n, min_slots=0, max_slots=0))
+                    for n in staleness]
+    modes += asynchronous
+    if elastic:
+        low, high = elastic
+        modes += [Mode(f"{m.name}-elastic", replace(m.schedule, min_slots=low, max_slots=high))
+                  for m in asynchronous]
+    return modes
 
 
 # Named starting points for `tiderl simulate --scenario`. They are assumptions to explore with,
@@ -706,6 +775,29 @@ SCENARIOS: dict[str, tuple[Workload, Cluster, Schedule]] = {
         Cluster(engines=16, engine_max_seqs=64, decode_step_s=0.02, decode_step_per_seq_s=0.0003,
                 train_step_s=30.0, sync_s=3.0),
         Schedule(batch_size=256, steps=40)),
+    # Cluster-scale shapes of the kind the seeds' papers train (their exact configurations are not
+    # public: these are assumptions, documented with their figures in docs/simulate.md). Trainer
+    # time grows with the batch's tokens, so a larger synchronous batch is not free.
+    # SAO/TideRL-style agentic episodes (SWE-like): several long-tailed turns, slow long-tailed tools.
+    "agentic-256": (
+        Workload(Dist("lognormal", 6, 0.6, 40), Dist("lognormal", 400, 1.2, 16384),
+                 Dist("lognormal", 4.0, 1.5, 600)),
+        Cluster(engines=256, engine_max_seqs=32, decode_step_s=0.02, decode_step_per_seq_s=0.0005,
+                prefill_s=0.1, train_step_s=10.0, train_s_per_token=2e-5, sync_s=10.0),
+        Schedule(batch_size=1024, steps=20)),
+    # KARL-style knowledge agents: many short turns against fast database/graph tools.
+    "kg-db-512": (
+        Workload(Dist("lognormal", 8, 0.5, 40), Dist("lognormal", 120, 0.8, 2048),
+                 Dist("lognormal", 0.3, 1.0, 30)),
+        Cluster(engines=512, engine_max_seqs=32, decode_step_s=0.015, decode_step_per_seq_s=0.0003,
+                prefill_s=0.03, train_step_s=5.0, train_s_per_token=1.5e-5, sync_s=5.0),
+        Schedule(batch_size=2048, steps=15)),
+    # SAO-style long reasoning (math answers): one long-tailed generation, no tools.
+    "reasoning-128": (
+        Workload(Dist("const", 1), Dist("lognormal", 6000, 0.8, 32768), Dist("const", 0.0)),
+        Cluster(engines=128, engine_max_seqs=64, decode_step_s=0.02, decode_step_per_seq_s=0.0003,
+                prefill_s=0.05, train_step_s=10.0, train_s_per_token=2e-5, sync_s=10.0),
+        Schedule(batch_size=512, steps=20)),
 }
 
 
@@ -715,6 +807,8 @@ class ModeSummary:
 
     label: str
     results: list[SimResult]
+    name: str = ""
+    synchronous: bool = False
 
     @staticmethod
     def _interval(values: list[float]) -> tuple[float, float]:
@@ -730,14 +824,34 @@ class ModeSummary:
     def figure(self, name: str) -> tuple[float, float]:
         return self._interval([float(getattr(r, name)) for r in self.results])
 
+    def spread(self, name: str) -> tuple[float, float]:
+        """The smallest and largest value of a figure over the seeds."""
+        values = [float(getattr(r, name)) for r in self.results]
+        return min(values), max(values)
 
-def compare(workload: Workload, cluster: Cluster, schedules: list[Schedule], seeds: int = 3) -> list[ModeSummary]:
-    """Every schedule over `seeds` seeds (the same seeds for every mode)."""
-    return [ModeSummary(s.label(), [simulate(workload, cluster, s, seed) for seed in range(seeds)])
-            for s in schedules]
+    def staleness_fractions(self) -> dict[int, float]:
+        """The staleness histogram (every trajectory judged for training: trained or dropped as
+        too stale) as fractions, averaged over the seeds."""
+        out: dict[int, float] = {}
+        for r in self.results:
+            total = sum(r.staleness.values()) or 1
+            for k, v in r.staleness.items():
+                out[k] = out.get(k, 0.0) + v / total / len(self.results)
+        return dict(sorted(out.items()))
+
+
+def compare(workload: Workload, cluster: Cluster, modes: list[Mode] | list[Schedule], seeds: int = 3) -> list[ModeSummary]:
+    """Every mode (a `Mode`, or a bare `Schedule` named by its label) over `seeds` seeds (the
+    same seeds for every mode)."""
+    out = []
+    for m in modes:
+        mode = m if isinstance(m, Mode) else Mode(m.label(), m)
+        runs = [simulate(workload, mode.cluster(cluster), mode.schedule, seed) for seed in range(seeds)]
+        out.append(ModeSummary(mode.label if isinstance(m, Mode) else m.label(), runs, mode.name, mode.synchronous))
+    return out
 
 
 def strongest_sync(summaries: list[ModeSummary]) -> ModeSummary:
     """The synchronous (on-policy) mode with the highest mean trained tokens per second."""
-    sync = [m for m in summaries if not m.label.startswith("async")]
+    sync = [m for m in summaries if m.synchronous]
     return max(sync, key=lambda m: m.figure("trained_tokens_per_s")[0])
