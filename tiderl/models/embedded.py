@@ -353,6 +353,21 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
     """Cross-entropy on the assistant tokens of `traces` (AdamW, warm-up then cosine decay over
     `steps`). With `check`, `check(step)` runs after every `check_every` steps and training stops
     at the first True (so `steps` is a cap). Returns the loss of every step taken."""
+    # One intra-op thread, whatever count an earlier step of the build left behind (the agent
+    # loop sets it to the cores other processes leave free at that moment): for this model a
+    # second thread gains little when the cores are idle, and when another process holds a core,
+    # OpenMP's threads wait for each other at every operation (measured on a shared 2-core machine:
+    # 1.7 CPU-seconds per step with two threads, 0.1 with one). It also makes the warm start's
+    # arithmetic, and so the model, independent of the machine's load.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every) -> list[float]:
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
