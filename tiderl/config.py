@@ -71,8 +71,8 @@ class WarmStartConfig:
         0.0, "Stop the warm start once the model copies: every copy_check_every steps, greedy answers to "
         "copy_check_size training questions about numbers kept out of the demonstrations are checked, and "
         "training stops when, for every kind of question, at least this fraction is a copied variant (the "
-        "right or the confused answer). `steps` is then the cap (a warning if it is hit). 0 = off: exactly "
-        "`steps` steps. math data.source=place_value only.")
+        "right or the confused answer), at a constant learning rate after warm-up. `steps` is then the cap (a "
+        "warning if it is hit). 0 = off: exactly `steps` steps, cosine decay. math data.source=place_value only.")
     copy_check_every: int = opt(25, "Supervised steps between copy checks (with copy_check_threshold > 0).")
     copy_check_size: int = opt(400, "Questions in the copy check (with copy_check_threshold > 0).")
 

@@ -108,6 +108,8 @@ def _warmstart_recipe(cfg: RunConfig) -> dict:
     if cfg.model.warmstart.copy_check_threshold <= 0:
         for key in COPY_CHECK_KEYS:
             del recipe[key]
+    else:  # the schedule the check brings (`supervised_finetune(decay=False)`)
+        recipe["schedule"] = "constant until the copy check passes"
     return recipe
 
 
@@ -238,7 +240,8 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
     if ws.copy_check_threshold > 0:
         check, check_report = _copy_check(cfg, setup, tokenizer, model, log)
     losses = supervised_finetune(model, traces, tokenizer.pad_token_id, ws.steps, ws.batch_size,
-                                 ws.lr, cfg.seed, log=log, check=check, check_every=ws.copy_check_every)
+                                 ws.lr, cfg.seed, log=log, check=check, check_every=ws.copy_check_every,
+                                 decay=check is None)
     model.eval()
     if check_report:
         check_report["steps"] = len(losses)
@@ -349,10 +352,11 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
 
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
-                        log=_log, check=None, check_every: int = 0) -> list[float]:
-    """Cross-entropy on the assistant tokens of `traces` (AdamW, warm-up then cosine decay over
-    `steps`). With `check`, `check(step)` runs after every `check_every` steps and training stops
-    at the first True (so `steps` is a cap). Returns the loss of every step taken."""
+                        log=_log, check=None, check_every: int = 0, decay: bool = True) -> list[float]:
+    """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
+    `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate). With
+    `check`, `check(step)` runs after every `check_every` steps and at the last one, and training
+    stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
     # One intra-op thread, whatever count an earlier step of the build left behind (the agent
     # loop sets it to the cores other processes leave free at that moment): for this model a
     # second thread gains little when the cores are idle, and when another process holds a core,
@@ -362,18 +366,19 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every)
+        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every, decay)
     finally:
         torch.set_num_threads(threads)
 
 
-def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every) -> list[float]:
+def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every,
+                      decay) -> list[float]:
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
+        * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
     model.train()
     losses = []
     for step in range(steps):
