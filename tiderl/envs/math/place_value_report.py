@@ -1,9 +1,11 @@
 """Per kind, what a `place_value` run's models answer on its held-out questions.
 
-    python -m tiderl.envs.math.place_value_report runs/math_place_cc_s0 [more run dirs]
+    python -m tiderl.envs.math.place_value_report runs/math_place_p3_s0 [more run dirs]
+    python -m tiderl.envs.math.place_value_report RUN_DIR --before MODEL_DIR
 
 For each run dir written by `tiderl demo` (its `config.yaml`, `checkpoints/final/actor`), the
-warm-started model (the embedded model the config names, from its cache) and the trained one
+warm-started model (the embedded model the config names, from its cache, or `--before`: a run
+made with other tiderl source has its model under another cache key) and the trained one
 answer the run's held-out questions greedily, and each answer is sorted: *right*, *confused*
 (the kind's confused variant, as the warm start's demonstrations give it at the kind's rate), or
 *neither* (a digit copied wrong, left out or added, or no answer). It prints, per kind, the
@@ -54,7 +56,7 @@ def outcomes_by_kind(model_dir: str | Path, cfg: RunConfig, setup: Setup) -> dic
     return counts
 
 
-def report(run_dir: Path) -> str:
+def report(run_dir: Path, before_dir: Path | None = None) -> str:
     """The per-kind table of one run dir (module docstring)."""
     from tiderl.models.embedded import embedded_model_dir
 
@@ -62,7 +64,8 @@ def report(run_dir: Path) -> str:
     if cfg.data.source != "place_value":
         raise ValueError(f"{run_dir} is a data.source={cfg.data.source} run; this report is for place_value")
     setup = load_setup(cfg)
-    before_dir = embedded_model_dir(cfg) if cfg.model.path == "tiny" else Path(cfg.model.path).expanduser()
+    if before_dir is None:
+        before_dir = embedded_model_dir(cfg) if cfg.model.path == "tiny" else Path(cfg.model.path).expanduser()
     after_dir = run_dir / "checkpoints" / "final" / "actor"
     for path in (before_dir, after_dir):
         if not path.is_dir():
@@ -84,11 +87,18 @@ def report(run_dir: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-        return 2
-    for run_dir in argv:
-        print(report(Path(run_dir)), flush=True)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tiderl.envs.math.place_value_report",
+                                     description="Per kind, a place_value run's held-out answers before and after.")
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--before", type=Path, default=None,
+                        help="the warm-started model dir (one run dir only; default: the config's cached model)")
+    args = parser.parse_args(argv)
+    if args.before is not None and len(args.run_dirs) != 1:
+        parser.error("--before goes with exactly one run dir")
+    for run_dir in args.run_dirs:
+        print(report(run_dir, args.before), flush=True)
     return 0
 
 
