@@ -222,3 +222,15 @@ def test_warm_start_that_hits_its_cap_warns_and_says_so_in_the_build_report(tmp_
     assert report["sft_steps"] == 5 and check["passed"] is False and check["questions"] == 16
     assert [h["step"] for h in check["history"]] == [2, 4, 5]
     assert all(0.0 <= rate < 1.0 for h in check["history"] for rate in h["per_kind"].values())
+
+
+def test_place_value_report_sorts_answers_into_right_confused_and_neither():
+    from tiderl.envs.math.place_value_report import main, outcome
+
+    task = place_value_tasks(0, 40, 8)[1][0]
+    assert outcome(task, f"Final Answer: {task.answer}") == "right"
+    confused = calculate(task.meta["confusion"])
+    assert outcome(task, f"Final Answer: {confused}") == ("right" if confused == task.answer else "confused")
+    assert outcome(task, "Final Answer: 12345") == "neither" and outcome(task, "no answer") == "neither"
+    with pytest.raises(SystemExit):  # --before names one run's model, so it takes one run dir
+        main(["runs/a", "runs/b", "--before", "some/model"])
