@@ -113,16 +113,124 @@ def test_place_value_tiny_model_builds_trains_and_evaluates(tmp_path):
         "model.warmstart.num_traces=200", "model.warmstart.steps=20", "model.warmstart.batch_size=16",
         "rollout.batch_size=8", "train.steps=2", "algo.critic_warmup_steps=1", "log.progress=false",
         f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
-    run = build_run(cfg)
+    with pytest.warns(RuntimeWarning, match="hit its cap"):  # 20 steps do not teach the copy
+        run = build_run(cfg)
     model_dir = Path(run.model_path)
     assert model_dir.name.startswith("math-tiny-place_value-")
     report = json.loads((model_dir / "tiderl_build.json").read_text())
     assert report["demonstrations"] == 200 and 0.0 < report["demonstration_success"] < 1.0
     assert set(report["confusion_rates"]) == {k.name for k in PLACE_VALUE_KINDS}
     assert report["sft_loss_last"] < report["sft_loss_first"]
+    assert report["sft_steps"] == 20 and report["copy_check"]["passed"] is False
     history, _ = train(run)
     assert len(history) == 2 and run.step == 2
     assert all(0.0 <= h["success"] <= 1.0 for h in history)
     result = evaluate(run.engine, run.tokenizer, run.make_env, run.setup.eval_tasks, cfg.env, cfg.rollout,
                       greedy=True)
     assert result["n"] == 16 and 0.0 <= result["success"] <= 1.0
+
+
+# The warm start's copy check (model.warmstart.copy_check_*): the config trains until the model
+# copies, rather than for a fixed number of steps.
+
+def test_copy_check_asks_about_numbers_the_demonstrations_never_show():
+    from tiderl.envs.math.setup import copy_check, copy_check_numbers
+
+    cfg = load_config(CONFIG)
+    assert cfg.model.warmstart.copy_check_threshold > 0  # the config uses the rule
+    setup = load_setup(cfg)
+    kept_out = copy_check_numbers(setup, cfg.seed)
+    train_numbers = {t.meta["number"] for t in setup.train_tasks}
+    assert kept_out < train_numbers and len(kept_out) == len(train_numbers) // 8
+    tasks, scripts, copied = copy_check(setup, cfg)
+    assert len(tasks) == cfg.model.warmstart.copy_check_size
+    assert {t.meta["number"] for t in tasks} <= kept_out  # training questions, never held-out ones
+    assert {t.prompt for t in tasks} <= {t.prompt for t in setup.train_tasks}
+    demonstrated, _, _ = demonstrations(setup, cfg, random.Random(0))
+    assert not {t.meta["number"] for t in demonstrated} & kept_out
+    # With the rule off, the demonstrations are drawn from every training question, as before it.
+    off = load_config(CONFIG, ["model.warmstart.copy_check_threshold=0"])
+    assert {t.meta["number"] for t in demonstrations(setup, off, random.Random(0))[0]} & kept_out
+    # The judge: the right and the confused answer are copies, a digit copied wrong is not.
+    task = next(t for t in tasks if t.meta["kind"] == "times_ten")
+    n = str(task.meta["number"])
+    wrong_digit = str((int(n[1]) + 1) % 10)
+    assert copied(task, f"Final Answer: {n}0") and copied(task, f"Final Answer: {n}00")
+    assert not copied(task, f"Final Answer: {n[0]}{wrong_digit}{n[2]}0")
+    assert not copied(task, "no answer") and scripts[0] == [f"Final Answer: {tasks[0].answer}"]
+    with pytest.raises(ValueError, match="data.source=place_value"):
+        copy_check(load_setup(load_config("configs/math_digits_sao_tiny.yaml")), cfg)
+
+
+def test_copy_check_settings_are_validated():
+    from tiderl.config import ConfigError
+
+    for override, field in (("model.warmstart.copy_check_threshold=1.5", "copy_check_threshold"),
+                            ("model.warmstart.copy_check_every=0", "copy_check_every"),
+                            ("model.warmstart.copy_check_size=2", "copy_check_size")):
+        with pytest.raises(ConfigError, match=f"model.warmstart.{field}"):
+            load_config(CONFIG, [override])
+
+
+def test_supervised_warm_start_stops_at_the_first_passing_check():
+    import torch
+
+    from tiderl.models.embedded import supervised_finetune
+    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.types import Trajectory
+
+    model = init_tiny_model(tiny_qwen2_config(16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                              max_position_embeddings=16), 0)
+    traces = [Trajectory(tokens=[3, 4, 5, 6], loss_mask=[0, 0, 1, 1], behavior_logprobs=[0.0] * 4,
+                         policy_version=[0] * 4) for _ in range(4)]
+    checked = []
+    threads = torch.get_num_threads()
+
+    def check(step):  # passes on its second call
+        checked.append(step)
+        return len(checked) == 2
+
+    losses = supervised_finetune(model, traces, 0, 100, 2, 1e-3, 0, log=lambda _: None,
+                                 check=check, check_every=3)
+    assert checked == [3, 6] and len(losses) == 6
+    assert torch.get_num_threads() == threads  # the warm start's one thread is given back
+    # A check that never passes: every check_every steps, and the cap's model too.
+    checked.clear()
+    losses = supervised_finetune(model, traces, 0, 7, 2, 1e-3, 0, log=lambda _: None,
+                                 check=lambda step: checked.append(step) and False, check_every=3)
+    assert checked == [3, 6, 7] and len(losses) == 7 and torch.isfinite(torch.tensor(losses)).all()
+
+
+def test_warm_start_that_hits_its_cap_warns_and_says_so_in_the_build_report(tmp_path):
+    """A real (toy) build under a threshold no 4-step model reaches: the check runs on the
+    model's greedy answers every 2 steps and at the cap, the build warns, and the report records
+    every check and that none passed."""
+    import json
+
+    from tiderl.models.embedded import ensure_embedded_model
+
+    cfg = load_config(CONFIG, [
+        "data.num_train_tasks=200", "data.eval_size=8", "model.tiny.vocab_size=400",
+        "model.tiny.hidden_size=32", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+        "model.warmstart.num_traces=32", "model.warmstart.steps=5", "model.warmstart.batch_size=8",
+        "model.warmstart.copy_check_every=2", "model.warmstart.copy_check_size=16",
+        "model.warmstart.copy_check_threshold=1.0", f"model.cache_dir={tmp_path}"])
+    with pytest.warns(RuntimeWarning, match="hit its cap of model.warmstart.steps=5 steps before the copy check"):
+        path = ensure_embedded_model(cfg, load_setup(cfg), log=lambda _: None)
+    report = json.loads((path / "tiderl_build.json").read_text())
+    check = report["copy_check"]
+    assert report["sft_steps"] == 5 and check["passed"] is False and check["questions"] == 16
+    assert [h["step"] for h in check["history"]] == [2, 4, 5]
+    assert all(0.0 <= rate < 1.0 for h in check["history"] for rate in h["per_kind"].values())
+
+
+def test_place_value_report_sorts_answers_into_right_confused_and_neither():
+    from tiderl.envs.math.place_value_report import main, outcome
+
+    task = place_value_tasks(0, 40, 8)[1][0]
+    assert outcome(task, f"Final Answer: {task.answer}") == "right"
+    confused = calculate(task.meta["confusion"])
+    assert outcome(task, f"Final Answer: {confused}") == ("right" if confused == task.answer else "confused")
+    assert outcome(task, "Final Answer: 12345") == "neither" and outcome(task, "no answer") == "neither"
+    with pytest.raises(SystemExit):  # --before names one run's model, so it takes one run dir
+        main(["runs/a", "runs/b", "--before", "some/model"])

@@ -67,6 +67,14 @@ class WarmStartConfig:
     steps: int = opt(500, "Supervised optimizer steps.")
     batch_size: int = opt(32, "Traces per supervised step.")
     lr: float = opt(3e-3, "Supervised learning rate (AdamW, cosine decay).")
+    copy_check_threshold: float = opt(
+        0.0, "Stop the warm start once the model copies: every copy_check_every steps, greedy answers to "
+        "copy_check_size training questions about numbers kept out of the demonstrations are checked, and "
+        "training stops when, for every kind of question, at least this fraction is a copied variant (the "
+        "right or the confused answer), at a constant learning rate after warm-up. `steps` is then the cap (a "
+        "warning if it is hit). 0 = off: exactly `steps` steps, cosine decay. math data.source=place_value only.")
+    copy_check_every: int = opt(25, "Supervised steps between copy checks (with copy_check_threshold > 0).")
+    copy_check_size: int = opt(400, "Questions in the copy check (with copy_check_threshold > 0).")
 
 
 @dataclass
@@ -930,6 +938,11 @@ def validate(cfg: RunConfig) -> None:
          "must be at least env.max_total_tokens", "raise model.tiny.max_positions")
     need(0 <= cfg.model.warmstart.relation_noise <= 1, "model.warmstart.relation_noise",
          "must be in [0, 1]", "use 0.5")
+    ws = cfg.model.warmstart
+    need(0 <= ws.copy_check_threshold <= 1, "model.warmstart.copy_check_threshold", "must be in [0, 1]",
+         "use 0 (off) or e.g. 0.9")
+    need(ws.copy_check_every >= 1, "model.warmstart.copy_check_every", "must be >= 1", "use 25")
+    need(ws.copy_check_size >= 8, "model.warmstart.copy_check_size", "must be >= 8", "use 400")
     sysc = cfg.system
     need(sysc.max_staleness >= 0, "system.max_staleness", "must be >= 0",
          "use 0 (synchronous) or e.g. 2")

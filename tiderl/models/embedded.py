@@ -13,7 +13,10 @@ user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`). Building it:
    observations), with the ChatML chat template;
 3. the traces as token sequences, assembled by the agent loop itself (a scripted engine emits the
    oracle turns), so supervised data and RL rollouts share one token layout;
-4. supervised fine-tuning (cross-entropy on the assistant tokens only).
+4. supervised fine-tuning (cross-entropy on the assistant tokens only): `warmstart.steps` steps,
+   or, with `warmstart.copy_check_threshold` > 0, until the model passes its environment's copy
+   check (`COPY_CHECKS`: greedy answers to training questions kept out of the demonstrations),
+   with `warmstart.steps` as the cap.
 
 Another environment can have an embedded model too: `DEMONSTRATIONS` maps its `env.name` to a
 function `(setup, cfg, rng) -> (tasks, scripts, report entries)` that replaces step 1 (the math
@@ -29,6 +32,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,6 +63,12 @@ BUILD_VERSION = 1
 DEMONSTRATIONS: dict[str, str] = {
     "math": "tiderl.envs.math.setup:demonstrations",
 }
+# env.name -> import path of its warm-start copy check, `(setup, cfg) -> (tasks, scripts,
+# copied(task, text) -> bool)` (`warmstart.copy_check_threshold`; the tasks carry meta["kind"]).
+COPY_CHECKS: dict[str, str] = {
+    "math": "tiderl.envs.math.setup:copy_check",
+}
+COPY_CHECK_KEYS = ("copy_check_threshold", "copy_check_every", "copy_check_size")
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -74,7 +84,7 @@ def build_key(cfg: RunConfig) -> str:
     recipe = {
         "version": BUILD_VERSION,
         "tiny": asdict(cfg.model.tiny),
-        "warmstart": asdict(cfg.model.warmstart),
+        "warmstart": _warmstart_recipe(cfg),
         # Only what shapes the demonstrations: not where data lives, not the eval sample, not
         # simulated latency (a benchmark must not rebuild the model per latency setting).
         "data": {k: v for k, v in asdict(cfg.data).items() if k not in ("data_dir", "eval_size", "split")},
@@ -89,6 +99,18 @@ def build_key(cfg: RunConfig) -> str:
         # text is part of the key.
         recipe["source"] = _source_digest(("tiderl.envs.math.data", "tiderl.envs.math.setup"))
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _warmstart_recipe(cfg: RunConfig) -> dict:
+    """The warm-start settings a build depends on: the copy check's only when it is on (so the
+    keys, and caches, of builds without it stay what they were before it existed)."""
+    recipe = asdict(cfg.model.warmstart)
+    if cfg.model.warmstart.copy_check_threshold <= 0:
+        for key in COPY_CHECK_KEYS:
+            del recipe[key]
+    else:  # the schedule the check brings (`supervised_finetune(decay=False)`)
+        recipe["schedule"] = "constant until the copy check passes"
+    return recipe
 
 
 def _source_digest(modules: tuple[str, ...]) -> str:
@@ -214,20 +236,92 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
     log(f"[tiderl] {len(traces)} demonstrations, {demo_success:.2f} of them succeed; "
         f"tokenizer {len(tokenizer)} tokens; model "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    check, check_report = None, {}
+    if ws.copy_check_threshold > 0:
+        check, check_report = _copy_check(cfg, setup, tokenizer, model, log)
     losses = supervised_finetune(model, traces, tokenizer.pad_token_id, ws.steps, ws.batch_size,
-                                 ws.lr, cfg.seed, log=log)
+                                 ws.lr, cfg.seed, log=log, check=check, check_every=ws.copy_check_every,
+                                 decay=check is None)
     model.eval()
+    if check_report:
+        check_report["steps"] = len(losses)
+        if not check_report["passed"]:
+            message = (f"the warm start hit its cap of model.warmstart.steps={ws.steps} steps before the copy "
+                       f"check passed (every kind >= {ws.copy_check_threshold}; last per-kind rates "
+                       f"{check_report['history'][-1]['per_kind'] if check_report['history'] else 'none'}): "
+                       "the model does not copy reliably, so RL on it may not learn. Fix: raise "
+                       "model.warmstart.steps, or lower model.warmstart.copy_check_threshold")
+            log(f"[tiderl] WARNING: {message}")
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
     save_model_dir(model, tokenizer, out_dir)
     return {
         "build_version": BUILD_VERSION,
         "demonstrations": len(traces),
         "demonstration_success": demo_success,
         **entries,
-        "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
+        "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "sft_steps": len(losses),
+        **({"copy_check": check_report} if check_report else {}),
         "parameters": sum(p.numel() for p in model.parameters()),
         "build_s": time.perf_counter() - t_start,
         "key": build_key(cfg),
     }
+
+
+def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module, log=_log):
+    """The warm start's stopping rule: `(check(step) -> passed, report)`. `check` answers the
+    environment's copy-check questions greedily with `model` and passes when, for every kind of
+    question, at least `warmstart.copy_check_threshold` of the answers are copied variants;
+    `report` records every check and whether one passed."""
+    from collections import defaultdict
+
+    from tiderl.registry import load_object
+
+    ws = cfg.model.warmstart
+    if cfg.env.name not in COPY_CHECKS:
+        raise ValueError(f"model.warmstart.copy_check_threshold has no copy check for env.name={cfg.env.name}. "
+                         f"Fix: set model.warmstart.copy_check_threshold=0 (it exists for {', '.join(COPY_CHECKS)}).")
+    tasks, scripts, copied = load_object(COPY_CHECKS[cfg.env.name], "copy check")(setup, cfg)
+    prompts = [t.tokens[:t.loss_mask.index(1)] for t in scripted_traces(tokenizer, setup, tasks, scripts, cfg)]
+    report = {"threshold": ws.copy_check_threshold, "questions": len(tasks), "passed": False, "history": []}
+
+    def check(step: int) -> bool:
+        turns = greedy_turns(model, prompts, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                             cfg.rollout.max_new_tokens)
+        right, total = defaultdict(int), defaultdict(int)
+        for task, turn in zip(tasks, turns):
+            kind = task.meta["kind"]
+            total[kind] += 1
+            right[kind] += copied(task, tokenizer.decode(turn, skip_special_tokens=True))
+        per_kind = {k: round(right[k] / total[k], 3) for k in sorted(total)}
+        overall = sum(right.values()) / len(tasks)
+        passed = min(per_kind.values()) >= ws.copy_check_threshold
+        report["history"].append({"step": step, "overall": round(overall, 3), "per_kind": per_kind})
+        report["passed"] = passed
+        log(f"[tiderl] copy check at step {step}: {overall:.3f} copied (lowest kind "
+            f"{min(per_kind.values()):.3f}, needs {ws.copy_check_threshold}){': passed' if passed else ''}")
+        return passed
+
+    return check, report
+
+
+@torch.no_grad()
+def greedy_turns(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, eos_id: int,
+                 max_new_tokens: int, batch_size: int = 128) -> list[list[int]]:
+    """The greedy continuation of each prompt (left-padded batches), up to and without eos."""
+    was_training = model.training
+    model.eval()
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
+        for row in generated[:, width:].tolist():
+            out.append(row[:row.index(eos_id)] if eos_id in row else row)
+    model.train(was_training)
+    return out
 
 
 def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[list[str]],
@@ -258,14 +352,33 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
 
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
-                        log=_log) -> list[float]:
-    """Cross-entropy on the assistant tokens of `traces` (AdamW, warm-up then cosine decay)."""
+                        log=_log, check=None, check_every: int = 0, decay: bool = True) -> list[float]:
+    """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
+    `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate). With
+    `check`, `check(step)` runs after every `check_every` steps and at the last one, and training
+    stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
+    # One intra-op thread, whatever count an earlier step of the build left behind (the agent
+    # loop sets it to the cores other processes leave free at that moment): for this model a
+    # second thread gains little when the cores are idle, and when another process holds a core,
+    # OpenMP's threads wait for each other at every operation (measured on a shared 2-core machine:
+    # 1.7 CPU-seconds per step with two threads, 0.1 with one). It also makes the warm start's
+    # arithmetic, and so the model, independent of the machine's load.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every, decay)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every,
+                      decay) -> list[float]:
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
+        * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
     model.train()
     losses = []
     for step in range(steps):
@@ -286,5 +399,9 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
         losses.append(loss_value)
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             log(f"[tiderl] warm-start step {step + 1}/{steps}: loss {loss_value:.4f}")
+        due = (step + 1) % max(1, check_every) == 0 or step == steps - 1  # the cap's model is checked too
+        if check is not None and due and check(step + 1):
+            log(f"[tiderl] warm start stopped at step {step + 1} (copy check passed; loss {loss_value:.4f})")
+            break
     return losses
 

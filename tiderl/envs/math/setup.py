@@ -155,7 +155,11 @@ def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[
                          "one of those, or pass a real model (model.path=DIR) for the math benchmarks.")
     draw_rates = spread_confusion_rates if setup.name == "place_value" else confusion_rates
     rates = draw_rates(cfg.model.warmstart.relation_noise, cfg.seed, GENERATED_KINDS[setup.name])
-    tasks = [rng.choice(setup.train_tasks) for _ in range(cfg.model.warmstart.num_traces)]
+    pool = setup.train_tasks
+    if cfg.model.warmstart.copy_check_threshold > 0:  # the copy check's numbers are not demonstrated
+        kept_out = copy_check_numbers(setup, cfg.seed)
+        pool = [t for t in pool if t.meta["number"] not in kept_out]
+    tasks = [rng.choice(pool) for _ in range(cfg.model.warmstart.num_traces)]
     scripts = []
     for task in tasks:
         confused = rng.random() < rates[task.meta["kind"]]
@@ -175,3 +179,34 @@ def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[
         else:  # single turn: the (possibly confused) result, boxed
             scripts.append([f"\\boxed{{{result}}}"])
     return tasks, scripts, {"confusion_rates": {k: round(r, 3) for k, r in rates.items()}}
+
+
+def copy_check_numbers(setup: Setup, seed: int) -> set[int]:
+    """A `seed`-drawn eighth of the numbers of a place_value setup's training questions: the
+    warm start's copy check asks about them and its demonstrations never do, so passing the
+    check means copying digits of numbers the supervised model never saw (as the held-out
+    questions need), measured without touching the held-out split."""
+    numbers = sorted({t.meta["number"] for t in setup.train_tasks})
+    return set(random.Random(f"copy-check-{seed}").sample(numbers, max(1, len(numbers) // 8)))
+
+
+def copy_check(setup: Setup, cfg: "RunConfig") -> tuple[list[Task], list[list[str]], Any]:
+    """The warm start's copy check (`model.warmstart.copy_check_threshold`, place_value only):
+    up to `model.warmstart.copy_check_size` training questions about `copy_check_numbers`, their
+    reference scripts (which give the prompts the RL layout), and `copied(task, text) -> bool`:
+    whether a model turn's answer is a copied variant, the right answer or the confused one
+    (which of the two is the demonstrations' business; a digit copied wrong is neither)."""
+    if setup.name != "place_value":
+        raise ValueError(f"model.warmstart.copy_check_threshold is defined for data.source=place_value, not "
+                         f"{setup.name!r}. Fix: set model.warmstart.copy_check_threshold=0.")
+    from tiderl.envs.math.extract import extract_answer
+
+    kept_out = copy_check_numbers(setup, cfg.seed)
+    tasks = [t for t in setup.train_tasks if t.meta["number"] in kept_out]
+    tasks = random.Random(f"copy-check-tasks-{cfg.seed}").sample(
+        tasks, min(len(tasks), cfg.model.warmstart.copy_check_size))
+
+    def copied(task: Task, text: str) -> bool:
+        return extract_answer(text).answer in (task.answer, calculate(task.meta["confusion"]))
+
+    return tasks, [[f"Final Answer: {t.answer}"] for t in tasks], copied
