@@ -171,6 +171,13 @@ class TorchEngine:
         self._last_logits_only = {
             name: 1 for name in ("logits_to_keep", "num_logits_to_keep") if name in forward_args
         }
+        # Those arguments make the model slice its hidden states `[rows, length, hidden]` to the
+        # view `[:, -1:]`, whose rows are `length` apart in memory. Given that strided view, the
+        # output projection of torch 2.13 in bf16 on a CPU costs what all `length` positions would:
+        # 4.3 GB and seconds more per prefill of 16 rows of 665 tokens with Qwen2.5's 151,936-token
+        # head (benchmarks/engine_memory.py), against a few MB for a contiguous copy. So the
+        # engine's own copy of the model hands its head a contiguous input.
+        self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         # The raw `tokenizers` decoder is ~10x cheaper per call than `tokenizer.decode`, which
         # matters because stop strings are checked after every token of every row.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -293,6 +300,32 @@ class TorchEngine:
         """How many sessions have a kept prefix cache now."""
         with self._inbox_lock:
             return len(self._kept)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes in the cache (all layers)."""
+        text = self.model.config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * element
+
+    def memory(self) -> dict[str, int]:
+        """What the KV caches hold now, in bytes: `batch_bytes`, the storage of the running batch's
+        cache (padding and spare columns included); `kept_bytes`, the kept prefix caches;
+        `needed_bytes`, the KV of the tokens those rows and kept caches hold (no padding).
+        Any thread (a snapshot; the decoding thread may change the batch meanwhile)."""
+        cache, rows = self._cache, list(self._rows)
+        storages: dict[int, int] = {}
+        for layer in getattr(cache, "layers", None) or []:
+            for t in (getattr(layer, "_key_buffer", None), getattr(layer, "_value_buffer", None),
+                      getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    storage = t.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        with self._inbox_lock:
+            kept_bytes = self._kept_bytes
+            kept_tokens = sum(len(k.tokens) for k in self._kept.values())
+        needed = (sum(len(row.fed) for row in rows) + kept_tokens) * self.kv_bytes_per_token()
+        return {"batch_bytes": sum(storages.values()), "kept_bytes": kept_bytes, "needed_bytes": needed}
 
     def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
         check_request(prompt, params, i, self._vocab_size, self._max_positions)
@@ -632,6 +665,13 @@ class TorchEngine:
             if self._fingerprint is None:
                 self._fingerprint = weights_checksum(self.model.state_dict())
             return self._fingerprint
+
+
+def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A forward pre-hook: the module's first input made contiguous (a no-op when it is)."""
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return args
 
 
 def _contains_stop(text: str, stops: list[str]) -> bool:

@@ -1,0 +1,291 @@
+"""Resident memory of the torch engine with a real model, against the KV cache its episodes need.
+
+Drives `TorchEngine` (continuous batching, prefix reuse) with Qwen2.5-Coder-0.5B-Instruct (bf16)
+on scripted multi-turn episodes shaped like AgentBench DB ones: a chat prompt of about 650 tokens,
+3-5 turns, about 60 sampled tokens per turn (greedy, a per-turn `max_new_tokens` so that rows
+leave at different steps), and a scripted observation of about 100 tokens appended after each
+turn (with the next assistant header, as the agent loop does). The episodes' sessions reuse their
+kept caches; a finished episode ends its session. Each setting (8, 16, 32 episodes in flight)
+runs in a fresh process, so that its peak resident memory (VmHWM) is its own.
+
+Reported per setting: resident memory once the engine is built (weights), its peak during the
+episodes, the peak of the KV bytes the engine holds (batch cache buffers + kept caches, from
+`TorchEngine.memory()`), and the KV bytes the rows' tokens need (`needed`). A setting stops and
+reports when its resident memory passes `--rss-limit-gb` (default 16).
+
+    .venv/bin/python benchmarks/engine_memory.py                 # 8/16/32 in flight, 3-5 turns
+    .venv/bin/python benchmarks/engine_memory.py --quick         # 3 turns of ~20 tokens
+    .venv/bin/python benchmarks/engine_memory.py --baseline      # + each setting before the fix
+    .venv/bin/python benchmarks/engine_memory.py --profile 16    # + torch.profiler's top memory ops
+
+The baseline (`--baseline`) is the engine as it was before its output head was handed a
+contiguous input: the model's `logits_to_keep` slice `[:, -1:]` of the prefill's hidden states,
+a strided view, made torch's bf16 CPU projection cost as much as for every prompt position
+(minutes and gigabytes at 32 rows; the limit below bounds it).
+
+`--model` (or $TIDERL_ENGINE_MEMORY_MODEL) names the model directory; without it the script
+prints why and exits 0. Last line: per setting the peak RSS (and the baseline's, with the ratio
+baseline / now), the peak RSS growth over the weights and the peak KV bytes held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT_MODEL = Path.home() / ".cache/tiderl/models/qwen2.5-coder-0.5b-instruct"
+GB = 1e9
+
+SYSTEM = ("You answer questions about a SQL database (or change it) by calling tools. Make one call "
+          "per turn and read its result. ")
+QUESTION = ("Table Players has columns Name, Age, Team, Goals, Assists, Position, Country, Salary. "
+            "Which players older than {age} from team {team} scored more than {goals} goals?")
+
+
+def _status_kb(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM) in kB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM to the current resident size (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _prompt_tokens(tokenizer, i: int, length: int, rng: random.Random) -> list[int]:
+    """A chat prompt of about `length` tokens: the system text padded with schema-like lines."""
+    lines = [SYSTEM]
+    while True:
+        system = "\n".join(lines)
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": QUESTION.format(age=20 + i % 15, team=f"T{i}", goals=i % 9)}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if len(ids) >= length:
+            return ids
+        lines.append(f'- column {rng.choice(["Name", "Age", "Team", "Goals"])}_{len(lines)}: '
+                     f'{{"type": "string", "description": "value {rng.randint(0, 999)} of the row"}}')
+
+
+def _observation_tokens(tokenizer, length: int, rng: random.Random) -> list[int]:
+    """A tool result of about `length` tokens, then the next assistant header."""
+    rows = []
+    text = ""
+    while len(tokenizer.encode(text, add_special_tokens=False)) < length:
+        rows.append(f"('player_{rng.randint(0, 9999)}', {rng.randint(18, 40)}, 'T{rng.randint(0, 99)}')")
+        text = "[" + ", ".join(rows) + "]"
+    wrapped = f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(wrapped, add_special_tokens=False)
+
+
+def run_setting(args: argparse.Namespace) -> dict:
+    """One setting, in this process: build the engine, play the episodes, return the figures."""
+    import torch
+
+    from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.rollout.base import SamplingParams
+    from tiderl.rollout.torch_engine import TorchEngine
+
+    torch.set_num_threads(args.threads)
+    n = args.in_flight
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype="bfloat16")
+    engine = TorchEngine(model, tokenizer, max_batch_size=n)
+    if args.strided_head:  # the engine before the fix: its output head takes the strided slice
+        engine.model.get_output_embeddings()._forward_pre_hooks.clear()
+    del model  # the engine holds its own copy; the caller's is not what is measured
+    import gc
+
+    gc.collect()
+    weights_kb = _status_kb("VmRSS")
+    _reset_peak()  # VmHWM from here on: the episodes' peak, not the loading's
+    per_token = engine.kv_bytes_per_token()
+
+    rng = random.Random(args.seed)
+    episodes = []
+    for i in range(n):
+        turns = rng.randint(*args.turns)
+        episodes.append({
+            "prompt": _prompt_tokens(tokenizer, i, rng.randint(args.prompt - 100, args.prompt), rng),
+            "turns": turns,
+            "max_new": [rng.randint(args.new_tokens // 2, args.new_tokens * 3 // 2) for _ in range(turns)],
+            "obs": [rng.randint(args.observation // 2, args.observation * 3 // 2) for _ in range(turns)],
+            "done": 0,
+        })
+    for e in episodes:  # tokenized before the clock starts
+        e["obs"] = [_observation_tokens(tokenizer, k, rng) for k in e["obs"]]
+
+    peak = {"held": 0, "needed": 0, "batch": 0, "kept": 0, "rss_kb": 0}
+    stop = threading.Event()
+    over = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            rss = _status_kb("VmRSS")
+            mem = engine.memory()
+            held = mem["batch_bytes"] + mem["kept_bytes"]
+            for key, value in (("held", held), ("needed", mem["needed_bytes"]), ("batch", mem["batch_bytes"]),
+                               ("kept", mem["kept_bytes"]), ("rss_kb", rss)):
+                peak[key] = max(peak[key], value)
+            if rss > args.rss_limit_gb * GB / 1024:
+                over.set()
+                for request in list(engine._inbox) + [row.request for row in engine._rows]:
+                    request.cancelled = True
+                with engine._inbox_lock:
+                    engine._inbox.clear()
+                return
+            time.sleep(0.02)
+
+    finished = threading.Event()
+    remaining = [n]
+    generated = [0]
+
+    def submit(i: int) -> None:
+        e = episodes[i]
+        params = SamplingParams(max_new_tokens=e["max_new"][e["done"]], temperature=0.0)
+        engine.submit(e["prompt"], params, session=i, on_done=lambda result, i=i: on_done(i, result))
+
+    def on_done(i: int, result) -> None:
+        if isinstance(result, BaseException):
+            raise result
+        e = episodes[i]
+        generated[0] += len(result.token_ids)
+        e["prompt"] = e["prompt"] + result.token_ids + e["obs"][e["done"]]
+        e["done"] += 1
+        if e["done"] < e["turns"]:
+            submit(i)
+        else:
+            engine.end_session(i)
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                finished.set()
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    for i in range(n):
+        submit(i)
+    t0 = time.perf_counter()
+    profile_rows = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _serve_in_thread(engine)
+        table = prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=12,
+                                          max_name_column_width=48)
+        profile_rows = table
+    else:
+        _serve_in_thread(engine)
+    wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    return {
+        "in_flight": n,
+        "weights_gb": weights_kb * 1024 / GB,
+        "peak_rss_gb": max(peak["rss_kb"], _status_kb("VmHWM")) * 1024 / GB,
+        "held_kv_gb": peak["held"] / GB,
+        "needed_kv_gb": peak["needed"] / GB,
+        "batch_kv_gb": peak["batch"] / GB,
+        "kept_kv_gb": peak["kept"] / GB,
+        "kv_bytes_per_token": per_token,
+        "episodes_finished": n - remaining[0],
+        "generated_tokens": generated[0],
+        "wall_s": wall,
+        "stopped_at_rss_limit": over.is_set(),
+        "stats": engine.stats,
+        "profile": profile_rows,
+    }
+
+
+def _serve_in_thread(engine) -> None:
+    """Decode on a thread of its own, as the batching client does (its executor thread)."""
+    worker = threading.Thread(target=engine.serve)
+    worker.start()
+    worker.join()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=os.environ.get("TIDERL_ENGINE_MEMORY_MODEL", str(DEFAULT_MODEL)))
+    parser.add_argument("--in-flight", type=str, default="8,16,32", help="episodes in flight, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="3 turns of about 20 tokens")
+    parser.add_argument("--baseline", action="store_true", help="also run each setting before the fix")
+    parser.add_argument("--profile", type=int, default=0, help="also profile the setting with this many in flight")
+    parser.add_argument("--rss-limit-gb", type=float, default=16.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--strided-head", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.prompt, args.observation = 650, 100
+    args.turns, args.new_tokens = ((3, 3), 20) if args.quick else ((3, 5), 60)
+
+    if not (Path(args.model) / "config.json").exists():
+        print(f"engine_memory: skipped, no model directory at {args.model} (fetch it with `tiderl models fetch "
+              "qwen2.5-coder-0.5b-instruct`, or pass --model DIR)")
+        return 0
+
+    if args.child:
+        args.in_flight, args.profile = args.child, args.child_profile
+        print(json.dumps(run_setting(args)), flush=True)
+        return 0
+
+    settings = [int(x) for x in args.in_flight.split(",")]
+    runs = [(n, False, False) for n in settings] + [(n, False, True) for n in settings if args.baseline]
+    runs += [(args.profile, True, False)] if args.profile else []
+    results, baseline = [], {}
+    for n, with_profile, strided in runs:
+        command = [sys.executable, __file__, "--model", args.model, "--child", str(n), "--threads", str(args.threads),
+                   "--rss-limit-gb", str(args.rss_limit_gb), "--seed", str(args.seed)]
+        command += ["--quick"] if args.quick else []
+        command += ["--child-profile"] if with_profile else []
+        command += ["--strided-head"] if strided else []
+        out = subprocess.run(command, check=False, capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        if out.returncode != 0 or not lines:
+            print(f"in flight {n}: the process failed (exit {out.returncode}): {out.stderr[-2000:]}")
+            continue
+        r = json.loads(lines[-1])
+        if with_profile:
+            print(f"--- torch.profiler, {n} in flight, ops by self CPU memory ---\n{r['profile']}")
+            continue
+        (baseline.__setitem__(n, r) if strided else results.append(r))
+        print(f"{'baseline ' if strided else ''}in flight {n:3d}: weights {r['weights_gb']:.2f} GB, peak RSS {r['peak_rss_gb']:.2f} GB, "
+              f"KV held at peak {r['held_kv_gb']:.3f} GB (batch {r['batch_kv_gb']:.3f}, kept {r['kept_kv_gb']:.3f}), "
+              f"KV needed {r['needed_kv_gb']:.3f} GB, {r['episodes_finished']}/{n} episodes, "
+              f"{r['generated_tokens']} tokens, {r['wall_s']:.0f} s"
+              + (" STOPPED at the RSS limit" if r["stopped_at_rss_limit"] else ""), flush=True)
+    print(f"load {Path('/proc/loadavg').read_text().split()[:3]}")
+
+    def before(r: dict) -> str:
+        b = baseline.get(r["in_flight"])
+        if b is None:
+            return ""
+        limit = " or more: stopped at the limit" if b["stopped_at_rss_limit"] else ""
+        return f" (baseline {b['peak_rss_gb']:.2f} GB{limit}, ratio {b['peak_rss_gb'] / r['peak_rss_gb']:.2f})"
+
+    print("; ".join(
+        f"{r['in_flight']} in flight: peak RSS {r['peak_rss_gb']:.2f} GB{before(r)}, "
+        f"+{r['peak_rss_gb'] - r['weights_gb']:.2f} GB over weights, KV held {r['held_kv_gb']:.2f} GB"
+        + (" (stopped at limit)" if r["stopped_at_rss_limit"] else "")
+        for r in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
