@@ -32,7 +32,17 @@ that size is left out with a message saying so. It runs as published (no warm st
 two-digit numbers right some of the time), with the same system prompt on both sides, and for
 `REAL_STEPS` steps instead of `--steps` (each of its steps takes seconds, not milliseconds).
 
-Last line: tiderl/TRL tokens-per-second ratio for each size (above 1.0 = tiderl is faster).
+tiderl runs twice per repeat: as configured by default, which leaves a trajectory whose
+advantages are all 0 (a group of equal rewards) out of the actor's forward/backward passes, since
+with beta = 0 and no entropy bonus it adds exactly nothing to the gradient
+(`train.skip_zero_advantage`; the update is the same up to float rounding, tests/
+test_zero_advantage_skip.py), and with `train.skip_zero_advantage=false`, which trains on every
+row as TRL does. Both count the same sampled tokens as trained. How much the skip buys depends on
+how many groups have equal rewards (the table's "zero-advantage rows skipped" column), so the
+ratio without it is the like-for-like figure of arithmetic per token.
+
+Last line: tiderl/TRL tokens-per-second ratio for each size (above 1.0 = tiderl is faster), with
+and without the skip.
 """
 
 from __future__ import annotations
@@ -189,7 +199,7 @@ def build_model_dir(size: str, out: Path, seed: int = 0) -> Path:
 # --- the two workers (each runs in its own subprocess) ---------------------------------------------
 
 def run_tiderl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
-               system: str = "") -> dict[str, float]:
+               system: str = "", skip_zero_advantage: bool = True) -> dict[str, float]:
     from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.run import build_run
@@ -202,19 +212,27 @@ def run_tiderl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: i
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         "env.max_turns=1", f"env.max_total_tokens={MAX_TOTAL_TOKENS}", "system.max_staleness=0", f"train.steps={steps}",
         "train.save_final=false", "log.progress=false", "log.tensorboard=false", f"run_dir={run_dir}",
-        f"system.trainer_threads={threads}"])
+        f"system.trainer_threads={threads}", f"train.skip_zero_advantage={str(skip_zero_advantage).lower()}"])
     run = build_run(cfg)
-    tokens, rewards = [], []
+    tokens, rewards, skipped = [], [], []
 
     def observe(version: int, metrics: dict, batch: list) -> None:
         tokens.append(sum(t.num_action_tokens for t in batch))
         rewards.append(sum(t.reward for t in batch) / len(batch))
+        skipped.append(metrics.get("policy/zero_adv_skipped_frac", 0.0))
 
     t0 = time.perf_counter()
     train(run, steps, observer=observe)
     seconds = time.perf_counter() - t0
     return {"tokens": float(sum(tokens)), "seconds": seconds, "steps": float(len(tokens)),
-            "reward_first": rewards[0], "reward_last": statistics.fmean(rewards[-3:])}
+            "reward_first": rewards[0], "reward_last": statistics.fmean(rewards[-3:]),
+            "skipped_frac": statistics.fmean(skipped)}
+
+
+def run_tiderl_noskip(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
+                      system: str = "") -> dict[str, float]:
+    """tiderl with every trajectory through the actor's passes (`train.skip_zero_advantage=false`)."""
+    return run_tiderl(model_dir, steps, seed, run_dir, threads, system, skip_zero_advantage=False)
 
 
 def run_trl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
@@ -259,7 +277,7 @@ def run_trl(model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
             "reward_first": rewards[0], "reward_last": statistics.fmean(rewards[-3:])}
 
 
-WORKERS = {"tiderl": run_tiderl, "trl": run_trl}
+WORKERS = {"tiderl": run_tiderl, "tiderl-noskip": run_tiderl_noskip, "trl": run_trl}
 
 
 def measure(side: str, model_dir: Path, steps: int, seed: int, run_dir: Path, threads: int,
@@ -320,18 +338,18 @@ def main() -> None:
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     for r in range(args.repeats):
         for size in sizes:
-            order = ("tiderl", "trl") if (r % 2 == 0) else ("trl", "tiderl")
+            order = list(WORKERS)[r % 3:] + list(WORKERS)[:r % 3]  # each side first in turn
             for side in order:
                 real = size in REAL_MODELS
                 res = measure(side, dirs[size], REAL_STEPS if real else args.steps, args.seed + r,
                               out / f"run_{side}_{size}", args.threads, REAL_SYSTEM if real else "")
                 rows.setdefault((size, side), []).append(res)
-                print(f"repeat {r + 1} {size} {side:6s}: {res['tokens'] / res['seconds']:7.1f} tok/s "
+                print(f"repeat {r + 1} {size} {side:13s}: {res['tokens'] / res['seconds']:7.1f} tok/s "
                       f"({res['tokens']:.0f} tokens, {res['seconds']:.1f} s, reward {res['reward_first']:.2f}"
                       f"->{res['reward_last']:.2f}, load {res['load']:.2f})", flush=True)
     print("\n| size | framework | completion tok/s mean | spread (min-max) | s per run | reward first->last "
-          "| load (1-min avg) | runs |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| zero-advantage rows skipped | load (1-min avg) | runs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     means: dict[tuple[str, str], float] = {}
     for (size, side), results in rows.items():
         tps = [x["tokens"] / x["seconds"] for x in results]
@@ -340,11 +358,13 @@ def main() -> None:
               f"| {statistics.fmean(x['seconds'] for x in results):.1f} "
               f"| {statistics.fmean(x['reward_first'] for x in results):.2f}->"
               f"{statistics.fmean(x['reward_last'] for x in results):.2f} "
+              f"| {statistics.fmean(x.get('skipped_frac', 0.0) for x in results):.2f} "
               f"| {statistics.fmean(x['load'] for x in results):.2f} | {len(results)} |")
     print(f"\ntorch threads: {args.threads if args.threads > 0 else 'each framework its default'}; "
           f"{args.steps} steps ({REAL_STEPS} for {', '.join(REAL_MODELS)}) of {PROMPTS_PER_STEP} prompts x "
           f"{GROUP} completions; lr {LR}")
-    ratios = [f"{size} {means[(size, 'tiderl')] / means[(size, 'trl')]:.2f}x" for size in sizes
+    ratios = [f"{size} {means[(size, 'tiderl')] / means[(size, 'trl')]:.2f}x "
+              f"({means[(size, 'tiderl-noskip')] / means[(size, 'trl')]:.2f}x without skipping)" for size in sizes
               if math.isfinite(means[(size, 'trl')]) and means[(size, 'trl')] > 0]
     print(f"\ntiderl/TRL trained completion tokens per second: {', '.join(ratios)}")
 

@@ -381,6 +381,11 @@ class TrainConfig:
                                          "last one (checked after each step; 0 = off).")
     keep_last: int = opt(0, "Keep only the newest N step checkpoints (0 = keep all; `final` is kept).")
     save_final: bool = opt(True, "Save the full checkpoint `checkpoints/final` at the end of the run.")
+    skip_zero_advantage: bool = opt(
+        True, "Leave trajectories whose advantages are all exactly 0 (e.g. a GRPO group of equal rewards) "
+              "out of the actor's forward/backward when that cannot change the gradient: a policy loss "
+              "that vanishes at A=0, no KL in the loss, no entropy bonus. The update is the same up to "
+              "float rounding; the actor's per-token metrics then cover only the trajectories trained on.")
     nonfinite: str = opt("error", "A NaN/inf reward, loss or gradient: 'error' stops the step naming the "
                                   "task; 'skip' leaves the trajectory out (or skips the optimizer step) "
                                   "and counts it (nonfinite/*).", ("error", "skip"))

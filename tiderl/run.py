@@ -225,7 +225,8 @@ class Trainer:
                                      pad_id=run.tokenizer.pad_token_id,
                                      micro_batch_tokens=cfg.train.micro_batch_tokens,
                                      train_actor=version >= cfg.algo.critic_warmup_steps,
-                                     device=cfg.model.device, nonfinite=cfg.train.nonfinite)
+                                     device=cfg.model.device, nonfinite=cfg.train.nonfinite,
+                                     skip_zero_advantage=cfg.train.skip_zero_advantage)
         except NonFiniteError as exc:
             raise NonFiniteError(f"step {version + 1} (env.name={cfg.env.name}): {exc}") from None
         if run.critic is not None:

@@ -50,6 +50,12 @@ POLICY_LOSSES: dict[str, str] = {
     "gspo": "tiderl.algos.losses:gspo_loss",
 }
 
+# Losses whose token loss, and so its gradient, is exactly 0 on a token whose advantage is 0
+# (every term is multiplied by A_t): the trainer may leave out a trajectory whose advantages are
+# all 0 without changing the update (`zero_advantage_rows_skippable`). An import-path loss opts
+# in with the attribute `zero_at_zero_advantage = True`.
+ZERO_AT_ZERO_ADVANTAGE = ("dis", "ppo", "decoupled_ppo", "cispo", "gspo")
+
 # Losses whose ratio is taken against the trainer's recomputed (proximal) log-probs whatever
 # `algo.old_logprobs` says.
 RECOMPUTES_OLD_LOGPROBS = ("decoupled_ppo",)
@@ -109,3 +115,16 @@ def group_size(algo: Any) -> int:
 def recomputes_old_logprobs(algo: Any) -> bool:
     """True when the step recomputes the log-probs the ratio is taken against."""
     return algo.policy_loss in RECOMPUTES_OLD_LOGPROBS or algo.old_logprobs == "recompute"
+
+
+def zero_advantage_rows_skippable(algo: Any) -> bool:
+    """True when a trajectory whose advantages are all 0 contributes exactly nothing to the actor's
+    gradient: its policy loss vanishes at A = 0 (`ZERO_AT_ZERO_ADVANTAGE`, or an import-path loss
+    with `zero_at_zero_advantage = True`), no KL term is in the loss, and no entropy bonus."""
+    name = algo.policy_loss
+    if name in POLICY_LOSSES:
+        vanishes = name in ZERO_AT_ZERO_ADVANTAGE
+    else:
+        vanishes = bool(getattr(policy_loss_fn(name), "zero_at_zero_advantage", False))
+    kl_in_loss = algo.kl_coef > 0 and not algo.kl_in_reward
+    return vanishes and not kl_in_loss and algo.entropy_coef == 0

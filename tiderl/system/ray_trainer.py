@@ -104,7 +104,8 @@ class TrainerRank:
         with trainer_autocast(cfg.train.autocast, self.device):
             metrics = train_step(batch, self.actor, self.critic, self.ref, cfg.algo, pad_id=self.bundle.pad_id,
                                  micro_batch_tokens=cfg.train.micro_batch_tokens,
-                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device)
+                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device,
+                                 skip_zero_advantage=cfg.train.skip_zero_advantage)
         self.steps += 1
         return metrics
 

@@ -22,7 +22,9 @@ that filled in the options (SAO is the preset `sao`). In order:
    with `masked_whiten` when `algo.normalize_advantages`;
 5. unless `train_actor` is False (the critic-only warm-up), `algo.actor_updates` actor steps:
    the configured policy loss (`PolicyLossInputs`) aggregated with `algo.loss_agg`, plus
-   kl_coef * the KL term (KL in the loss), minus entropy_coef * the entropy term.
+   kl_coef * the KL term (KL in the loss), minus entropy_coef * the entropy term. Trajectories
+   whose advantages are all 0 are left out of these passes when that cannot change the gradient
+   (`skip_zero_advantage`).
 
 Every loss is normalised over the whole batch (`aggregation.loss_normalizer`) and a trajectory
 never straddles micro-batches, so the micro-batch split changes neither loss nor gradient.
@@ -175,6 +177,7 @@ def train_step(
     device: torch.device | str = "cpu",
     nonfinite: str = "error",
     packed: bool | None = None,
+    skip_zero_advantage: bool = True,
 ) -> dict[str, float]:
     """One optimizer step of the algorithm `cfg` describes; returns its metrics (docs/metrics.md,
     docs/algorithms.md).
@@ -189,21 +192,28 @@ def train_step(
     packed: run the policy's forward passes on packed micro-batches (`forward.packed_token_logprobs`:
     no padding tokens, logits only where a token is scored); None = whenever the model supports
     it (`forward.packs`), False = right-padded; both give the same losses and gradients.
+    skip_zero_advantage: leave trajectories whose advantages are all exactly 0 out of the actor's
+    forward/backward passes when they cannot change its gradient
+    (`registry.zero_advantage_rows_skippable`: e.g. GRPO groups of equal rewards with no KL or
+    entropy term in the loss). The loss normaliser stays the whole batch's, so the update is the
+    same up to float rounding; the actor's per-token metrics (entropy, ratios) then cover only
+    the trajectories trained on (`policy/zero_adv_skipped_frac` says how many were left out).
     """
     if nonfinite == "skip":
         try:
             return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor,
-                               device, skip=True, packed=packed)
+                               device, skip=True, packed=packed, skip_zero_advantage=skip_zero_advantage)
         except NonFiniteError as exc:  # train.nonfinite=skip: counted, logged, the weights unchanged
             logger.warning("skipping the optimizer step: %s", exc)
             return {"nonfinite/skipped_step": 1.0}
     return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
-                       skip=False, packed=packed)
+                       skip=False, packed=packed, skip_zero_advantage=skip_zero_advantage)
 
 
 def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner | None,
                 ref: torch.nn.Module | Learner | None, cfg: AlgoConfig, pad_id: int, micro_batch_tokens: int,
-                train_actor: bool, device: torch.device | str, skip: bool, packed: bool | None) -> dict[str, float]:
+                train_actor: bool, device: torch.device | str, skip: bool, packed: bool | None,
+                skip_zero_advantage: bool) -> dict[str, float]:
     if not trajectories:
         raise ValueError("train_step() got no trajectories")
     if registry.needs_critic(cfg) and critic is None:
@@ -335,10 +345,36 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     # 5. The actor.
     if train_actor:
         normalizer = loss_normalizer(mask, cfg.loss_agg, norm_length=cfg.loss_agg_length)
-        metrics.update(_train_actor(actor, local, len(micros), cfg, old, ref_lp, advantages, normalizer,
-                                    trajectories, packed))
+        actor_micros, actor_local = micros, local
+        if skip_zero_advantage and registry.zero_advantage_rows_skippable(cfg):
+            live = _rows_with_signal(advantages, mask)
+            metrics["policy/zero_adv_skipped_frac"] = 1.0 - len(live) / len(trajectories)
+            if len(live) < len(trajectories):
+                lengths = full.attention_mask.sum(dim=1).tolist()
+                actor_micros = [_Micro(torch.tensor(rows), slice_batch(full, rows).to(device))
+                                for rows in _micro_rows(live, lengths, micro_batch_tokens)]
+                actor_local = actor.local_share(actor_micros)
+        metrics.update(_train_actor(actor, actor_local, len(actor_micros), cfg, old, ref_lp, advantages,
+                                    normalizer, trajectories, packed))
     metrics["micro_batches"] = float(len(micros))
     return metrics
+
+
+def _rows_with_signal(advantages: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    """The rows with a non-zero advantage on some action token; when there is none, the shortest
+    row, so that the optimizer still steps on a (zero) gradient as it would on the whole batch
+    (AdamW moves the weights on its moments even then)."""
+    live = ((advantages != 0) & (mask > 0)).any(dim=1)
+    if bool(live.any()):
+        return live.nonzero().squeeze(1).tolist()
+    actions = mask.sum(dim=1)
+    return [int(torch.where(actions > 0, actions, torch.full_like(actions, math.inf)).argmin())]
+
+
+def _micro_rows(rows: list[int], lengths: list[int], micro_batch_tokens: int) -> list[list[int]]:
+    """`micro_batch_indices` over a subset `rows` of the batch, as batch row indices."""
+    return [[rows[i] for i in group]
+            for group in micro_batch_indices([lengths[r] for r in rows], micro_batch_tokens)]
 
 
 def _check_loss(loss: torch.Tensor, what: str, m: _Micro, trajectories: list[Trajectory]) -> None:
