@@ -369,7 +369,10 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         print(f"[tiderl] chat template: {report.template}; tool calls: {report.tool_call_format}; longest "
               f"prompt {report.prompt_tokens} of env.max_total_tokens={report.max_total_tokens} tokens",
               file=sys.stderr)
-        engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed)
+        # Evaluation never changes the policy: the engine takes it over rather than copying it
+        # (one set of weights in memory, not two).
+        engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed, copy_model=False)
+        del policy
         results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"

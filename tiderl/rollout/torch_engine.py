@@ -105,7 +105,10 @@ class TorchEngine:
     plus the continuous interface (`submit`, `serve`, `end_session`) the batching client uses.
 
     The engine keeps its own deep copy of `model` on `device` (so training the original does not
-    change what the engine samples until `update_weights` is called). Sampling uses one
+    change what the engine samples until `update_weights` is called). With `copy_model=False` it
+    takes `model` itself instead (moved to `device`, put in eval mode, gradients off, its layers
+    re-laid out for the fast decode step): for a caller that has no further use for the model
+    (evaluation), which saves a second copy of the weights. Sampling uses one
     `torch.Generator` (`self.generator`) seeded with `seed` at construction: a fresh engine with
     the same seed, prompts and params returns the same completions; successive calls continue the
     stream. At most `max_batch_size` rows decode at once; more requests wait for a free slot.
@@ -120,13 +123,15 @@ class TorchEngine:
         seed: int = 0,
         max_batch_size: int = 64,
         prefix_cache_mb: float = 1024.0,
+        copy_model: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb={prefix_cache_mb} is negative: use 0 to keep no prefix caches")
         self.device = torch.device(device)
-        self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        owned = copy.deepcopy(model) if copy_model else model
+        self.model = owned.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
@@ -176,7 +181,7 @@ class TorchEngine:
         # output projection of torch 2.13 in bf16 on a CPU costs what all `length` positions would:
         # 4.3 GB and seconds more per prefill of 16 rows of 665 tokens with Qwen2.5's 151,936-token
         # head (benchmarks/engine_memory.py), against a few MB for a contiguous copy. So the
-        # engine's own copy of the model hands its head a contiguous input.
+        # engine's model (its own copy, or the one it was given) hands its head a contiguous input.
         self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         # The raw `tokenizers` decoder is ~10x cheaper per call than `tokenizer.decode`, which
         # matters because stop strings are checked after every token of every row.
