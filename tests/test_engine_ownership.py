@@ -5,8 +5,12 @@ no completion."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,8 +84,10 @@ class PlainEngine:
         self.model = copy.deepcopy(model)
 
 
-def test_eval_hands_its_policy_to_the_engine(tokenizer, tmp_path, monkeypatch):
-    """`tiderl eval` builds its engine with the loaded policy handed over: one copy of the weights."""
+def test_eval_hands_its_policy_to_the_engine_and_trims_the_heap(tokenizer, tmp_path, monkeypatch):
+    """`tiderl eval` builds its engine with the loaded policy handed over (one copy of the weights)
+    and returns free heap pages while it evaluates."""
+    import tiderl.evaluate
     import tiderl.rollout
 
     small = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=4",
@@ -103,9 +109,97 @@ def test_eval_hands_its_policy_to_the_engine(tokenizer, tmp_path, monkeypatch):
         return engine
 
     monkeypatch.setattr(tiderl.rollout, "make_engine", spy)
+    trimming = []
+    real_trimmed_heap = tiderl.evaluate.trimmed_heap
+
+    @contextlib.contextmanager
+    def watched_trimmed_heap(*args, **kwargs):
+        with real_trimmed_heap(*args, **kwargs) as calls:
+            trimming.append("on")
+            yield calls
+        trimming.append("off")
+
+    monkeypatch.setattr(tiderl.evaluate, "trimmed_heap", watched_trimmed_heap)
     assert main(["eval", "--model", str(path), *small, "model.chat_template=chatml",
                  "--json", str(tmp_path / "out.json")]) == 0
     assert built == [(False, True)], "eval must hand its policy to the engine, not keep a second copy"
+    assert trimming == ["on", "off"], "eval must return free heap pages while it runs"
+    assert json.loads((tmp_path / "out.json").read_text())["greedy"]["episodes"] == 4
+
+
+def _mapped(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where `path` is memory-mapped in this process (Linux)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_a_handed_over_model_leaves_the_loaders_memory_map(tokenizer, tmp_path):
+    """A model loaded from safetensors is a view of the file's memory map, all of it resident; an
+    engine that takes the model over copies its tensors out, so the map (a second copy of most
+    weights beside the engine's re-laid-out ones) is released."""
+    if not Path("/proc/self/maps").is_file():
+        pytest.skip("needs Linux's /proc/self/maps")
+    from tiderl.models.loading import load_model
+    from tiderl.rollout.torch_engine import TorchEngine
+
+    path = save_model_dir(_model(tokenizer), tokenizer, tmp_path / "model")
+    weights = next(path.glob("*.safetensors")).resolve()
+    model = load_model(path, dtype="float32")
+    tensors = [*model.parameters(), *model.buffers()]
+    ranges = _mapped(weights)
+    if not any(lo <= t.data_ptr() < hi for t in tensors for lo, hi in ranges):
+        pytest.skip("this loader copied the weights out of the file: nothing to release")
+    del tensors
+    engine = TorchEngine(model, tokenizer, copy_model=False)
+    assert engine.model is model
+    ranges = _mapped(weights)
+    inside = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+              if any(lo <= t.data_ptr() < hi for lo, hi in ranges)]
+    assert not inside, f"still views of the file's memory map: {inside[:3]}"
+    assert not ranges, "the weights file is still mapped (and its pages resident)"
+    prompts = _prompts(tokenizer)
+    reference = TorchEngine(_model(tokenizer), tokenizer, seed=1)
+    owned = TorchEngine(load_model(path, dtype="float32"), tokenizer, seed=1, copy_model=False)
+    assert [c.token_ids for c in reference.generate(prompts, PARAMS)] == \
+        [c.token_ids for c in owned.generate(prompts, PARAMS)]
+
+
+def test_trimmed_heap_trims_while_the_block_runs_and_stops_after(monkeypatch):
+    import tiderl.evaluate
+
+    calls = []
+    monkeypatch.setattr(tiderl.evaluate, "_malloc_trim", lambda: (lambda pad: calls.append(pad) or 1))
+    with tiderl.evaluate.trimmed_heap(interval_s=0.01) as done:
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert calls and set(calls) == {0} and done[0] == len(calls)
+    after = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == after, "the trimming thread must stop with the block"
+    assert not [t for t in threading.enumerate() if t.name == "tiderl-heap-trim"]
+    with tiderl.evaluate.trimmed_heap(interval_s=0) as done:  # off
+        time.sleep(0.03)
+    assert done == [0]
+
+
+def test_trimmed_heap_runs_the_real_malloc_trim_where_there_is_one():
+    import tiderl.evaluate
+
+    if tiderl.evaluate._malloc_trim() is None:
+        pytest.skip("this C library has no malloc_trim (not glibc)")
+    with tiderl.evaluate.trimmed_heap(interval_s=0.01) as done:
+        blocks = [bytearray(300_000) for _ in range(50)]  # heap churn for it to return
+        del blocks[::2]
+        deadline = time.monotonic() + 5
+        while done[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert done[0] >= 2
 
 
 def test_the_http_engine_takes_the_model_as_its_reference_when_handed_over(tmp_path):
