@@ -682,9 +682,11 @@ def _own_memory(model: torch.nn.Module) -> None:
     every page that loading read: all of them, since the weights are checked to be finite) stays
     resident as long as any one tensor refers to it. The fast decode step re-lays out most weights
     into new memory (its stacked projections), and the embedding alone keeps the map alive, so
-    without this copy the engine held the weights twice: Qwen2.5-0.5B in bf16, 1.2 GB of the file
-    besides the 1 GB it decodes with (benchmarks/engine_memory.py --eval). The copies are
-    transient and one tensor large; the map is released when its last tensor is replaced.
+    without this copy the engine held the weights twice: Qwen2.5-Coder-0.5B in bf16, 1.2 GB of
+    mapped file besides the 1.3 GB it decodes with (benchmarks/engine_memory.py --eval). The map
+    is released when its last tensor is replaced, so building the engine briefly holds both (as
+    the deep copy of `copy_model=True` does); a model already in memory of its own is copied
+    one tensor at a time.
     """
     with torch.no_grad():
         for param in model.parameters():
