@@ -118,8 +118,9 @@ class HttpEngine:
 
     `model` is the policy the server was started with: its copy is the reference for the probe
     (and the template for the weight files the server reloads); with `copy_model=False` the
-    engine takes `model` itself as the reference (a caller with no further use for it: evaluation). Construction checks every
-    server (reachable, serving one model, the same weights, processed log-probs) and raises
+    engine takes `model` itself as the reference (a caller with no further use for it:
+    evaluation). Construction checks every server (reachable, serving one model, the same
+    weights, processed log-probs) and raises
     `ServerError` saying what is wrong. Call `close()` when done (it ends the engine's thread).
     """
 
