@@ -23,14 +23,30 @@ contiguous input: the model's `logits_to_keep` slice `[:, -1:]` of the prefill's
 a strided view, made torch's bf16 CPU projection cost as much as for every prompt position
 (minutes and gigabytes at 32 rows; the limit below bounds it).
 
+`--eval` measures a whole `tiderl eval` instead (the MetaQA config, bf16, 64 held-out tasks with
+32 episodes in flight; `--quick`: 16 with 16), each in a fresh process: the baseline is eval as it
+was (its engine copied the loaded policy, which eval kept until it returned, and the C heap was
+never trimmed), then eval as it is now
+(the engine takes the policy over, out of the loader's memory map, and `trimmed_heap` returns
+free heap pages every second). Per run: peak resident memory, its anonymous and file-backed
+parts at the peak, the resident memory once the engine is built, the success, episodes and
+generated tokens (the same in both up to greedy near-ties, which bf16 breaks by which rows share
+a batch, i.e. by timing), and how long the heap trims took. Needs the MetaQA data
+(`data.data_dir` / $TIDERL_DATA_DIR); without it the script prints why and exits 0.
+
+    .venv/bin/python benchmarks/engine_memory.py --eval            # 64 tasks, 32 in flight
+    .venv/bin/python benchmarks/engine_memory.py --eval --quick    # 16 tasks, 16 in flight
+
 `--model` (or $TIDERL_ENGINE_MEMORY_MODEL) names the model directory; without it the script
 prints why and exits 0. Last line: per setting the peak RSS (and the baseline's, with the ratio
-baseline / now), the peak RSS growth over the weights and the peak KV bytes held.
+baseline / now), the peak RSS growth over the weights and the peak KV bytes held; with `--eval`,
+the peak RSS of both evaluations and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -211,6 +227,131 @@ def run_setting(args: argparse.Namespace) -> dict:
     }
 
 
+def _rss_parts_kb() -> tuple[int, int, int]:
+    """(VmRSS, RssAnon, RssFile) of this process in kB."""
+    return _status_kb("VmRSS"), _status_kb("RssAnon"), _status_kb("RssFile")
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    """One `tiderl eval` in this process (`--eval`), as it is now or, with `args.eval_baseline`,
+    as it was: the engine copies the policy and the heap is never trimmed."""
+    import tiderl.evaluate
+    import tiderl.rollout
+    from tiderl.cli import main as tiderl_main
+
+    built: dict = {}
+    make_engine = tiderl.rollout.make_engine
+
+    def counting_make_engine(cfg, model, tokenizer, seed, copy_model=True):
+        engine = make_engine(cfg, model, tokenizer, seed, copy_model=copy_model or args.eval_baseline)
+        built["engine"], built["rss_kb"] = engine, _status_kb("VmRSS")
+        if args.eval_baseline:  # eval used to hold the loaded policy (its local) until it returned
+            built["policy"] = model
+        return engine
+
+    tiderl.rollout.make_engine = counting_make_engine
+    trims = {"calls": 0, "seconds": 0.0, "longest": 0.0}
+    if args.eval_baseline:  # cmd_eval imports it when it runs, so this reaches it
+        tiderl.evaluate.trimmed_heap = functools.partial(tiderl.evaluate.trimmed_heap, interval_s=0)
+    else:  # time each trim: the decoding thread waits for the heap while one runs
+        malloc_trim = tiderl.evaluate._malloc_trim()
+
+        def timed_trim(pad: int) -> int:
+            t = time.perf_counter()
+            result = malloc_trim(pad)
+            took = time.perf_counter() - t
+            trims["calls"] += 1
+            trims["seconds"] += took
+            trims["longest"] = max(trims["longest"], took)
+            return result
+
+        if malloc_trim is not None:
+            tiderl.evaluate._malloc_trim = lambda: timed_trim
+    peak = {"rss": (0, 0, 0), "held": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            parts = _rss_parts_kb()
+            if parts[0] > peak["rss"][0]:
+                peak["rss"] = parts
+            engine = built.get("engine")
+            if engine is not None and hasattr(engine, "memory"):
+                mem = engine.memory()
+                peak["held"] = max(peak["held"], mem["batch_bytes"] + mem["kept_bytes"])
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out = Path(args.eval_out)
+    n = args.eval_tasks
+    t0 = time.perf_counter()
+    code = tiderl_main(["eval", "--config", args.eval_config, f"model.path={args.model}", "model.dtype=bfloat16",
+                        f"data.eval_size={n}", f"rollout.engine_batch_size={args.eval_in_flight}",
+                        "eval.sampled=false", "log.progress=false", f"run_dir={out.parent / 'run'}",
+                        "--json", str(out)])
+    wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    result = json.loads(out.read_text())["greedy"] if code == 0 else {}
+    rss, anon, file = peak["rss"]
+    return {
+        "exit": code, "baseline": args.eval_baseline, "wall_s": wall,
+        "peak_rss_gb": max(rss, _status_kb("VmHWM")) * 1024 / GB,
+        "peak_anon_gb": anon * 1024 / GB, "peak_file_gb": file * 1024 / GB,
+        "engine_built_rss_gb": built.get("rss_kb", 0) * 1024 / GB, "held_kv_gb": peak["held"] / GB,
+        "episodes": result.get("episodes"), "success": result.get("success"),
+        "gen_tokens": result.get("action_tokens"), "trims": trims,
+    }
+
+
+def main_eval(args: argparse.Namespace) -> int:
+    """`--eval`: the baseline evaluation, then the current one, each in a fresh process."""
+    import tempfile
+
+    from tiderl.config import load_config
+    from tiderl.envs.setup import data_root
+
+    root = data_root(load_config(args.eval_config, []).data.data_dir)
+    if not (root / "metaqa" / "kb.txt").is_file():
+        print(f"engine_memory --eval: skipped, no MetaQA data under {root} (set $TIDERL_DATA_DIR to the folder "
+              "holding metaqa/)")
+        return 0
+    runs = {}
+    for baseline in (True, False):
+        with tempfile.TemporaryDirectory(prefix="tiderl-eval-memory-") as tmp:
+            command = [sys.executable, __file__, "--model", args.model, "--eval-child",
+                       "--eval-tasks", str(args.eval_tasks), "--eval-in-flight", str(args.eval_in_flight),
+                       "--eval-config", args.eval_config, "--eval-out", str(Path(tmp) / "eval.json")]
+            command += ["--eval-baseline"] if baseline else []
+            out = subprocess.run(command, check=False, capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        name = "baseline" if baseline else "now"
+        if out.returncode != 0 or not lines:
+            print(f"{name}: the process failed (exit {out.returncode}): {out.stderr[-2000:]}")
+            return 1
+        r = runs[name] = json.loads(lines[-1])
+        print(f"{name:8s}: peak RSS {r['peak_rss_gb']:.2f} GB (at the peak: anonymous {r['peak_anon_gb']:.2f}, "
+              f"file-backed {r['peak_file_gb']:.2f}), {r['engine_built_rss_gb']:.2f} GB once the engine was built, "
+              f"KV held at most {r['held_kv_gb']:.2f} GB; success {r['success']:.3f} over {r['episodes']} episodes, "
+              f"{r['gen_tokens']:.1f} generated tokens each, {r['wall_s']:.0f} s"
+              + (f"; {r['trims']['calls']} heap trims took {r['trims']['seconds']:.2f} s in all (longest "
+                 f"{r['trims']['longest'] * 1e3:.0f} ms)" if r["trims"]["calls"] else ""), flush=True)
+    print(f"load {Path('/proc/loadavg').read_text().split()[:3]}")
+    b, r = runs["baseline"], runs["now"]
+    # The fixes change no weight, so an engine gives the same tokens either way for the same batch
+    # (tests/test_engine_ownership.py). Which rows share a decode step depends on timing, though,
+    # and bf16 log-probs move by a few hundredths with the batch, so a greedy near-tie can go the
+    # other way and the episodes' tokens differ slightly between two runs, of either kind.
+    same = (b["success"], b["gen_tokens"]) == (r["success"], r["gen_tokens"])
+    print(f"tiderl eval MetaQA, {args.eval_tasks} tasks, {args.eval_in_flight} in flight: peak RSS baseline "
+          f"{b['peak_rss_gb']:.2f} GB, now {r['peak_rss_gb']:.2f} GB, ratio {b['peak_rss_gb'] / r['peak_rss_gb']:.2f}; "
+          + ("results identical" if same else
+             f"success {b['success']:.3f} / {r['success']:.3f}, generated tokens {b['gen_tokens']:.1f} / "
+             f"{r['gen_tokens']:.1f} (greedy ties broken by batch timing)"))
+    return 0
+
+
 def _serve_in_thread(engine) -> None:
     """Decode on a thread of its own, as the batching client does (its executor thread)."""
     worker = threading.Thread(target=engine.serve)
@@ -228,6 +369,14 @@ def main() -> int:
     parser.add_argument("--rss-limit-gb", type=float, default=16.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval", action="store_true", help="measure a whole `tiderl eval` (MetaQA), before and now")
+    parser.add_argument("--eval-config", default=str(Path(__file__).resolve().parents[1]
+                                                     / "configs/qwen2.5-coder-0.5b_kg_sao.yaml"))
+    parser.add_argument("--eval-tasks", type=int, default=0, help="held-out tasks (default 64, --quick 16)")
+    parser.add_argument("--eval-in-flight", type=int, default=0, help="episodes in flight (default 32, --quick 16)")
+    parser.add_argument("--eval-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--eval-baseline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--eval-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strided-head", action="store_true", help=argparse.SUPPRESS)
@@ -240,6 +389,13 @@ def main() -> int:
               "qwen2.5-coder-0.5b-instruct`, or pass --model DIR)")
         return 0
 
+    if args.eval or args.eval_child:
+        args.eval_tasks = args.eval_tasks or (16 if args.quick else 64)
+        args.eval_in_flight = args.eval_in_flight or (16 if args.quick else 32)
+        if args.eval_child:
+            print(json.dumps(run_eval(args)), flush=True)
+            return 0
+        return main_eval(args)
     if args.child:
         args.in_flight, args.profile = args.child, args.child_profile
         print(json.dumps(run_setting(args)), flush=True)

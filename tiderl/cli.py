@@ -330,7 +330,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
     that many episodes per mode as JSONL and Markdown (`transcripts_out`_<mode>)."""
     from tiderl.envs.setup import load_setup
     from tiderl.evaluate import (EvalProgress, markdown_table, result_rows, stop_reason_table,
-                                 write_transcripts)
+                                 trimmed_heap, write_transcripts)
 
     if transcripts < 0:
         print("tiderl: --transcripts must be >= 0", file=sys.stderr)
@@ -369,8 +369,12 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         print(f"[tiderl] chat template: {report.template}; tool calls: {report.tool_call_format}; longest "
               f"prompt {report.prompt_tokens} of env.max_total_tokens={report.max_total_tokens} tokens",
               file=sys.stderr)
-        engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed)
-        results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
+        # Evaluation never changes the policy: the engine takes it over rather than copying it
+        # (one set of weights in memory, not two).
+        engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed, copy_model=False)
+        del policy
+        with trimmed_heap():  # free heap pages go back to the OS as the engine's caches churn
+            results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""

@@ -117,8 +117,10 @@ class HttpEngine:
     requests reach the server as soon as episodes ask and the server batches them.
 
     `model` is the policy the server was started with: its copy is the reference for the probe
-    (and the template for the weight files the server reloads). Construction checks every
-    server (reachable, serving one model, the same weights, processed log-probs) and raises
+    (and the template for the weight files the server reloads); with `copy_model=False` the
+    engine takes `model` itself as the reference (a caller with no further use for it:
+    evaluation). Construction checks every server (reachable, serving one model, the same
+    weights, processed log-probs) and raises
     `ServerError` saying what is wrong. Call `close()` when done (it ends the engine's thread).
     """
 
@@ -138,6 +140,7 @@ class HttpEngine:
         sync_timeout_s: float = 600.0,
         probe_tolerance: float = 0.02,
         seed_requests: bool = False,
+        copy_model: bool = True,
     ) -> None:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
 
@@ -159,7 +162,8 @@ class HttpEngine:
         self.seed_requests = seed_requests
         self.version = 0
         self.device = torch.device(device)
-        self.reference = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        owned = copy.deepcopy(model) if copy_model else model
+        self.reference = owned.to(self.device).eval().requires_grad_(False)
         self._vocab_size = self.reference.get_output_embeddings().weight.shape[0]
         self._max_positions = getattr(self.reference.config, "max_position_embeddings", None)
         self._checksum = weights_checksum(self.reference.state_dict())
@@ -201,7 +205,8 @@ class HttpEngine:
             raise
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, seed: int) -> HttpEngine:
+    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, seed: int,
+                    copy_model: bool = True) -> HttpEngine:
         """The engine `cfg.rollout.http` describes (`tiderl.rollout.make_engine` calls this)."""
         h = cfg.rollout.http
         return cls(model, tokenizer, device=cfg.model.device, seed=seed,
@@ -209,7 +214,7 @@ class HttpEngine:
                    served_model=h.served_model, timeout_s=h.timeout_s, weight_sync=h.weight_sync,
                    weights_dir=h.weights_dir or Path(cfg.run_dir) / "engine_weights",
                    sync_timeout_s=h.sync_timeout_s, probe_tolerance=h.probe_tolerance,
-                   seed_requests=h.seed_requests)
+                   seed_requests=h.seed_requests, copy_model=copy_model)
 
     def close(self) -> None:
         """Close the HTTP client and end the engine's thread (idempotent)."""

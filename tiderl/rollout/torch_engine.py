@@ -105,7 +105,11 @@ class TorchEngine:
     plus the continuous interface (`submit`, `serve`, `end_session`) the batching client uses.
 
     The engine keeps its own deep copy of `model` on `device` (so training the original does not
-    change what the engine samples until `update_weights` is called). Sampling uses one
+    change what the engine samples until `update_weights` is called). With `copy_model=False` it
+    takes `model` itself instead (moved to `device`, put in eval mode, gradients off, its layers
+    re-laid out for the fast decode step, its tensors moved out of the loader's memory map, see
+    `_own_memory`): for a caller that has no further use for the model (evaluation), which saves
+    a second copy of the weights. Sampling uses one
     `torch.Generator` (`self.generator`) seeded with `seed` at construction: a fresh engine with
     the same seed, prompts and params returns the same completions; successive calls continue the
     stream. At most `max_batch_size` rows decode at once; more requests wait for a free slot.
@@ -120,13 +124,16 @@ class TorchEngine:
         seed: int = 0,
         max_batch_size: int = 64,
         prefix_cache_mb: float = 1024.0,
+        copy_model: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb={prefix_cache_mb} is negative: use 0 to keep no prefix caches")
         self.device = torch.device(device)
-        self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        self.model = (copy.deepcopy(model) if copy_model else model).to(self.device).eval().requires_grad_(False)
+        if not copy_model and self.device.type == "cpu":
+            _own_memory(self.model)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
@@ -176,7 +183,7 @@ class TorchEngine:
         # output projection of torch 2.13 in bf16 on a CPU costs what all `length` positions would:
         # 4.3 GB and seconds more per prefill of 16 rows of 665 tokens with Qwen2.5's 151,936-token
         # head (benchmarks/engine_memory.py), against a few MB for a contiguous copy. So the
-        # engine's own copy of the model hands its head a contiguous input.
+        # engine's model (its own copy, or the one it was given) hands its head a contiguous input.
         self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         # The raw `tokenizers` decoder is ~10x cheaper per call than `tokenizer.decode`, which
         # matters because stop strings are checked after every token of every row.
@@ -665,6 +672,29 @@ class TorchEngine:
             if self._fingerprint is None:
                 self._fingerprint = weights_checksum(self.model.state_dict())
             return self._fingerprint
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy every parameter and buffer of `model` (a CPU model the engine was handed) into memory
+    of its own, one tensor at a time, keeping the parameter objects (so tied weights stay tied).
+
+    Why: a model loaded from safetensors is a view of the file's memory map, and the mapping (with
+    every page that loading read: all of them, since the weights are checked to be finite) stays
+    resident as long as any one tensor refers to it. The fast decode step re-lays out most weights
+    into new memory (its stacked projections), and the embedding alone keeps the map alive, so
+    without this copy the engine held the weights twice: Qwen2.5-Coder-0.5B in bf16, 1.2 GB of
+    mapped file besides the 1.3 GB it decodes with (benchmarks/engine_memory.py --eval). The map
+    is released when its last tensor is replaced, so building the engine briefly holds both (as
+    the deep copy of `copy_model=True` does); a model already in memory of its own is copied
+    one tensor at a time.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.clone()
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
