@@ -38,7 +38,8 @@ class LoraTorchEngine(TorchEngine):
             raise ValueError("LoraTorchEngine got a model without LoRA adapters; use TorchEngine for a plain model")
         self._adapters = {k: v.detach().clone() for k, v in model.state_dict().items()
                           if ".lora_A." in k or ".lora_B." in k}
-        super().__init__(copy.deepcopy(model).merge_and_unload(), tokenizer, **kwargs)
+        # The merged deep copy is the engine's own already: no second copy.
+        super().__init__(copy.deepcopy(model).merge_and_unload(), tokenizer, **{**kwargs, "copy_model": False})
         self._layers = {k: (w.to(self.device), s, a, b) for k, (w, s, a, b) in self._layers.items()}
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
