@@ -333,8 +333,9 @@ def service_from_config(cfg: RunConfig, record: str | None = None) -> ChatServic
     tokenizer = load_tokenizer(path)
     apply_chat_template(tokenizer, cfg.model.chat_template)
     set_tool_call_format(tokenizer, cfg.model.tool_call_format)
-    policy = load_model(path, cfg.model.dtype, cfg.model.device).eval()
-    engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed)
+    # Nothing else uses the loaded model: the engine takes it over instead of copying it.
+    engine = make_engine(cfg, load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
+                         seed=cfg.seed, copy_model=False)
     name = "tiny" if cfg.model.path == "tiny" else Path(path).name
     store = SessionStore(on_finish=record_to(record) if record else None)
     return ChatService(engine, tokenizer, name, cfg.rollout.max_new_tokens, cfg.env.max_total_tokens,
