@@ -112,3 +112,14 @@ def test_prefill_groups_keep_each_pass_within_the_budget():
 def test_a_negative_budget_is_refused(model, tokenizer):
     with pytest.raises(ValueError, match="prefill_tokens"):
         TorchEngine(model, tokenizer, prefill_tokens=-1)
+
+
+def test_make_engine_passes_rollout_prefill_tokens(model, tokenizer):
+    from tiderl.config import ConfigError, load_config
+    from tiderl.rollout import make_engine
+
+    assert make_engine(load_config(None, []), model, tokenizer, seed=0).prefill_tokens == 8192
+    cfg = load_config(None, ["rollout.prefill_tokens=0"])
+    assert make_engine(cfg, model, tokenizer, seed=0).prefill_tokens == 0
+    with pytest.raises(ConfigError, match="rollout.prefill_tokens"):
+        load_config(None, ["rollout.prefill_tokens=-5"])
