@@ -118,7 +118,7 @@ def test_make_engine_passes_rollout_prefill_tokens(model, tokenizer):
     from tiderl.config import ConfigError, load_config
     from tiderl.rollout import make_engine
 
-    assert make_engine(load_config(None, []), model, tokenizer, seed=0).prefill_tokens == 8192
+    assert make_engine(load_config(None, []), model, tokenizer, seed=0).prefill_tokens == 4096
     cfg = load_config(None, ["rollout.prefill_tokens=0"])
     assert make_engine(cfg, model, tokenizer, seed=0).prefill_tokens == 0
     with pytest.raises(ConfigError, match="rollout.prefill_tokens"):

@@ -58,7 +58,7 @@ from tiderl.rollout.weights import weights_checksum
 OnDone = Callable[[Any], None]
 
 # The default prefill budget in tokens per forward pass (docs/real_models.md, memory).
-DEFAULT_PREFILL_TOKENS = 8192
+DEFAULT_PREFILL_TOKENS = 4096
 
 
 @dataclass(eq=False)
@@ -373,18 +373,34 @@ class TorchEngine:
         suffixes = [r.prompt[len(kept[0]):] if kept else r.prompt for r, kept in zip(joining, reuse)]
         prefix = [len(kept[0]) if kept else 0 for kept in reuse]
         # At most `prefill_tokens` (rows x columns) per forward pass: the joining requests are
-        # prefilled in groups of consecutive rows, each stacked into one cache, merged once.
+        # prefilled in groups of consecutive rows, each copied into one cache as soon as it is
+        # done (so one group's cache is alive at a time), which is merged once.
         groups = _prefill_groups(suffixes, prefix, self.prefill_tokens if self._plain else 0, self._plain)
-        parts = [self._prefill([suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g])
-                 for g in groups]
-        if len(parts) == 1:
-            cache, logits = parts[0][0], parts[0][1]
-        else:
-            cache = _stack_caches([part[0] for part in parts])
-            logits = torch.cat([part[1] for part in parts])
-        versions = [v for part in parts for v in part[2]]
-        logit_versions = [part[3] for part, g in zip(parts, groups) for _ in g]
-        del parts
+        # Every group's cache is at most as wide as its longest prompt.
+        width = max(len(r.prompt) for r in joining)
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cache, logit_parts, versions, logit_versions, row = None, [], [], [], 0
+        for g in groups:
+            cache, logits, group_versions, logit_version = self._prefill(
+                [suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g])
+            logit_parts.append(logits)
+            versions += group_versions
+            logit_versions += [logit_version] * len(g)
+            if len(groups) > 1:
+                buffers = buffers or [(layer.keys.new_zeros(len(joining), layer.keys.shape[1], width + _SPARE,
+                                                            layer.keys.shape[3]),
+                                       layer.values.new_zeros(len(joining), layer.values.shape[1], width + _SPARE,
+                                                              layer.values.shape[3])) for layer in cache.layers]
+                for (keys, values), layer in zip(buffers, cache.layers):
+                    n = layer.keys.shape[2]
+                    keys[row: row + len(g), :, width - n: width] = layer.keys
+                    values[row: row + len(g), :, width - n: width] = layer.values
+                row += len(g)
+                cache = None  # released before the next group's forward pass
+        if len(groups) > 1:
+            cache = _cache_of([_GrowingLayer(keys, values, width) for keys, values in buffers])
+        logits = logit_parts[0] if len(logit_parts) == 1 else torch.cat(logit_parts)
+        del buffers, logit_parts
         self.stats["requests"] += len(joining)
         # A stop string completed by the newest token lies within its last `len(bytes)` tokens
         # (every token decodes to at least one byte); one more token absorbs a partial UTF-8
@@ -851,29 +867,6 @@ def _prefill_cost(group: list[int], suffixes: list[list[int]], prefix: list[int]
     if dedup and all(prefix[i] == 0 for i in group):
         rows = len({tuple(suffixes[i]) for i in group})
     return rows * max(len(suffixes[i]) for i in group)
-
-
-def _stack_caches(caches: list[Cache]) -> DynamicCache:
-    """One cache with the rows of `caches` (each right-aligned) in order, right-aligned at the
-    widest (zeros to the left), with spare columns after. Each part's layer is released once
-    copied, so the peak is the parts plus one stacked layer."""
-    width = max(c.get_seq_length() for c in caches)
-    layers = []
-    for layer in range(len(caches[0].layers)):
-        pair = []
-        for i in (0, 1):
-            parts = [(c.layers[layer].keys, c.layers[layer].values)[i] for c in caches]
-            like = parts[0]
-            out = like.new_zeros(sum(t.shape[0] for t in parts), like.shape[1], width + _SPARE, like.shape[3])
-            start = 0
-            for t in parts:
-                out[start: start + t.shape[0], :, width - t.shape[2]: width] = t
-                start += t.shape[0]
-            pair.append(out)
-        for c in caches:
-            c.layers[layer] = None  # type: ignore[call-overload]
-        layers.append(_GrowingLayer(*pair, width))
-    return _cache_of(layers)
 
 
 def _stack_rows(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
