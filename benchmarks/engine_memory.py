@@ -23,6 +23,19 @@ contiguous input: the model's `logits_to_keep` slice `[:, -1:]` of the prefill's
 a strided view, made torch's bf16 CPU projection cost as much as for every prompt position
 (minutes and gigabytes at 32 rows; the limit below bounds it).
 
+`--prefill-budget` compares the engine's prefill token budget (`TorchEngine(prefill_tokens=...)`,
+`rollout.prefill_tokens`): each setting runs with no budget (the baseline, every joining request
+prefilled in one forward pass) and with `--prefill-tokens` (default: the engine's default), in
+fresh processes, interleaved `--repeats` times. Per run: peak RSS, its growth over the weights
+(for the whole run, and until the first requests have joined: the first prefill, the one the
+budget bounds; later turns add kept caches and glibc heap holes, which it does not),
+the time spent prefilling and the prompt tokens it encoded per second, and the generated tokens
+(the same in both up to bf16 near-ties). `--prompt` sets the prompt length (default 650; the
+MetaQA evaluation's first prompts are ~1,036 tokens). The last line: the first prefill's growth
+over the weights and the whole run's, both with the ratio, and both prefill rates.
+
+    .venv/bin/python benchmarks/engine_memory.py --quick --prefill-budget --in-flight 32 --prompt 1036
+
 `--eval` measures a whole `tiderl eval` instead (the MetaQA config, bf16, 64 held-out tasks with
 32 episodes in flight; `--quick`: 16 with 16), each in a fresh process: the baseline is eval as it
 was (its engine copied the loaded policy, which eval kept until it returned, and the C heap was
@@ -120,7 +133,28 @@ def run_setting(args: argparse.Namespace) -> dict:
     n = args.in_flight
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype="bfloat16")
-    engine = TorchEngine(model, tokenizer, max_batch_size=n)
+    budget = {} if args.prefill_tokens < 0 else {"prefill_tokens": args.prefill_tokens}
+    engine = TorchEngine(model, tokenizer, max_batch_size=n, **budget)
+    prefill_s = [0.0]
+    prefill = engine._prefill
+
+    def timed_prefill(*a, **k):  # the time spent prefilling joining requests
+        t = time.perf_counter()
+        try:
+            return prefill(*a, **k)
+        finally:
+            prefill_s[0] += time.perf_counter() - t
+
+    engine._prefill = timed_prefill
+    first_prefill_kb = [0]
+    admit = engine._admit
+
+    def first_admit() -> None:  # the peak until the first requests have joined (their prefill)
+        admit()
+        if engine._rows and not first_prefill_kb[0]:
+            first_prefill_kb[0] = _status_kb("VmHWM")
+
+    engine._admit = first_admit
     if args.strided_head:  # the engine before the fix: its output head takes the strided slice
         engine.model.get_output_embeddings()._forward_pre_hooks.clear()
     del model  # the engine holds its own copy; the caller's is not what is measured
@@ -221,6 +255,9 @@ def run_setting(args: argparse.Namespace) -> dict:
         "episodes_finished": n - remaining[0],
         "generated_tokens": generated[0],
         "wall_s": wall,
+        "prefill_s": prefill_s[0],
+        "first_prefill_gb": (first_prefill_kb[0] - weights_kb) * 1024 / GB,
+        "prefill_tokens": engine.prefill_tokens,
         "stopped_at_rss_limit": over.is_set(),
         "stats": engine.stats,
         "profile": profile_rows,
@@ -352,6 +389,57 @@ def main_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _child(args: argparse.Namespace, n: int, *extra: str) -> dict | str:
+    """Run one setting in a fresh process: its figures, or why it failed."""
+    command = [sys.executable, __file__, "--model", args.model, "--child", str(n), "--threads", str(args.threads),
+               "--rss-limit-gb", str(args.rss_limit_gb), "--seed", str(args.seed), "--prompt", str(args.prompt),
+               *(["--quick"] if args.quick else []), *extra]
+    out = subprocess.run(command, check=False, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return f"the process failed (exit {out.returncode}): {out.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def main_prefill_budget(args: argparse.Namespace, settings: list[int]) -> int:
+    """No prefill budget against `--prefill-tokens`, interleaved, each run in a fresh process."""
+    summary = []
+    for n in settings:
+        runs: dict[str, list[dict]] = {"baseline": [], "budget": []}
+        for _ in range(args.repeats):
+            for name, tokens in (("baseline", 0), ("budget", args.prefill_tokens)):
+                r = _child(args, n, "--prefill-tokens", str(tokens))
+                if isinstance(r, str):
+                    print(f"{name}, in flight {n}: {r}")
+                    return 1
+                runs[name].append(r)
+                rate = r["stats"]["encoded_tokens"] / max(r["prefill_s"], 1e-9)
+                print(f"{name:8s} (prefill_tokens {r['prefill_tokens']}), in flight {n}: weights {r['weights_gb']:.2f} GB, "
+                      f"peak RSS {r['peak_rss_gb']:.2f} GB (+{r['peak_rss_gb'] - r['weights_gb']:.2f}; first prefill "
+                      f"+{r['first_prefill_gb']:.2f}), KV held "
+                      f"{r['held_kv_gb']:.3f} GB, prefill {r['prefill_s']:.1f} s for {r['stats']['encoded_tokens']} "
+                      f"tokens ({rate:.0f} tokens/s, {r['stats']['prefill_passes']} passes), "
+                      f"{r['generated_tokens']} tokens generated, {r['wall_s']:.0f} s, "
+                      f"load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+
+        def figures(rs: list[dict]) -> tuple[float, float, float, float]:
+            peak = max(r["peak_rss_gb"] for r in rs)
+            growth = max(r["peak_rss_gb"] - r["weights_gb"] for r in rs)
+            first = max(r["first_prefill_gb"] for r in rs)
+            rate = sum(r["stats"]["encoded_tokens"] for r in rs) / max(sum(r["prefill_s"] for r in rs), 1e-9)
+            return peak, growth, first, rate
+
+        (bp, bg, bf, br), (cp, cg, cf, cr) = figures(runs["baseline"]), figures(runs["budget"])
+        summary.append(f"{n} in flight, ~{args.prompt}-token prompts, no budget vs prefill_tokens "
+                       f"{runs['budget'][0]['prefill_tokens']}: first prefill +{bf:.2f} vs +{cf:.2f} GB over the "
+                       f"weights (ratio {bf / max(cf, 1e-9):.2f}); whole run peak RSS {bp:.2f} vs {cp:.2f} GB "
+                       f"(+{bg:.2f} vs +{cg:.2f}, ratio {bg / max(cg, 1e-9):.2f}); prefill {br:.0f} vs {cr:.0f} "
+                       f"tokens/s (ratio {cr / max(br, 1e-9):.2f})")
+    print(f"load {Path('/proc/loadavg').read_text().split()[:3]}")
+    print("; ".join(summary))
+    return 0
+
+
 def _serve_in_thread(engine) -> None:
     """Decode on a thread of its own, as the batching client does (its executor thread)."""
     worker = threading.Thread(target=engine.serve)
@@ -380,8 +468,14 @@ def main() -> int:
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strided-head", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-budget", action="store_true",
+                        help="compare no prefill budget (baseline) with --prefill-tokens, interleaved")
+    parser.add_argument("--prefill-tokens", type=int, default=-1,
+                        help="the engine's prefill budget (-1: its default; 0: no limit)")
+    parser.add_argument("--repeats", type=int, default=1, help="--prefill-budget: runs of each, interleaved")
+    parser.add_argument("--prompt", type=int, default=650, help="prompt length in tokens (about)")
     args = parser.parse_args()
-    args.prompt, args.observation = 650, 100
+    args.observation = 100
     args.turns, args.new_tokens = ((3, 3), 20) if args.quick else ((3, 5), 60)
 
     if not (Path(args.model) / "config.json").exists():
@@ -402,6 +496,8 @@ def main() -> int:
         return 0
 
     settings = [int(x) for x in args.in_flight.split(",")]
+    if args.prefill_budget:
+        return main_prefill_budget(args, settings)
     runs = [(n, False, False) for n in settings] + [(n, False, True) for n in settings if args.baseline]
     runs += [(args.profile, True, False)] if args.profile else []
     results, baseline = [], {}

@@ -253,6 +253,10 @@ class RolloutConfig:
         "LM, CPU or GPU), 'http' (an OpenAI-compatible server such as vLLM: rollout.http) or a "
         "user's 'module:Class' implementing tiderl.rollout.base.Engine.")
     http: HttpEngineConfig = section(HttpEngineConfig, "The HTTP engine's server (rollout.engine=http).")
+    prefill_tokens: int = opt(
+        4096, "The torch engine's prefill budget: requests joining the batch are encoded in forward "
+        "passes of at most this many tokens (rows x prompt tokens), which bounds the prefill's "
+        "activation memory; the same tokens and log-probs either way (0 = one pass, no limit).")
 
 
 @dataclass
@@ -891,6 +895,7 @@ def validate(cfg: RunConfig) -> None:
          "use 1.0")
     need(cfg.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1", "use 32")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", "use 64")
+    need(cfg.rollout.prefill_tokens >= 0, "rollout.prefill_tokens", "must be >= 0", "use 0 for no limit or e.g. 4096")
     need(cfg.env.max_turns >= 1, "env.max_turns", "must be >= 1", "use 4")
     need(cfg.env.max_total_tokens > cfg.rollout.max_new_tokens, "env.max_total_tokens",
          "must exceed rollout.max_new_tokens", "raise env.max_total_tokens")

@@ -2,7 +2,8 @@
 
 `make_engine` is the one place an engine is built (training, evaluation, Ray workers): it
 resolves `rollout.engine` (`tiderl.registry.ENGINES`, or a user's "module:Class") and calls
-`Class(model, tokenizer, device=..., seed=..., max_batch_size=...)`, or
+`Class(model, tokenizer, device=..., seed=..., max_batch_size=...)` (plus `prefill_tokens`, from
+`rollout.prefill_tokens`, for a class whose constructor takes it), or
 `Class.from_config(cfg, model, tokenizer, seed=...)` for a class that has it (the HTTP engine).
 An engine copies the model it is given unless the caller hands it over (`copy_model=False`).
 """
@@ -40,8 +41,9 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, seed: int, copy_mode
     ownership = {} if copy_model or not _takes(build, "copy_model") else {"copy_model": False}
     if build is not engine_cls:  # an engine with settings of its own (rollout.http)
         return build(cfg, model, tokenizer, seed=seed, **ownership)
+    budget = {"prefill_tokens": cfg.rollout.prefill_tokens} if _takes(engine_cls, "prefill_tokens") else {}
     return engine_cls(model, tokenizer, device=cfg.model.device, seed=seed,
-                      max_batch_size=cfg.rollout.engine_batch_size, **ownership)
+                      max_batch_size=cfg.rollout.engine_batch_size, **ownership, **budget)
 
 
 def _takes(function: Any, name: str) -> bool:

@@ -57,6 +57,9 @@ from tiderl.rollout.weights import weights_checksum
 # What a request's caller is told when it finishes: its Completion, or the exception that ended it.
 OnDone = Callable[[Any], None]
 
+# The default prefill budget in tokens per forward pass (docs/real_models.md, memory).
+DEFAULT_PREFILL_TOKENS = 4096
+
 
 @dataclass(eq=False)
 class Request:
@@ -114,6 +117,11 @@ class TorchEngine:
     the same seed, prompts and params returns the same completions; successive calls continue the
     stream. At most `max_batch_size` rows decode at once; more requests wait for a free slot.
     Kept prefix caches take at most `prefix_cache_mb` MiB (0 turns prefix reuse off).
+    Requests joining the batch are prefilled in forward passes of at most `prefill_tokens` tokens
+    (rows x columns, padding included; 0: all in one pass), which bounds the prefill's
+    activations (the MLP's `[rows, length, intermediate]` tensors): consecutive rows are grouped,
+    and a prompt longer than the budget is encoded in pieces, each continuing from the cache of
+    the ones before. Models whose cache cannot be re-laid out (sliding windows) prefill in one pass.
     """
 
     def __init__(
@@ -125,11 +133,14 @@ class TorchEngine:
         max_batch_size: int = 64,
         prefix_cache_mb: float = 1024.0,
         copy_model: bool = True,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb={prefix_cache_mb} is negative: use 0 to keep no prefix caches")
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens={prefill_tokens} is negative: use 0 for no limit")
         self.device = torch.device(device)
         self.model = (copy.deepcopy(model) if copy_model else model).to(self.device).eval().requires_grad_(False)
         if not copy_model and self.device.type == "cpu":
@@ -137,6 +148,7 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
+        self.prefill_tokens = prefill_tokens
         self.version = 0
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -156,9 +168,9 @@ class TorchEngine:
         self._joining: list[Request] = []  # taken from the inbox, being prefilled
         # Counters: rows prefilled, prompt tokens encoded, prompt tokens reused from a kept cache,
         # prompt tokens copied from an identical prompt that joined at the same time, decode
-        # forward passes.
+        # forward passes, prefill forward passes.
         self.stats = {"requests": 0, "encoded_tokens": 0, "reused_tokens": 0, "shared_tokens": 0,
-                      "decode_steps": 0}
+                      "decode_steps": 0, "prefill_passes": 0}
         self._vocab_size = self.model.get_output_embeddings().weight.shape[0]
         # Any id works under a zero attention mask; the pad id keeps debugging output readable.
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -360,7 +372,58 @@ class TorchEngine:
         self._joining = joining  # so that an error in their prefill reaches them
         suffixes = [r.prompt[len(kept[0]):] if kept else r.prompt for r, kept in zip(joining, reuse)]
         prefix = [len(kept[0]) if kept else 0 for kept in reuse]
-        group, span, width = len(joining), max(len(s) for s in suffixes), max(prefix)
+        # At most `prefill_tokens` (rows x columns) per forward pass: the joining requests are
+        # prefilled in groups of consecutive rows, each copied into one cache as soon as it is
+        # done (so one group's cache is alive at a time), which is merged once.
+        groups = _prefill_groups(suffixes, prefix, self.prefill_tokens if self._plain else 0, self._plain)
+        # Every group's cache is at most as wide as its longest prompt.
+        width = max(len(r.prompt) for r in joining)
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cache, logit_parts, versions, logit_versions, row = None, [], [], [], 0
+        for g in groups:
+            cache, logits, group_versions, logit_version = self._prefill(
+                [suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g])
+            logit_parts.append(logits)
+            versions += group_versions
+            logit_versions += [logit_version] * len(g)
+            if len(groups) > 1:
+                buffers = buffers or [(layer.keys.new_zeros(len(joining), layer.keys.shape[1], width + _SPARE,
+                                                            layer.keys.shape[3]),
+                                       layer.values.new_zeros(len(joining), layer.values.shape[1], width + _SPARE,
+                                                              layer.values.shape[3])) for layer in cache.layers]
+                for (keys, values), layer in zip(buffers, cache.layers):
+                    n = layer.keys.shape[2]
+                    keys[row: row + len(g), :, width - n: width] = layer.keys
+                    values[row: row + len(g), :, width - n: width] = layer.values
+                row += len(g)
+                cache = None  # released before the next group's forward pass
+        if len(groups) > 1:
+            cache = _cache_of([_GrowingLayer(keys, values, width) for keys, values in buffers])
+        logits = logit_parts[0] if len(logit_parts) == 1 else torch.cat(logit_parts)
+        del buffers, logit_parts
+        self.stats["requests"] += len(joining)
+        # A stop string completed by the newest token lies within its last `len(bytes)` tokens
+        # (every token decodes to at least one byte); one more token absorbs a partial UTF-8
+        # character or a stripped leading space at the window's start.
+        rows = [
+            _Row(r, list(r.prompt), v, frozenset(r.params.stop_token_ids),
+                 max((len(s.encode("utf-8")) for s in r.params.stop), default=0) + 2, logit_version)
+            for r, v, logit_version in zip(joining, versions, logit_versions)
+        ]
+        self._merge(rows, cache, logits)
+        self._joining = []
+
+    def _prefill(
+        self,
+        suffixes: list[list[int]],
+        prefix: list[int],
+        reuse: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None],
+    ) -> tuple[Cache, torch.Tensor, list[int], int]:
+        """Encode `suffixes` (after each row's kept prefix of `prefix[g]` tokens, `reuse[g]`):
+        the rows' right-aligned cache, their next-token logits, each row's cache version (-1
+        when mixed) and the version of the weights that computed the logits. Passes of at most `prefill_tokens` tokens (0: one pass) go along the columns,
+        each continuing from the cache of the ones before."""
+        group, span, width = len(suffixes), max(len(s) for s in suffixes), max(prefix)
         # Identical prompts joining together (the completions of one group) are encoded once and
         # their rows of the cache copied; only when no row reuses a kept cache (all are whole prompts).
         encode, copies = suffixes, None
@@ -386,33 +449,30 @@ class TorchEngine:
             ])
         elif self._plain:
             cache = _cache_of(None)
-        logits, cache, version = self._forward(input_ids.to(self.device), attention_mask.to(self.device),
-                                               position_ids.to(self.device), cache)
+        step = max(1, self.prefill_tokens // len(encode)) if self.prefill_tokens and self._plain else span
+        input_ids, attention_mask, position_ids = (t.to(self.device) for t in (input_ids, attention_mask, position_ids))
+        seen: set[int] = set()
+        for start in range(0, span, step):
+            stop = min(span, start + step)
+            logits, cache, version = self._forward(input_ids[:, start:stop], attention_mask[:, :width + stop],
+                                                   position_ids[:, start:stop], cache)
+            seen.add(version)
+            self.stats["prefill_passes"] += 1
         if copies is not None:
             index = torch.tensor(copies, dtype=torch.long, device=self.device)
             logits = logits[index]
             for layer in cache.layers:
                 layer.batch_select_indices(index)
-        versions = [version if not kept or kept[2] == version else -1 for kept in reuse]
+        versions = [version if len(seen) == 1 and (not kept or kept[2] == version) else -1 for kept in reuse]
         lengths = [p + len(s) for p, s in zip(prefix, suffixes)]
         if self._plain and any(p > 0 and len(s) < span for p, s in zip(prefix, suffixes)):
             # Rows that reused a prefix and encoded fewer tokens than the longest suffix have a gap
             # of padding between the two parts: move each row's tokens to the right end.
-            cache = _compact(cache, attention_mask.to(self.device), max(lengths))
-        self.stats["requests"] += group
+            cache = _compact(cache, attention_mask, max(lengths))
         self.stats["encoded_tokens"] += sum(len(s) for s in encode)
         self.stats["shared_tokens"] += sum(len(s) for s in suffixes) - sum(len(s) for s in encode)
         self.stats["reused_tokens"] += sum(prefix)
-        # A stop string completed by the newest token lies within its last `len(bytes)` tokens
-        # (every token decodes to at least one byte); one more token absorbs a partial UTF-8
-        # character or a stripped leading space at the window's start.
-        rows = [
-            _Row(r, list(r.prompt), v, frozenset(r.params.stop_token_ids),
-                 max((len(s.encode("utf-8")) for s in r.params.stop), default=0) + 2, version)
-            for r, v in zip(joining, versions)
-        ]
-        self._merge(rows, cache, logits)
-        self._joining = []
+        return cache, logits, versions, version
 
     def _take_kept(self, request: Request) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None:
         """The kept cache of `request`'s session cut to what the prompt shares with it (at least one
@@ -779,6 +839,34 @@ def _cache_of(layers: list[_GrowingLayer] | None) -> DynamicCache:
         cache.layers = list(layers)
         cache.layer_class_to_replicate = None
     return cache
+
+
+def _prefill_groups(suffixes: list[list[int]], prefix: list[int], budget: int, dedup: bool) -> list[list[int]]:
+    """Consecutive row indices, grouped so that each group's prefill encodes at most `budget`
+    tokens (0: no limit, one group): its rows to encode (identical whole prompts once, where
+    `dedup`) times its longest suffix, padding included. A group of rows whose longest suffix
+    alone passes the budget holds just those rows (and copies of them, which cost nothing more),
+    and is encoded in passes along its length."""
+    groups: list[list[int]] = []
+    for i in range(len(suffixes)):
+        trial = (groups[-1] + [i]) if groups else [i]
+        cost = _prefill_cost(trial, suffixes, prefix, dedup)
+        if len(trial) > 1 and budget and cost > budget and cost > _prefill_cost(groups[-1], suffixes, prefix, dedup):
+            groups.append([i])
+        elif groups:
+            groups[-1] = trial
+        else:
+            groups.append(trial)
+    return groups
+
+
+def _prefill_cost(group: list[int], suffixes: list[list[int]], prefix: list[int], dedup: bool) -> int:
+    """Tokens one forward pass over `group` encodes: rows (identical whole prompts once, where
+    `dedup` and no row reuses a prefix) times the longest suffix."""
+    rows = len(group)
+    if dedup and all(prefix[i] == 0 for i in group):
+        rows = len({tuple(suffixes[i]) for i in group})
+    return rows * max(len(suffixes[i]) for i in group)
 
 
 def _stack_rows(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
