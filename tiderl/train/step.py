@@ -277,9 +277,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     if n_tokens == 0:
         metrics["skipped_no_action_tokens"] = 1.0
         return metrics
-    micros = [_Micro(torch.tensor(rows), slice_batch(full, rows).to(device))
-              for rows in micro_batch_indices(full.attention_mask.sum(dim=1).tolist(),
-                                              micro_batch_tokens)]
+    micros = _micro_batches(full, list(range(len(trajectories))), micro_batch_tokens, device)
     # This process's share of them (all, unless the learner is a data-parallel rank, whose
     # no-grad passes then fill only their rows and are summed across the ranks).
     local = actor.local_share(micros)
@@ -350,9 +348,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
             live = _rows_with_signal(advantages, mask)
             metrics["policy/zero_adv_skipped_frac"] = 1.0 - len(live) / len(trajectories)
             if len(live) < len(trajectories):
-                lengths = full.attention_mask.sum(dim=1).tolist()
-                actor_micros = [_Micro(torch.tensor(rows), slice_batch(full, rows).to(device))
-                                for rows in _micro_rows(live, lengths, micro_batch_tokens)]
+                actor_micros = _micro_batches(full, live, micro_batch_tokens, device)
                 actor_local = actor.local_share(actor_micros)
         metrics.update(_train_actor(actor, actor_local, len(actor_micros), cfg, old, ref_lp, advantages,
                                     normalizer, trajectories, packed))
@@ -371,10 +367,14 @@ def _rows_with_signal(advantages: torch.Tensor, mask: torch.Tensor) -> list[int]
     return [int(torch.where(actions > 0, actions, torch.full_like(actions, math.inf)).argmin())]
 
 
-def _micro_rows(rows: list[int], lengths: list[int], micro_batch_tokens: int) -> list[list[int]]:
-    """`micro_batch_indices` over a subset `rows` of the batch, as batch row indices."""
-    return [[rows[i] for i in group]
-            for group in micro_batch_indices([lengths[r] for r in rows], micro_batch_tokens)]
+def _micro_batches(full: Batch, rows: list[int], micro_batch_tokens: int,
+                   device: torch.device | str) -> list[_Micro]:
+    """Rows `rows` of the batch `full` in micro-batches of at most `micro_batch_tokens` padded
+    tokens (`micro_batch_indices`), on `device`."""
+    lengths = full.attention_mask.sum(dim=1).tolist()
+    groups = micro_batch_indices([lengths[r] for r in rows], micro_batch_tokens)
+    return [_Micro(torch.tensor(picked), slice_batch(full, picked).to(device))
+            for picked in ([rows[i] for i in group] for group in groups)]
 
 
 def _check_loss(loss: torch.Tensor, what: str, m: _Micro, trajectories: list[Trajectory]) -> None:
