@@ -109,6 +109,23 @@ def test_critic_save_load_roundtrip(model, tmp_path):
         ValueModel.load(tmp_path)
 
 
+def test_critic_head_stays_float32_on_a_bfloat16_backbone(model, tmp_path):
+    """A bf16 critic keeps an fp32 head: a step of 1e-4 on a bias of 0.05 must not round away."""
+    critic = ValueModel.from_policy(init_tiny_model(model.config, seed=0).to(torch.bfloat16))
+    assert next(critic.backbone.parameters()).dtype == torch.bfloat16
+    assert critic.head.weight.dtype == critic.head.bias.dtype == torch.float32
+    ids = torch.tensor([[3, 9, 4]])
+    assert critic(ids, torch.ones_like(ids)).dtype == torch.float32
+    with torch.no_grad():
+        critic.head.bias.fill_(0.05)
+        critic.head.bias -= 1e-4
+    assert critic.head.bias.item() == pytest.approx(0.0499, abs=1e-7)
+    assert torch.tensor(0.05, dtype=torch.bfloat16) - 1e-4 == torch.tensor(0.05, dtype=torch.bfloat16)
+    critic.save(tmp_path / "c")
+    again = ValueModel.load(tmp_path / "c", dtype=torch.bfloat16)
+    assert again.head.bias.dtype == torch.float32 and again.head.bias.item() == critic.head.bias.item()
+
+
 def test_learner_micro_batches_match_one_batch(model):
     """Accumulating two normalised micro-batches gives the full batch's gradient."""
     torch.manual_seed(0)

@@ -39,12 +39,16 @@ class ValueModel(torch.nn.Module):
 
     @classmethod
     def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
-        """A critic initialised from the policy's weights; the head starts at zero (V = 0)."""
+        """A critic initialised from the policy's weights; the head starts at zero (V = 0).
+
+        The head is float32 whatever the backbone's dtype: it is a few thousand weights, and
+        in bfloat16 a bias near 0.05 cannot take a step below its 2.4e-4 spacing, so at a
+        critic learning rate of 1e-4 or less the values would stop moving."""
         backbone = copy.deepcopy(getattr(policy, policy.base_model_prefix))
-        head = torch.nn.Linear(policy.config.hidden_size, 1)
+        head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=torch.float32)
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
-        return cls(backbone, head.to(next(backbone.parameters()).dtype))
+        return cls(backbone, head)
 
     def save(self, path: str | Path) -> None:
         """Backbone as a Hugging Face model dir, head as safetensors; a LoRA backbone also as its
@@ -73,7 +77,7 @@ class ValueModel(torch.nn.Module):
         try:
             config = AutoConfig.from_pretrained(path / "backbone")
             backbone = AutoModel.from_pretrained(path / "backbone", config=config, dtype=dtype)
-            head = torch.nn.Linear(config.hidden_size, 1).to(dtype)
+            head = torch.nn.Linear(config.hidden_size, 1, dtype=torch.float32)  # see from_policy
             head.load_state_dict(load_file(str(path / "value_head.safetensors")))
         except Exception as err:
             # safetensors' own errors name neither the file nor the fix.
