@@ -36,6 +36,7 @@ from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_ch
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.learner import Learner
 from tiderl.train.lora import policy_state
+from tiderl.train.memory import enable_activation_checkpointing
 from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import NonFiniteError, train_step
 from tiderl.types import Trajectory
@@ -156,6 +157,9 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
     run = Run(cfg, setup, tokenizer, make_engine(cfg, policy, tokenizer, seed=cfg.seed),
               Learner(policy, cfg.algo.actor_lr, **learner), critic, TaskStream(setup.train_tasks, cfg.seed),
               CuriosityShaper(cfg.curiosity), ref=ref, model_path=model_path)
+    if t.activation_checkpointing:  # after make_engine: the engine's copy never trains
+        for trained in filter(None, (run.actor, run.critic)):
+            enable_activation_checkpointing(trained.model)
     resume = t.resume
     if resume == "auto":
         found = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")

@@ -38,6 +38,7 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect
 from tiderl.train.checkpoint import load_sharded, save_sharded
 from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
+from tiderl.train.memory import enable_activation_checkpointing
 from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import train_step
 from tiderl.types import Trajectory
@@ -88,6 +89,10 @@ class TrainerRank:
         init_rank(self.rank, self.world_size, init_method, self.device, timeout_s=cfg.system.wait_timeout_s)
         opts = dict(device=self.device, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
                     grad_clip=t.grad_clip)
+        if t.activation_checkpointing:  # also set before pickling; again here in case a model lost it
+            for model in (self.bundle.actor, self.bundle.critic):
+                if model is not None:
+                    enable_activation_checkpointing(model)
         self.actor = ParallelLearner(self.bundle.actor, t.parallel, cfg.algo.actor_lr, **opts)
         if self.bundle.critic is not None:
             self.critic = ParallelLearner(self.bundle.critic, t.parallel, cfg.algo.critic_lr, **opts)

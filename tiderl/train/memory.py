@@ -1,0 +1,62 @@
+"""Trading compute for memory in training passes (`train.activation_checkpointing`).
+
+With it on, each decoder layer of the policy and of the critic's backbone keeps only its input
+for the backward pass and runs its forward again there, instead of keeping every intermediate
+(attention projections, the MLP's `[tokens, intermediate]` activations). A real model's
+activations then shrink from about `layers x tokens x 20-30 values` to `layers x tokens x hidden`
+at the price of one more forward of the layers per backward (about a third more compute).
+Gradients are the same up to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def _attention_implementation(config: Any, name: str) -> Iterator[None]:
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _replay_with_the_same_attention(config: Any) -> tuple[contextlib.AbstractContextManager[None], ...]:
+    """Checkpoint contexts (forward, recompute): the recompute runs under the attention kernel
+    the forward ran under. Packed training switches the kernel only for the duration of its
+    forward call (`tiderl.train.forward.packed_token_logprobs`), and the backward that replays
+    the layers comes later; without this the replay would use the model's default kernel and
+    save different tensors."""
+    return contextlib.nullcontext(), _attention_implementation(config, config._attn_implementation)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn on activation checkpointing of `model`'s decoder layers (in place; returns `model`).
+
+    `model` is a Hugging Face causal LM, a peft wrapper of one, or a tiderl `ValueModel` (its
+    backbone is checkpointed). Non-reentrant checkpointing, so frozen inputs (LoRA's frozen
+    embeddings) need no `requires_grad` workaround. It acts in training mode with gradients
+    only: engines and no-grad passes run the layers once, as before. Raises a ValueError naming
+    the fix for a model that does not support it."""
+    inner = getattr(model, "backbone", model)  # a ValueModel's backbone; peft wrappers pass the calls through
+    enable = getattr(inner, "activation_checkpointing_enable", None)  # transformers >= 5
+    keyword = "activation_checkpointing_kwargs"
+    if enable is None:
+        enable, keyword = getattr(inner, "gradient_checkpointing_enable", None), "gradient_checkpointing_kwargs"
+    config = getattr(inner, "config", None)
+    if enable is None or config is None or not getattr(inner, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.activation_checkpointing: {type(inner).__name__} does not support activation "
+                         "checkpointing (not a Hugging Face model with checkpointable layers). Fix: set "
+                         "train.activation_checkpointing=false")
+    # A partial, not a closure: copies of the model (deepcopy, Ray's pickling) then point it at
+    # their own config.
+    enable(**{keyword: {"use_reentrant": False,
+                        "context_fn": functools.partial(_replay_with_the_same_attention, config)}})
+    return model
