@@ -25,3 +25,16 @@ def test_qwen_recipes_validate_with_paper_learning_rates_and_fitting_budgets(env
     # Room for the prompt and every turn at full length, plus observations.
     assert LONGEST_PROMPT[env] + cfg.env.max_turns * cfg.rollout.max_new_tokens < cfg.env.max_total_tokens
     assert cfg.train.micro_batch_tokens >= cfg.env.max_total_tokens
+
+
+@pytest.mark.parametrize("env", ["kg", "db"])
+def test_the_cpu_lora_recipes_train_adapters_on_a_bf16_base_with_the_full_recipes_prompts(env):
+    cfg = load_config(CONFIGS / f"qwen2.5-coder-0.5b_{env}_sao_lora_cpu.yaml")
+    full = load_config(CONFIGS / f"qwen2.5-coder-0.5b_{env}_sao.yaml")
+    assert cfg.algo.name == "sao" and cfg.env.name == env and cfg.env.system_prompt == full.env.system_prompt
+    assert cfg.model.dtype == "bfloat16" and cfg.model.lora.r > 0 and cfg.model.critic_lora == "lora"
+    # LoRA's usual 10x over the full fine-tuning rates of the paper.
+    assert (cfg.algo.actor_lr, cfg.algo.critic_lr) == pytest.approx((10 * full.algo.actor_lr, 10 * full.algo.critic_lr))
+    assert cfg.data.eval_size == 100 and cfg.data.split == ("standard" if env == "db" else full.data.split)
+    assert LONGEST_PROMPT[env] + cfg.env.max_turns * cfg.rollout.max_new_tokens < cfg.env.max_total_tokens
+    assert cfg.env.max_total_tokens <= cfg.train.micro_batch_tokens <= 2 * cfg.env.max_total_tokens
