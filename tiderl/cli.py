@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     pv.add_argument("--episodes", type=int, default=512, help="episodes to roll out when no file is given")
     pv.add_argument("--epochs", type=int, default=3)
     pv.add_argument("--out", help="critic dir to write (default: <run_dir>/value_init)")
+    ws = add("warmstart", "fine-tune model.path on oracle demonstrations of training tasks (a start RL can learn from)")
+    ws.add_argument("--out", required=True, help="the model directory to write (must not exist)")
+    ws.add_argument("--demos", type=int, default=256, help="training tasks to demonstrate (default 256)")
+    ws.add_argument("--epochs", type=float, default=2.0, help="passes over the demonstrations (default 2)")
+    ws.add_argument("--batch-size", type=int, default=8, help="demonstrations a step (default 8)")
+    ws.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4, for LoRA)")
     add("demo", "build the embedded model, evaluate, train with SAO, evaluate again")
     add("build-model", "build (or find) the cached embedded default model and print its path")
     ce = add("check-env", "run the environment contract checks on an environment (yours or built-in)")
@@ -90,6 +96,21 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="the model directory to write (must not exist)")
     ex.add_argument("--base-model", help="LoRA only: the base model dir (default: the one the adapters name)")
     return parser
+
+
+def cmd_warmstart(cfg: RunConfig, out: str, demos: int, epochs: float, batch_size: int, lr: float) -> int:
+    """`tiderl warmstart`: supervised fine-tuning on the environment's oracle demonstrations."""
+    from tiderl.models.warmstart import warm_start
+
+    try:
+        report = warm_start(cfg, out, count=demos, epochs=epochs, batch_size=batch_size, lr=lr)
+    except (FileExistsError, ValueError) as exc:
+        print(f"tiderl warmstart: {exc}", file=sys.stderr)
+        return 2
+    print(f"model: {report.out}  ({report.demonstrations} demonstrations of {report.tasks} tasks, "
+          f"{len(report.losses)} steps, loss {report.losses[0]:.4f} -> {report.losses[-1]:.4f}, {report.seconds:.0f} s; "
+          f"train from it with model.path={report.out})")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -227,6 +248,8 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
                         transcripts_out=args.transcripts_out)
     if args.command == "demo":
         return cmd_demo(cfg)
+    if args.command == "warmstart":
+        return cmd_warmstart(cfg, args.out, args.demos, args.epochs, args.batch_size, args.lr)
     if args.command == "pretrain-value":
         return cmd_pretrain_value(cfg, args.trajectories, args.episodes, args.epochs, args.out)
     if args.command == "check-env":

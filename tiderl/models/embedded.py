@@ -352,29 +352,33 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
 
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
-                        log=_log, check=None, check_every: int = 0, decay: bool = True) -> list[float]:
+                        log=_log, check=None, check_every: int = 0, decay: bool = True,
+                        micro_batch_tokens: int = 8192, threads: int = 1) -> list[float]:
     """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
-    `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate). With
-    `check`, `check(step)` runs after every `check_every` steps and at the last one, and training
-    stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
+    `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate), in
+    micro-batches of at most `micro_batch_tokens` padded tokens, on `threads` intra-op threads.
+    With `check`, `check(step)` runs after every `check_every` steps and at the last one, and
+    training stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
     # One intra-op thread, whatever count an earlier step of the build left behind (the agent
     # loop sets it to the cores other processes leave free at that moment): for this model a
     # second thread gains little when the cores are idle, and when another process holds a core,
     # OpenMP's threads wait for each other at every operation (measured on a shared 2-core machine:
     # 1.7 CPU-seconds per step with two threads, 0.1 with one). It also makes the warm start's
     # arithmetic, and so the model, independent of the machine's load.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # (A real model's warm start passes the machine's thread count: its matrices are large.)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every, decay)
+        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every, decay,
+                                 micro_batch_tokens)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every,
-                      decay) -> list[float]:
+                      decay, micro_batch_tokens) -> list[float]:
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup)
@@ -387,7 +391,7 @@ def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, c
         total = batch.action_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0  # summed over micro-batches, as a float (no graph kept)
-        for rows in micro_batch_indices(lengths, 8192):
+        for rows in micro_batch_indices(lengths, micro_batch_tokens):
             mb = slice_batch(batch, rows)
             lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
             loss = -(lp * mb.action_mask).sum() / total
