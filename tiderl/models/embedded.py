@@ -49,7 +49,7 @@ from tiderl.models.loading import save_model_dir
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
-from tiderl.train.forward import token_logprobs
+from tiderl.train.forward import packed_token_logprobs, token_logprobs
 from tiderl.types import Trajectory
 
 def _log(message: str) -> None:
@@ -353,10 +353,12 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
                         log=_log, check=None, check_every: int = 0, decay: bool = True,
-                        micro_batch_tokens: int = 8192, threads: int = 1) -> list[float]:
+                        micro_batch_tokens: int = 8192, threads: int = 1, packed: bool = False) -> list[float]:
     """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
     `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate), in
-    micro-batches of at most `micro_batch_tokens` padded tokens, on `threads` intra-op threads.
+    micro-batches of at most `micro_batch_tokens` padded tokens, on `threads` intra-op threads;
+    `packed`: through `packed_token_logprobs` (no padding, logits only where the loss is, which
+    for a 150k-token vocabulary is most of the memory).
     With `check`, `check(step)` runs after every `check_every` steps and at the last one, and
     training stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
     # One intra-op thread, whatever count an earlier step of the build left behind (the agent
@@ -370,13 +372,13 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
     torch.set_num_threads(threads)
     try:
         return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every, decay,
-                                 micro_batch_tokens)
+                                 micro_batch_tokens, packed)
     finally:
         torch.set_num_threads(before)
 
 
 def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every,
-                      decay, micro_batch_tokens) -> list[float]:
+                      decay, micro_batch_tokens, packed) -> list[float]:
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
@@ -393,7 +395,10 @@ def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, c
         loss_value = 0.0  # summed over micro-batches, as a float (no graph kept)
         for rows in micro_batch_indices(lengths, micro_batch_tokens):
             mb = slice_batch(batch, rows)
-            lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+            if packed:
+                lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
+            else:
+                lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
             loss = -(lp * mb.action_mask).sum() / total
             loss.backward()
             loss_value += loss.item()

@@ -10,8 +10,10 @@ on demonstrations:
 2. played through the agent loop with a scripted engine, so a demonstration has exactly the
    token layout of an RL episode (the model's chat template with the tools, its observations);
    only rewarded episodes are kept;
-3. cross-entropy on the assistant tokens (`tiderl.models.embedded.supervised_finetune`), with
-   `model.lora` adapters when `model.lora.r > 0` (merged into the saved model);
+3. cross-entropy on the assistant tokens (`tiderl.models.embedded.supervised_finetune`), on
+   packed micro-batches of `train.micro_batch_tokens` with logits only where the loss is, with
+   `model.lora` adapters when `model.lora.r > 0` (merged into the saved model) and
+   `train.activation_checkpointing` when set;
 4. saved as a plain Hugging Face directory, to be `model.path` of an RL run or `--model` of eval.
 """
 
@@ -28,6 +30,7 @@ from tiderl.config import RunConfig
 from tiderl.envs.setup import Setup, load_setup
 from tiderl.models.embedded import scripted_traces, supervised_finetune
 from tiderl.models.loading import load_model, load_tokenizer, save_model_dir
+from tiderl.train.forward import packs
 from tiderl.types import Trajectory
 
 
@@ -85,11 +88,15 @@ def warm_start(cfg: RunConfig, out: str | Path, count: int = 256, epochs: float 
         from tiderl.train.lora import apply_lora
 
         model = apply_lora(model, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
+    if cfg.train.activation_checkpointing:
+        from tiderl.train.memory import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
     steps = max(1, round(epochs * len(demos) / batch_size))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     losses = supervised_finetune(model, demos, pad_id, steps=steps, batch_size=batch_size, lr=lr, seed=cfg.seed,
                                  log=log, micro_batch_tokens=micro_batch_tokens or cfg.train.micro_batch_tokens,
-                                 threads=torch.get_num_threads())
+                                 threads=torch.get_num_threads(), packed=packs(model))
     if cfg.model.lora.r > 0:
         model = model.merge_and_unload()
     model.eval()
