@@ -19,6 +19,7 @@ on demonstrations:
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -71,11 +72,11 @@ def warm_start(cfg: RunConfig, out: str | Path, count: int = 256, epochs: float 
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists. Fix: pass a new --out directory (the warm start never overwrites).")
-    start = time.perf_counter()
-    setup = setup or load_setup(cfg)
     model_path = cfg.model.path
     if model_path == "tiny":
         raise ValueError("model.path=tiny has its own warm start (model.warmstart). Fix: pass model.path=<a model dir>")
+    start = time.perf_counter()
+    setup = setup or load_setup(cfg)
     tokenizer = load_tokenizer(model_path)
     tried, demos = demonstrations(cfg, setup, tokenizer, count, cfg.seed)
     if not demos:
@@ -100,7 +101,7 @@ def warm_start(cfg: RunConfig, out: str | Path, count: int = 256, epochs: float 
     if cfg.model.lora.r > 0:
         model = model.merge_and_unload()
     model.eval()
-    tmp = out.parent / f".{out.name}.tmp"
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # a crashed run's leftover is never reused
     save_model_dir(model, tokenizer, tmp)
     tmp.rename(out)
     return WarmStartReport(out, tried, len(demos), tokens, losses, time.perf_counter() - start)

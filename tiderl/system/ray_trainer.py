@@ -89,10 +89,9 @@ class TrainerRank:
         init_rank(self.rank, self.world_size, init_method, self.device, timeout_s=cfg.system.wait_timeout_s)
         opts = dict(device=self.device, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
                     grad_clip=t.grad_clip)
-        if t.activation_checkpointing:  # also set before pickling; again here in case a model lost it
-            for model in (self.bundle.actor, self.bundle.critic):
-                if model is not None:
-                    enable_activation_checkpointing(model)
+        if t.activation_checkpointing:  # idempotent: the driver's models had it, this rank's copies get it too
+            for model in filter(None, (self.bundle.actor, self.bundle.critic)):
+                enable_activation_checkpointing(model)
         self.actor = ParallelLearner(self.bundle.actor, t.parallel, cfg.algo.actor_lr, **opts)
         if self.bundle.critic is not None:
             self.critic = ParallelLearner(self.bundle.critic, t.parallel, cfg.algo.critic_lr, **opts)

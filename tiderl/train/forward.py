@@ -8,6 +8,10 @@ t). Position 0 has no predecessor and holds 0.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
 from tiderl.algos.regularizers import entropy_from_logits
@@ -89,6 +93,19 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.transpose(1, 2)[packing.valid].unsqueeze(0), None  # [1, L, H, D]
 
 
+@contextlib.contextmanager
+def attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """Run the block with `config`'s attention kernel set to `name` (restored after). The
+    packed forward uses it, and so does an activation-checkpointing replay
+    (`tiderl.train.memory`), which must run the kernel its forward ran."""
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
 def _no_mask(*args: object, **kwargs: object) -> None:
     """The packed kernel builds its own causal layout: no mask tensor is needed."""
 
@@ -128,17 +145,12 @@ def packed_token_logprobs(
     from tiderl.train.batching import pack
 
     p = pack(input_ids, attention_mask, action_mask)
-    config = model.config
-    previous = config._attn_implementation
     if PACKED_ATTENTION not in _REGISTERED:
         _register_packed_attention()
         _REGISTERED.add(PACKED_ATTENTION)
-    config._attn_implementation = PACKED_ATTENTION
-    try:
+    with attention_implementation(model.config, PACKED_ATTENTION):
         logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                        logits_to_keep=p.keep, tiderl_packing=p).logits[0].float()  # [K, V]
-    finally:
-        config._attn_implementation = previous
     labels = input_ids[p.keep_rows, p.keep_cols]
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     logprobs = picked.new_zeros(input_ids.shape).index_put((p.keep_rows, p.keep_cols), picked)

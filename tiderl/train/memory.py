@@ -12,20 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-
-@contextlib.contextmanager
-def _attention_implementation(config: Any, name: str) -> Iterator[None]:
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
+from tiderl.train.forward import attention_implementation
 
 
 def _replay_with_the_same_attention(config: Any) -> tuple[contextlib.AbstractContextManager[None], ...]:
@@ -34,7 +25,7 @@ def _replay_with_the_same_attention(config: Any) -> tuple[contextlib.AbstractCon
     forward call (`tiderl.train.forward.packed_token_logprobs`), and the backward that replays
     the layers comes later; without this the replay would use the model's default kernel and
     save different tensors."""
-    return contextlib.nullcontext(), _attention_implementation(config, config._attn_implementation)
+    return contextlib.nullcontext(), attention_implementation(config, config._attn_implementation)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
