@@ -243,8 +243,11 @@ class HttpEngineConfig:
 class RolloutConfig:
     """Sampling."""
 
-    temperature: float = opt(1.0, "Sampling temperature (SAO: 1.0 so log-probs are exact).")
-    top_p: float = opt(1.0, "Nucleus sampling (SAO: 1.0).")
+    temperature: float = opt(1.0, "Sampling temperature (SAO: 1.0). The trainer scores tokens at the same "
+                             "temperature (logits / T), as the engine's behaviour log-probs are, so fresh "
+                             "data has ratio 1 at any T > 0; 0 = greedy, scored at 1.")
+    top_p: float = opt(1.0, "Nucleus sampling (SAO: 1.0). The trainer does not truncate: below 1, behaviour "
+                       "log-probs exceed the trainer's by the nucleus's log-mass, so keep 1.0 for training.")
     max_new_tokens: int = opt(64, "Tokens per model turn.")
     batch_size: int = opt(32, "Trajectories per optimizer step (one rollout per prompt for SAO).")
     engine_batch_size: int = opt(64, "Largest batch the engine decodes at once.")

@@ -34,6 +34,7 @@ from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
 from tiderl.system.ledger import LedgerLog, cut_back
 from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
+from tiderl.train.forward import logprob_temperature
 from tiderl.train.learner import Learner
 from tiderl.train.lora import policy_state
 from tiderl.train.memory import enable_activation_checkpointing
@@ -209,7 +210,8 @@ def preparations_for(run: Run) -> list[Preparation]:
     if run.critic is not None:
         out.append(CriticSnapshot(run.critic.model, pad, cfg.train.micro_batch_tokens, cfg.model.device))
     if run.ref is not None:
-        out.append(RefLogprobs(run.ref, pad, cfg.train.micro_batch_tokens, cfg.model.device))
+        out.append(RefLogprobs(run.ref, pad, cfg.train.micro_batch_tokens, cfg.model.device,
+                               temperature=logprob_temperature(cfg.rollout.temperature)))
     return out
 
 
@@ -230,7 +232,8 @@ class Trainer:
                                      micro_batch_tokens=cfg.train.micro_batch_tokens,
                                      train_actor=version >= cfg.algo.critic_warmup_steps,
                                      device=cfg.model.device, nonfinite=cfg.train.nonfinite,
-                                     skip_zero_advantage=cfg.train.skip_zero_advantage)
+                                     skip_zero_advantage=cfg.train.skip_zero_advantage,
+                                     temperature=logprob_temperature(cfg.rollout.temperature))
         except NonFiniteError as exc:
             raise NonFiniteError(f"step {version + 1} (env.name={cfg.env.name}): {exc}") from None
         if run.critic is not None:

@@ -37,6 +37,7 @@ from tiderl.config import RunConfig
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect
 from tiderl.train.checkpoint import load_sharded, save_sharded
+from tiderl.train.forward import logprob_temperature
 from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
 from tiderl.train.memory import enable_activation_checkpointing
 from tiderl.train.precision import trainer_autocast
@@ -109,7 +110,8 @@ class TrainerRank:
             metrics = train_step(batch, self.actor, self.critic, self.ref, cfg.algo, pad_id=self.bundle.pad_id,
                                  micro_batch_tokens=cfg.train.micro_batch_tokens,
                                  train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device,
-                                 skip_zero_advantage=cfg.train.skip_zero_advantage)
+                                 skip_zero_advantage=cfg.train.skip_zero_advantage,
+                                 temperature=logprob_temperature(cfg.rollout.temperature))
         self.steps += 1
         return metrics
 

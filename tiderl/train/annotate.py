@@ -89,15 +89,18 @@ class RefLogprobs:
 
     key = "ref_logprobs"
 
-    def __init__(self, ref: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+    def __init__(self, ref: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
+                 temperature: float = 1.0):
         self.ref = ref
+        self.temperature = temperature  # the rollouts' (forward.logprob_temperature), as train_step scores them
         self.pad_id = pad_id
         self.micro_batch_tokens = micro_batch_tokens
         self.device = device
 
     def __call__(self, trajectories: list[Trajectory]) -> None:
         def logprobs(mb: Any) -> torch.Tensor:
-            return token_logprobs(self.ref, mb.input_ids, mb.attention_mask)[0] * mb.action_mask
+            lp, _ = token_logprobs(self.ref, mb.input_ids, mb.attention_mask, temperature=self.temperature)
+            return lp * mb.action_mask
 
         annotate_per_token(trajectories, "ref_logprobs", logprobs, self.pad_id, self.micro_batch_tokens,
                            self.device)

@@ -4,6 +4,13 @@ the critic.
 Both return right-padded `[B, T]` float32 tensors aligned with the tokens: position t holds the
 quantity for token t (the log-prob of sampling token t; the value of the state just before token
 t). Position 0 has no predecessor and holds 0.
+
+Log-probs are those of the distribution the engine samples from at `temperature` (softmax of the
+logits divided by it), because the engines report their behaviour log-probs after temperature:
+a trainer that scored tokens at temperature 1 would see a ratio far from 1 on every token of a
+rollout sampled at 0.7, and SAO's token mask would drop them. Top-p is not applied here (a
+rollout with top_p < 1 has behaviour log-probs of a truncated distribution; see
+`config.validate`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,21 @@ import torch
 
 from tiderl.algos.regularizers import entropy_from_logits
 
-__all__ = ["packed_token_logprobs", "packs", "token_logprobs", "token_values"]
+__all__ = ["logprob_temperature", "packed_token_logprobs", "packs", "token_logprobs", "token_values"]
+
+
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature to score tokens at for rollouts sampled at `sampling_temperature`: itself,
+    or 1 for greedy rollouts (temperature 0), whose behaviour log-probs the engines report at
+    temperature 1 (`rollout.base.SamplingParams`)."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score tokens, got {temperature} "
+                         "(use logprob_temperature() for greedy rollouts)")
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
@@ -26,17 +47,17 @@ def _shift(x: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-    with_entropy: bool = False, entropy_grad: bool = False,
+    with_entropy: bool = False, entropy_grad: bool = False, temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(token t | tokens < t) under `model` (temperature 1) at every position t, and with
-    `with_entropy` the entropy H(softmax(z_{t-1})) there (None otherwise).
+    """log pi(token t | tokens < t) under `model` at `temperature` at every position t, and with
+    `with_entropy` the entropy H(softmax(z_{t-1} / temperature)) there (None otherwise).
 
     The entropy carries no gradient (a metric) unless `entropy_grad` (for an entropy bonus), which
     implies `with_entropy`. Uses gather minus logsumexp rather than a full log_softmax so that
     large vocabularies do not need a second `[B, T, V]` tensor.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
+    logits = _tempered(logits[:, :-1].float(), temperature)
     picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     logprobs = _shift(picked - torch.logsumexp(logits, dim=-1))
     entropy = None
@@ -132,7 +153,7 @@ def packs(model: torch.nn.Module) -> bool:
 
 def packed_token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
-    with_entropy: bool = False, entropy_grad: bool = False,
+    with_entropy: bool = False, entropy_grad: bool = False, temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` where `action_mask` is 1, computed on the packed micro-batch (0 elsewhere).
 
@@ -151,6 +172,7 @@ def packed_token_logprobs(
     with attention_implementation(model.config, PACKED_ATTENTION):
         logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                        logits_to_keep=p.keep, tiderl_packing=p).logits[0].float()  # [K, V]
+    logits = _tempered(logits, temperature)
     labels = input_ids[p.keep_rows, p.keep_cols]
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     logprobs = picked.new_zeros(input_ids.shape).index_put((p.keep_rows, p.keep_cols), picked)

@@ -126,14 +126,15 @@ class _Micro:
         return full[self.rows, : self.batch.input_ids.shape[1]].to(self.batch.input_ids.device)
 
 
-def _logprobs(model: torch.nn.Module, b: Batch, packed: bool | None, with_entropy: bool = False,
-              entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` of micro-batch `b`, packed (no padding; the values only where
-    `b.action_mask` is 1, which is all any loss reads) when `packed` is True, or None and
+def _logprobs(model: torch.nn.Module, b: Batch, packed: bool | None, temperature: float,
+              with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of micro-batch `b` at `temperature`, packed (no padding; the values only
+    where `b.action_mask` is 1, which is all any loss reads) when `packed` is True, or None and
     `packs(model)`."""
     if packed or (packed is None and packs(model)):
-        return packed_token_logprobs(model, b.input_ids, b.attention_mask, b.action_mask, with_entropy, entropy_grad)
-    return token_logprobs(model, b.input_ids, b.attention_mask, with_entropy, entropy_grad)
+        return packed_token_logprobs(model, b.input_ids, b.attention_mask, b.action_mask, with_entropy, entropy_grad,
+                                     temperature=temperature)
+    return token_logprobs(model, b.input_ids, b.attention_mask, with_entropy, entropy_grad, temperature=temperature)
 
 
 @torch.no_grad()
@@ -178,6 +179,7 @@ def train_step(
     nonfinite: str = "error",
     packed: bool | None = None,
     skip_zero_advantage: bool = True,
+    temperature: float = 1.0,
 ) -> dict[str, float]:
     """One optimizer step of the algorithm `cfg` describes; returns its metrics (docs/metrics.md,
     docs/algorithms.md).
@@ -198,22 +200,26 @@ def train_step(
     entropy term in the loss). The loss normaliser stays the whole batch's, so the update is the
     same up to float rounding; the actor's per-token metrics (entropy, ratios) then cover only
     the trajectories trained on (`policy/zero_adv_skipped_frac` says how many were left out).
+    temperature: the one the trajectories were sampled at (`forward.logprob_temperature` of
+    `rollout.temperature`): the policy and the reference score tokens at it, as the engine's
+    behaviour log-probs do, so the importance ratio is 1 on fresh data at any temperature.
     """
     if nonfinite == "skip":
         try:
             return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor,
-                               device, skip=True, packed=packed, skip_zero_advantage=skip_zero_advantage)
+                               device, skip=True, packed=packed, skip_zero_advantage=skip_zero_advantage,
+                               temperature=temperature)
         except NonFiniteError as exc:  # train.nonfinite=skip: counted, logged, the weights unchanged
             logger.warning("skipping the optimizer step: %s", exc)
             return {"nonfinite/skipped_step": 1.0}
     return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
-                       skip=False, packed=packed, skip_zero_advantage=skip_zero_advantage)
+                       skip=False, packed=packed, skip_zero_advantage=skip_zero_advantage, temperature=temperature)
 
 
 def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner | None,
                 ref: torch.nn.Module | Learner | None, cfg: AlgoConfig, pad_id: int, micro_batch_tokens: int,
                 train_actor: bool, device: torch.device | str, skip: bool, packed: bool | None,
-                skip_zero_advantage: bool) -> dict[str, float]:
+                skip_zero_advantage: bool, temperature: float = 1.0) -> dict[str, float]:
     if not trajectories:
         raise ValueError("train_step() got no trajectories")
     if registry.needs_critic(cfg) and critic is None:
@@ -286,7 +292,8 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     old = full.behavior_logprobs
     if registry.recomputes_old_logprobs(cfg):
         actor.model.eval()
-        old = actor.sum_across_ranks(_forward_all(local, shape, lambda b: _logprobs(actor.model, b, packed)[0]))
+        old = actor.sum_across_ranks(_forward_all(
+            local, shape, lambda b: _logprobs(actor.model, b, packed, temperature)[0]))
         metrics["policy/behavior_gap"] = float(
             ((old - full.behavior_logprobs).abs() * mask).sum() / n_tokens)
     ref_lp = None
@@ -301,7 +308,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
             # Padded: the packed pass switches the model's attention kernel for its duration, and
             # the reference may be serving the buffer's RefLogprobs on another thread meanwhile.
             ref_lp = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
-                ref_model, b.input_ids, b.attention_mask)[0]))
+                ref_model, b.input_ids, b.attention_mask, temperature=temperature)[0]))
 
     # 4. Rewards per token, the critic, the advantages of the whole batch.
     token_rewards = outcome_token_rewards(rewards, mask)
@@ -351,7 +358,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
                 actor_micros = _micro_batches(full, live, micro_batch_tokens, device)
                 actor_local = actor.local_share(actor_micros)
         metrics.update(_train_actor(actor, actor_local, len(actor_micros), cfg, old, ref_lp, advantages,
-                                    normalizer, trajectories, packed))
+                                    normalizer, trajectories, packed, temperature))
     metrics["micro_batches"] = float(len(micros))
     return metrics
 
@@ -415,7 +422,7 @@ def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values
 
 def _train_actor(actor: Learner, micros: list[_Micro], n_micros: int, cfg: AlgoConfig, old: torch.Tensor,
                  ref_lp: torch.Tensor | None, advantages: torch.Tensor, normalizer: float,
-                 trajectories: list[Trajectory], packed: bool | None) -> dict[str, float]:
+                 trajectories: list[Trajectory], packed: bool | None, temperature: float) -> dict[str, float]:
     """`cfg.actor_updates` actor optimizer steps on the batch (`micros`: this process's share of
     the batch's `n_micros` micro-batches)."""
     policy_loss = registry.policy_loss_fn(cfg.policy_loss)
@@ -423,7 +430,7 @@ def _train_actor(actor: Learner, micros: list[_Micro], n_micros: int, cfg: AlgoC
 
     def loss_fn(m: _Micro) -> tuple[torch.Tensor, dict[str, float]]:
         b = m.batch
-        lp, ent = _logprobs(actor.model, b, packed, with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+        lp, ent = _logprobs(actor.model, b, packed, temperature, with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
         assert ent is not None
         token_loss, lm = policy_loss(PolicyLossInputs(
             lp, m.take(old), b.behavior_logprobs, m.take(advantages), b.action_mask), cfg)
