@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
-from tiderl.agent.loop import ScriptedEngine
+from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.cli import main
 from tiderl.config import EnvConfig, RolloutConfig
 from tiderl.envs.protocol import Action, StepResult, Task
-from tiderl.evaluate import EvalProgress, evaluate, stop_reason_table, transcript
+from tiderl.evaluate import EvalProgress, append_training_transcripts, evaluate, stop_reason_table, transcript
+from tiderl.rollout.base import sampling_params
 from tiderl.models.tiny import train_tokenizer
 
 SMALL = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=6"]
@@ -78,3 +79,37 @@ def test_eval_command_shows_progress_stop_reasons_and_writes_transcripts(tmp_pat
     assert records[0]["prompt"] in markdown
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["greedy"]["by_stop_reason"]["answer"]["episodes"] == 6
+
+
+def test_training_transcripts_put_rewarded_episodes_first_and_append(tmp_path):
+    tok = train_tokenizer(["Say done.", "task one", "task two", "task three", "not yet", "done", "wait"] * 4,
+                          vocab_size=300)
+    tasks = [Task("t1", "task one", ""), Task("t2", "task two", ""), Task("t3", "task three", "")]
+    scripts = {"task one": ["wait", "wait"], "task two": ["wait", "wait"], "task three": ["done"]}
+    batch = play_episodes(ScriptedEngine(tok, scripts), tok, CountdownEnv, tasks,
+                          sampling_params(RolloutConfig(), tok.eos_token_id, greedy=True), 2, 400)
+    assert [t.reward for t in batch] == [0.0, 0.0, 1.0]
+    assert append_training_transcripts(tok, batch, 1, 0, tmp_path) == []
+    assert not (tmp_path / "train.jsonl").exists()
+    picked = append_training_transcripts(tok, batch, 1, 2, tmp_path)
+    assert [t.task_id for t in picked] == ["t3", "t1"]  # the rewarded one, then batch order
+    append_training_transcripts(tok, batch, 2, 5, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["task_id"]) for r in records] == [
+        (1, "t3"), (1, "t1"), (2, "t3"), (2, "t1"), (2, "t2")]
+    assert records[0]["prompt"] is None and records[0]["reward"] == 1.0
+    markdown = (tmp_path / "train_latest.md").read_text()
+    assert markdown.startswith("# Training step 2") and markdown.count("\n## ") == 3
+    assert "- step: 2" in markdown and "- question:" not in markdown
+
+
+def test_train_command_writes_transcripts_per_step(tmp_path):
+    code = main(["train", "--config", "configs/kg_sao_tiny.yaml", *SMALL, "model.tiny.hidden_size=32",
+                 "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+                 "model.warmstart.steps=2", "rollout.batch_size=4", "train.steps=2", "log.transcripts=3",
+                 "log.progress=false", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
+    assert code == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "transcripts" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 1, 1, 2, 2, 2]
+    assert all(any(s["role"] == "model" for s in r["segments"]) for r in records)
+    assert (tmp_path / "run" / "transcripts" / "train_latest.md").read_text().startswith("# Training step 2")

@@ -502,6 +502,9 @@ class LogConfig:
 
     tensorboard: bool = opt(True, "Also write TensorBoard event files.")
     progress: bool = opt(True, "Show a progress bar.")
+    transcripts: int = opt(0, "Training episodes per step written as transcripts (0 = none): appended to "
+                           "run_dir/transcripts/train.jsonl with their step, the latest step's also as "
+                           "transcripts/train_latest.md. Rewarded episodes first, then in batch order.")
 
 
 @dataclass
@@ -911,6 +914,7 @@ def validate(cfg: RunConfig) -> None:
          "use 0 (only the final checkpoint) or e.g. 50")
     need(cfg.train.checkpoint_every_s >= 0, "train.checkpoint_every_s", "must be >= 0", "use 0 (off) or e.g. 600")
     need(cfg.train.keep_last >= 0, "train.keep_last", "must be >= 0", "use 0 (keep all) or e.g. 3")
+    need(cfg.log.transcripts >= 0, "log.transcripts", "must be >= 0", "use 0 (none) or e.g. 4")
     need(not cfg.train.reproducible or (cfg.system.max_staleness == 0 and cfg.system.trainer_threads > 0
                                         and cfg.system.backend == "local"),
          "train.reproducible", "needs system.max_staleness=0 (asynchronous runs overlap on timing), a fixed "

@@ -334,11 +334,12 @@ def stop_reason_table(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def transcript(tokenizer: Any, task: Task, trajectory: Trajectory) -> dict[str, Any]:
+def transcript(tokenizer: Any, task: Task | None, trajectory: Trajectory) -> dict[str, Any]:
     """One episode as plain data: the task, the outcome, and the conversation as segments
     ("context": prompt and environment answers, not trained on; "model": sampled tokens),
     decoded with special tokens kept so the turn structure stays visible. Joined, the
-    segments' texts are the decoded episode."""
+    segments' texts are the decoded episode. Without `task` (training batches carry only the
+    task id) "prompt" and "answer" are None; the prompt is still the first segment."""
     segments: list[dict[str, str]] = []
     mask, start = trajectory.loss_mask, 0
     for i in range(1, len(mask) + 1):
@@ -348,7 +349,8 @@ def transcript(tokenizer: Any, task: Task, trajectory: Trajectory) -> dict[str, 
             segments.append({"role": "model" if mask[start] else "context", "text": text})
             start = i
     return {
-        "task_id": task.task_id, "prompt": task.prompt, "answer": task.answer,
+        "task_id": task.task_id if task else trajectory.task_id,
+        "prompt": task.prompt if task else None, "answer": task.answer if task else None,
         "reward": trajectory.reward, "success": trajectory.env_info.get("success"),
         "stop_reason": trajectory.stop_reason, "turns": trajectory.num_turns,
         "tokens": len(trajectory.tokens), "gen_tokens": sum(trajectory.loss_mask),
@@ -378,8 +380,10 @@ def transcripts_markdown(records: list[dict[str, Any]], title: str) -> str:
     for n, r in enumerate(records, 1):
         outcome = "success" if r["success"] else "failure"
         out += [(f"## {n}. {r['task_id']}: {outcome} ({r['stop_reason']}, {r['turns']} turns, "
-                 f"{r['tokens']} tokens)"), "", f"- question: {r['prompt']}", f"- answer: {r['answer']}",
-                f"- reward: {r['reward']:.3f}", ""]
+                 f"{r['tokens']} tokens)"), ""]
+        if r["prompt"] is not None:
+            out += [f"- question: {r['prompt']}", f"- answer: {r['answer']}"]
+        out += [f"- reward: {r['reward']:.3f}"] + ([f"- step: {r['step']}"] if "step" in r else []) + [""]
         for i, segment in enumerate(r["segments"]):
             body = segment["text"].replace(_FENCE, "`` `` `")
             block = [_FENCE, body, _FENCE, ""]
@@ -390,6 +394,23 @@ def transcripts_markdown(records: list[dict[str, Any]], title: str) -> str:
             else:
                 out += ["**environment**", ""] + block
     return "\n".join(out)
+
+
+def append_training_transcripts(tokenizer: Any, batch: list[Trajectory], step: int, n: int,
+                                directory: Path) -> list[Trajectory]:
+    """Up to `n` episodes of training step `step`'s batch, rewarded ones first (the rare ones
+    worth reading when reward is sparse), then in batch order: appended to
+    `directory/train.jsonl` (each record with its "step") and written as
+    `directory/train_latest.md`. Returns the episodes written."""
+    if n <= 0:
+        return []
+    picked = sorted(batch, key=lambda t: not t.reward > 0)[:n]  # stable: batch order within each part
+    records = [{**transcript(tokenizer, None, t), "step": step} for t in picked]
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "train.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    (directory / "train_latest.md").write_text(transcripts_markdown(records, f"Training step {step}"))
+    return picked
 
 
 def write_transcripts(tokenizer: Any, kept: list[tuple[Task, Trajectory]], prefix: Path,

@@ -27,6 +27,7 @@ from typing import Any
 from tiderl.aio import InlineExecutor, cores
 from tiderl.algos.sampling import has_signal
 from tiderl.config import RunConfig, dump_yaml
+from tiderl.evaluate import append_training_transcripts
 from tiderl.metrics.logger import MetricsLogger
 from tiderl.metrics.summary import rollout_metrics
 from tiderl.registry import BACKENDS, resolve
@@ -94,6 +95,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
         if run.setup.on_step is not None:  # a drifting world moves with the step (env.drift)
             run.setup.on_step(version)
         logger.log(version, metrics)
+        append_training_transcripts(run.tokenizer, batch, version, cfg.log.transcripts, run_dir / "transcripts")
         if observer is not None:
             observer(version, metrics, batch)
         checkpoints.after_step(version)  # between steps: the trainer thread is idle
