@@ -202,6 +202,10 @@ class EnvConfig:
     math_tools: bool = opt(
         False, "math: offer the calculator tool (multi-turn; the first turn without a tool call is "
         "the answer); false = single-turn (the first turn is the answer).")
+    tool_error_penalty: float = opt(
+        0.0, "Training reward lost per failed tool call (env_info['tool_errors']: malformed or unknown "
+        "calls, wrong arguments, a tool's own error), counting at most env.max_turns of them; 0 = off. "
+        "A dense signal while success is rare; evaluation is never shaped (tiderl/rewards/tool_errors.py).")
     math_format_penalty: float = opt(
         0.0, "math: reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
     math_verify_timeout_s: float = opt(
@@ -1020,6 +1024,7 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.data.source != "folder" or bool(cfg.data.task_dir), "data.task_dir",
          "data.source=folder reads task folders from it", "set data.task_dir=/path/to/tasks")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
+    need(cfg.env.tool_error_penalty >= 0, "env.tool_error_penalty", "must be >= 0", "use 0 (off) or e.g. 0.05")
     need(cfg.env.math_format_penalty >= 0, "env.math_format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
     need(cfg.env.math_verify_timeout_s > 0, "env.math_verify_timeout_s", "must be > 0", "use 5.0")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")
