@@ -294,8 +294,15 @@ def play_episodes(
     continue_message: str = CONTINUE_MESSAGE,
     threads: int = 0,
     on_episode: Callable[[int, Trajectory], None] | None = None,
+    max_in_flight: int | None = None,
 ) -> list[Trajectory]:
     """Play one episode per task concurrently (`play_episode`) on `engine`; blocking.
+
+    At most `max_in_flight` episodes are under way at once (None: twice `max_batch_size`; 0: all
+    of them), the next task starting as one ends. Twice the engine's batch keeps its decode
+    slots full while some episodes wait on their tools. With all of them at once, every episode
+    holds its KV cache between turns and the queue serves them round-robin: 100 tasks of a
+    5-turn evaluation all finish near the end, and memory grows with the number of tasks.
 
     Returns the trajectories in the order of `tasks`; `group_ids[i]` (default: the task id)
     becomes trajectory i's group_id. Runs its own event loop; called from inside a running one
@@ -313,10 +320,14 @@ def play_episodes(
         loop.set_default_executor(ThreadPoolExecutor(max(4, min(len(tasks), 256)), thread_name_prefix="tiderl-env"))
         client = BatchingEngine(engine, max_batch_size, executor=InlineExecutor(threads))
         client.start()
+        limit = 2 * max_batch_size if max_in_flight is None else max_in_flight
+        slots = asyncio.Semaphore(limit if limit > 0 else len(tasks) or 1)
+
         async def one(i: int, task: Task) -> Trajectory:
-            trajectory = await play_episode(client, tokenizer, make_env, task, params, max_turns, max_total_tokens,
-                                            group_id=group_ids[i] if group_ids else None,
-                                            continue_message=continue_message)
+            async with slots:  # tasks start in order as earlier episodes end
+                trajectory = await play_episode(client, tokenizer, make_env, task, params, max_turns,
+                                                max_total_tokens, group_id=group_ids[i] if group_ids else None,
+                                                continue_message=continue_message)
             if on_episode is not None:
                 on_episode(i, trajectory)
             return trajectory
