@@ -202,3 +202,19 @@ def test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="model.critic_lora.*model.lora.r"):
         load_config(None, ["model.critic_lora=lora"])
     assert load_config(None, ["model.critic_lora=lora", "model.lora.r=4"]).model.critic_lora == "lora"
+
+
+def test_a_bf16_engine_merges_in_fp32_rounding_once_and_warns(caplog):
+    base = init_tiny_model(MODEL_CFG, seed=0).to(torch.bfloat16)
+    policy = apply_lora(base, r=4, alpha=8.0, target_modules=TARGETS)
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    with caplog.at_level("WARNING", logger="tiderl.rollout.lora"):
+        engine = LoraTorchEngine(policy, tokenizer)
+    assert "LoRA on a bfloat16 base" in caplog.text and "model.dtype=float32" in caplog.text
+    sent = {k: torch.randn_like(v, dtype=torch.float32) * 0.05 for k, v in policy_state(policy).items()}
+    engine.update_weights(sent, version=1)
+    params = dict(engine.model.named_parameters())
+    for plain, (w, scaling, key_a, key_b) in engine._layers.items():
+        exact = w.float() + (sent[key_b] @ sent[key_a]) * scaling
+        assert params[f"{plain}.weight"].dtype == torch.bfloat16
+        assert torch.equal(params[f"{plain}.weight"], exact.to(torch.bfloat16))  # rounded once
