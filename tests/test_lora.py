@@ -1,5 +1,6 @@
 """LoRA through peft: only the adapters train (through the real `train_step`), only they sync,
-and after a step and a sync the engine samples from exactly the trainer's merged model."""
+and after a step and a sync the engine samples from exactly the policy the trainer scores (its
+adapters unmerged, so that a bf16 base does not round small updates away)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ pytest.importorskip("peft")
 
 from tiderl.config import AlgoConfig, ConfigError, load_config, preset_defaults  # noqa: E402
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
+from tiderl.rollout.base import SamplingParams  # noqa: E402
 from tiderl.rollout.lora import LoraTorchEngine  # noqa: E402
 from tiderl.rollout.weights import weights_checksum  # noqa: E402
 from tiderl.train.critic import ValueModel  # noqa: E402
@@ -204,17 +206,84 @@ def test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints(tmp_path):
     assert load_config(None, ["model.critic_lora=lora", "model.lora.r=4"]).model.critic_lora == "lora"
 
 
-def test_a_bf16_engine_merges_in_fp32_rounding_once_and_warns(caplog):
-    base = init_tiny_model(MODEL_CFG, seed=0).to(torch.bfloat16)
-    policy = apply_lora(base, r=4, alpha=8.0, target_modules=TARGETS)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _bf16_policy_with_small_adapters(targets=ALL_LINEAR, scale=3e-3):
+    """A bf16 LoRA policy whose adapters are set to random values that change each weight by
+    about its bf16 rounding step or less (as early LoRA updates do), and those adapters."""
+    base = init_tiny_model(tiny_qwen2_config(50, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                             max_position_embeddings=128), seed=0)
+    with torch.no_grad():
+        base.model.norm.weight.mul_(8.0)  # peaked next-token distributions
+    policy = apply_lora(base.to(torch.bfloat16), r=4, alpha=8.0, target_modules=targets)
+    g = torch.Generator().manual_seed(1)
+    adapters = {k: torch.randn(v.shape, generator=g) * scale for k, v in policy_state(policy).items()}
+    policy.load_state_dict(adapters, strict=False)
+    return policy, adapters
+
+
+def test_a_bf16_engine_scores_exactly_as_the_trainer_where_a_merge_would_not():
+    policy, adapters = _bf16_policy_with_small_adapters()
     tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
-    with caplog.at_level("WARNING", logger="tiderl.rollout.lora"):
-        engine = LoraTorchEngine(policy, tokenizer)
-    assert "LoRA on a bfloat16 base" in caplog.text and "model.dtype=float32" in caplog.text
-    sent = {k: torch.randn_like(v, dtype=torch.float32) * 0.05 for k, v in policy_state(policy).items()}
-    engine.update_weights(sent, version=1)
-    params = dict(engine.model.named_parameters())
-    for plain, (w, scaling, key_a, key_b) in engine._layers.items():
-        exact = w.float() + (sent[key_b] @ sent[key_a]) * scaling
-        assert params[f"{plain}.weight"].dtype == torch.bfloat16
-        assert torch.equal(params[f"{plain}.weight"], exact.to(torch.bfloat16))  # rounded once
+    engine = LoraTorchEngine(policy, tokenizer)
+    engine.update_weights(adapters, version=1)
+    ids = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3, 11, 12, 13, 14]])
+    trainer = logits(policy, ids)  # peft's forward: what the trainer scores
+    with policy.disable_adapter():
+        before = logits(policy, ids)
+    assert (trainer - before).abs().max() > 0.05  # the update changes the policy
+    # The engine adds the adapters' term before rounding, as peft does: identical logits.
+    assert torch.equal(logits(engine.model, ids), trainer)
+    # A bf16 merge rounds most of the update away: its logits are as far from the trainer's as
+    # the base model's are.
+    merged = logits(merged_copy(policy), ids)
+    assert (merged - trainer).abs().max() > 0.25 * (before - trainer).abs().max()
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())  # the base stays bf16
+    assert engine.state_checksum() == weights_checksum(adapters)
+
+
+@pytest.mark.parametrize("targets", [ALL_LINEAR, ["q_proj", "v_proj", "up_proj"]])
+def test_the_fast_decode_step_adds_the_adapters_as_the_model_forward_does(targets):
+    """Sampling with the stacked q/k/v and gate/up terms of the fast decode step gives the very
+    tokens and log-probs of decoding with the model's own forward (each layer's hook)."""
+    policy, adapters = _bf16_policy_with_small_adapters(targets)
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    prompts = [[5, 9, 13, 21], [7, 3], [11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+    runs = []
+    for fast in (True, False):
+        engine = LoraTorchEngine(policy, tokenizer, seed=3)
+        engine.update_weights(adapters, version=1)
+        assert (engine._fast is not None) is True
+        if not fast:
+            engine._fast = None
+        runs.append(engine.generate(prompts, params))
+        # A second sync is read by the same path (the layers' buffers are views of the stacks).
+        engine.update_weights({k: v * 2 for k, v in adapters.items()}, version=2)
+        runs.append(engine.generate(prompts, params))
+    for with_fast, with_forward in zip(runs[:2], runs[2:]):
+        for a, b in zip(with_fast, with_forward):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_an_fp32_engine_samples_with_the_trainers_log_probs():
+    policy, adapters = _bf16_policy_with_small_adapters(scale=3e-2)
+    policy = policy.float()
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    engine = LoraTorchEngine(policy, tokenizer)
+    engine.update_weights(adapters, version=1)
+    prompt = [5, 9, 13, 21]
+    completion = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=24))[0]
+    sequence = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        scored = torch.log_softmax(policy(input_ids=sequence).logits[0, len(prompt) - 1: -1].float(), -1)
+    recomputed = scored.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(completion.logprobs), recomputed, atol=1e-4, rtol=0)
+
+
+def test_the_lora_engine_refuses_adapters_on_layers_other_than_linear():
+    base = init_tiny_model(MODEL_CFG, seed=0)
+    policy = apply_lora(base, r=4, alpha=8.0, target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match="linear layers only.*embed_tokens.*model.lora.target_modules"):
+        LoraTorchEngine(policy, train_tokenizer(["tool call answer"] * 4, vocab_size=300))

@@ -134,8 +134,11 @@ def test_train_step_packed_equals_padded(model, batch):
     assert m0["micro_batches"] == m1["micro_batches"] > 1
     for key in ("policy/loss", "policy/grad_norm", "policy/entropy", "policy/clip_frac"):
         assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6), key
+    # AdamW's first step moves an element by lr * g / (|g| + eps): where |g| is near eps (1e-8),
+    # the summation order of packed and padded batches shows in the update (measured: one
+    # element in 4,096 off by 1.6e-6 on an AVX-512 CPU). 1e-5 is 0.1 % of lr.
     for name, w in w0.items():
-        torch.testing.assert_close(w1[name], w, atol=1e-6, rtol=1e-5, msg=f"weights {name} after the step")
+        torch.testing.assert_close(w1[name], w, atol=1e-5, rtol=1e-5, msg=f"weights {name} after the step")
 
 
 def test_packs_only_plain_full_attention_models(model):
@@ -157,8 +160,11 @@ def test_learner_uses_fused_adamw_with_the_default_update(model):
             opt.zero_grad()
             m(input_ids=ids).logits.square().mean().backward()
             opt.step()
+    # The k_proj bias gets a gradient of rounding noise only (a key bias shifts every score of a
+    # query alike, which softmax ignores), so Adam's normalised step of it depends on how each
+    # implementation rounds (1.4e-6 apart on an AVX-512 CPU). 1e-5 is 0.1 % of lr.
     for (name, a), b in zip(fused.model.named_parameters(), plain_model.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

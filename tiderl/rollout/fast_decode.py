@@ -15,6 +15,10 @@ architectures, sliding windows, q/k norms, non-default rotary scaling, adapters 
 layers wrapped around `nn.Linear`); the engine then uses the model's forward. The parameters are
 read at every call, so weights loaded in place (`load_state_dict`) are used at once; replacing a
 parameter object of the engine's model (rather than copying into it) is not supported.
+
+LoRA terms attached to the linear layers (`tiderl.rollout.low_rank`, how the LoRA engine keeps
+its adapters unmerged) are added after each product, q/k/v and gate/up each as one stacked
+term, in the same arithmetic as the layers' own forward hooks.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+
+from tiderl.rollout import low_rank
 
 # Model types whose decoder layers are exactly: x + attn(rmsnorm(x)); x + mlp(rmsnorm(x)), with
 # q/k/v/o projections (biases optional), rotary embedding on q and k, SiLU-gated MLP.
@@ -56,6 +62,12 @@ class DecodeStep:
         self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, transposed=t)
                     for layer in self.layers]
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj, transposed=t) for layer in self.layers]
+        # Per layer: the LoRA terms (None where a layer has none) of q/k/v, o, gate/up and down.
+        self.terms = [(low_rank.fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                       low_rank.term_of(layer.self_attn.o_proj),
+                       low_rank.fuse(layer.mlp.gate_proj, layer.mlp.up_proj),
+                       low_rank.term_of(layer.mlp.down_proj)) for layer in self.layers]
+        self.head_term = low_rank.term_of(self.lm_head)
         if t:
             for layer in self.layers:
                 _fuse(layer.self_attn.o_proj, transposed=True)
@@ -95,6 +107,9 @@ class DecodeStep:
             linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(m) is not torch.nn.Linear for m in linears) or type(inner.embed_tokens) is not torch.nn.Embedding:
             return None
+        terms = [t for t in map(low_rank.term_of, linears) if t is not None]
+        if len({(t.scaling, t.a.dtype) for t in terms}) > 1:  # stacked terms share one scaling
+            return None
         positions = getattr(text, "max_position_embeddings", None)
         if not positions:
             return None
@@ -123,11 +138,14 @@ class DecodeStep:
         half = self.head_dim // 2
         groups = self.heads // self.kv_heads
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        for layer, cache, (eps1, eps2), qkv_weights, gate_up_weights in zip(
-                self.layers, cache_layers, self.eps, self.qkv, self.gate_up):
+        for layer, cache, (eps1, eps2), qkv_weights, gate_up_weights, terms in zip(
+                self.layers, cache_layers, self.eps, self.qkv, self.gate_up, self.terms):
             attn, mlp = layer.self_attn, layer.mlp
+            qkv_term, o_term, gate_up_term, down_term = terms
             x = _rms_norm(h, layer.input_layernorm.weight, eps1)
             qkv = F.linear(x, *qkv_weights)
+            if qkv_term is not None:
+                qkv = qkv_term.add_to(qkv, x)
             q = qkv[..., :q_width].view(b, 1, self.heads, self.head_dim).transpose(1, 2)
             k = qkv[..., q_width: q_width + kv_width].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
             v = qkv[..., q_width + kv_width:].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -137,12 +155,21 @@ class DecodeStep:
             if groups > 1:  # one query token: the query heads of a KV head attend as its rows
                 q = q.reshape(b, self.kv_heads, groups, self.head_dim)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-            h = h + F.linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj.weight, attn.o_proj.bias)
+            h = h + _linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj, o_term)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, eps2)
-            gate, up = F.linear(x, *gate_up_weights).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate_up = F.linear(x, *gate_up_weights)
+            if gate_up_term is not None:
+                gate_up = gate_up_term.add_to(gate_up, x)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + _linear(F.silu(gate) * up, mlp.down_proj, down_term)
         h = _rms_norm(h, self.norm.weight, self.final_eps)
-        return F.linear(h[:, 0], self.lm_head.weight, self.lm_head.bias)
+        return _linear(h[:, 0], self.lm_head, self.head_term)
+
+
+def _linear(x: torch.Tensor, linear: torch.nn.Linear, term: low_rank.LowRankTerm | None) -> torch.Tensor:
+    """`linear`'s output for `x` (its LoRA term added, if any) without the module call."""
+    out = F.linear(x, linear.weight, linear.bias)
+    return out if term is None else term.add_to(out, x)
 
 
 def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

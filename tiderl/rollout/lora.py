@@ -1,65 +1,61 @@
-"""The torch engine for a LoRA policy: it decodes with a plain model whose adapted weights are
-W = W_base + (alpha / r) * B A, and its weight syncs carry only the adapters (A, B).
+"""The torch engine for a LoRA policy: it decodes with the base model and the adapters beside it,
+unmerged, in the arithmetic of the trainer's peft forward, and its weight syncs carry only the
+adapters (A, B).
 
-`make_engine` builds it when the policy carries peft adapters (`model.lora.r > 0`). The engine
-keeps the base weights of every adapted layer and merges each adapter set it receives into a
-copy of them (never into an already merged weight, so rounding does not drift over syncs). Its
+`make_engine` builds it when the policy carries peft adapters (`model.lora.r > 0`). Each adapted
+linear layer of the engine's plain model gets a low-rank term (`tiderl.rollout.low_rank`): its
+output is the base layer's output plus (alpha / r) B (A x), computed in the adapters' dtype
+(fp32, as peft keeps them) and rounded to the base's dtype once. Merging instead would round
+W + (alpha / r) B A to the base's dtype, which on a bf16 base drops every update under half a
+bf16 step of its weight: most of an early LoRA update (docs/real_models.md). Its
 `state_checksum` is the checksum of the adapters it holds, which is what the trainer sends.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
 
 import torch
 
-from tiderl.rollout.fast_decode import copy_into
+from tiderl.rollout import low_rank
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 
 _PEFT_PREFIX = "base_model.model."
-
-logger = logging.getLogger(__name__)
-
-# Relative half-step of each low-precision float: W + dW rounds back to W where |dW| is smaller.
-_HALF_STEP = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -12}
 
 
 class LoraTorchEngine(TorchEngine):
     """A `TorchEngine` built from a peft LoRA model; `update_weights` takes its adapters only."""
 
     def __init__(self, model: Any, tokenizer: Any, **kwargs: Any) -> None:
-        # name of each adapted layer in the plain model -> (its base weight, scaling, adapter keys)
-        self._layers: dict[str, tuple[torch.Tensor, float, str, str]] = {}
+        # name of each adapted layer in the plain model -> (scaling, adapter keys A and B)
+        self._layers: dict[str, tuple[float, str, str]] = {}
         for name, module in model.named_modules():
-            base = getattr(module, "base_layer", None)
-            if base is None or not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            if getattr(module, "base_layer", None) is None or not hasattr(module, "lora_A"):
                 continue
+            if "default" not in module.lora_A or not isinstance(module.base_layer, torch.nn.Linear):
+                raise ValueError(f"LoraTorchEngine applies LoRA adapters on linear layers only, and {name} is a "
+                                 f"{type(module.base_layer).__name__}. Fix: name only linear layers in "
+                                 "model.lora.target_modules")
             plain = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-            self._layers[plain] = (base.weight.detach().clone(), float(module.scaling["default"]),
+            self._layers[plain] = (float(module.scaling["default"]),
                                    f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight")
         if not self._layers:
             raise ValueError("LoraTorchEngine got a model without LoRA adapters; use TorchEngine for a plain model")
         self._adapters = {k: v.detach().clone() for k, v in model.state_dict().items()
                           if ".lora_A." in k or ".lora_B." in k}
-        # The merged deep copy is the engine's own already: no second copy.
-        super().__init__(copy.deepcopy(model).merge_and_unload(), tokenizer, **{**kwargs, "copy_model": False})
-        self._layers = {k: (w.to(self.device), s, a, b) for k, (w, s, a, b) in self._layers.items()}
-        dtype = next(iter(self._layers.values()))[0].dtype
-        if dtype in _HALF_STEP:
-            # Measured on the 0.5B model after 9 actor steps at lr 1e-5: |dW| / |W| 1.6e-4, and
-            # the bf16 merge changed 6 % of the adapted elements (docs/real_models.md).
-            logger.warning("LoRA on a %s base: the engine merges the adapters into %s weights, which keeps "
-                           "a weight's change only where it exceeds about %.2g of the weight, so small early "
-                           "updates barely reach the rollouts. For exact rollouts use model.dtype=float32 "
-                           "(slower).", str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."),
-                           _HALF_STEP[dtype])
+        # The base model without its adapters (a deep copy: the trainer keeps training `model`),
+        # each adapted layer given its adapters back as an unmerged term.
+        plain_model = copy.deepcopy(model).unload()
+        modules = dict(plain_model.named_modules())
+        for plain, (scaling, key_a, key_b) in self._layers.items():
+            low_rank.attach(modules[plain], self._adapters[key_a], self._adapters[key_b], scaling)
+        super().__init__(plain_model, tokenizer, **{**kwargs, "copy_model": False})
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Merge the adapters in `state_dict` (every adapter key of the policy, nothing else) into
-        the base weights and set `version` (never lower than the current one)."""
+        """Load the adapters in `state_dict` (every adapter key of the policy, nothing else) and set
+        `version` (never lower than the current one). Kept prefix caches are dropped."""
         if version < self.version:
             raise ValueError(f"update_weights got version {version}, lower than the engine's current version "
                              f"{self.version}: versions must not decrease")
@@ -71,16 +67,15 @@ class LoraTorchEngine(TorchEngine):
         wrong = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(self._adapters[k].shape)]
         if wrong:
             raise ValueError(f"update_weights got adapters of the wrong shape for {wrong[:3]} (another model.lora.r?)")
-        params = dict(self.model.named_parameters())
-        with self._lock, torch.no_grad():
-            for plain, (base, scaling, key_a, key_b) in self._layers.items():
-                # In fp32, rounded once to the base's dtype: a product of bf16 adapters would
-                # round the update before the sum rounds it again.
-                a = state_dict[key_a].to(self.device, torch.float32)
-                b = state_dict[key_b].to(self.device, torch.float32)
-                copy_into(params[f"{plain}.weight"], (base.float() + (b @ a) * scaling).to(base.dtype))
+        modules = dict(self.model.named_modules())
+        with self._lock:
+            for plain, (_, key_a, key_b) in self._layers.items():
+                low_rank.set_adapters(modules[plain], state_dict[key_a], state_dict[key_b])
             self._adapters = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
             self.version = version
+            with self._inbox_lock:  # computed with the adapters being replaced
+                self._kept.clear()
+                self._kept_bytes = 0
 
     def state_checksum(self) -> float:
         """`weights_checksum` of the adapters the engine holds (what the trainer sends)."""

@@ -2,8 +2,8 @@
 
 `apply_lora` wraps a causal LM so that only its LoRA adapters train (the base weights are
 frozen); `policy_state` is what a weight sync sends: the adapters alone for a LoRA policy (a few
-MiB instead of the whole model), the full state dict otherwise. Engines merge the adapters into
-their own base weights (`tiderl.rollout.lora.LoraTorchEngine`).
+MiB instead of the whole model), the full state dict otherwise. The torch engine applies them
+beside its own base weights, unmerged (`tiderl.rollout.lora.LoraTorchEngine`).
 """
 
 from __future__ import annotations
