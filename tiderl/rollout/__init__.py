@@ -33,7 +33,7 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, seed: int, copy_mode
     (it copies, or does what it always did).
     """
     engine_cls = resolve(ENGINES, cfg.rollout.engine, "rollout.engine")
-    if getattr(model, "peft_config", None) and cfg.rollout.engine == "torch":  # LoRA: merge synced adapters
+    if getattr(model, "peft_config", None) and cfg.rollout.engine == "torch":  # LoRA: adapters beside the base, unmerged
         from tiderl.rollout.lora import LoraTorchEngine
 
         engine_cls = LoraTorchEngine
