@@ -38,3 +38,13 @@ def test_the_cpu_lora_recipes_train_adapters_on_a_bf16_base_with_the_full_recipe
     assert cfg.data.eval_size == 100 and cfg.data.split == ("standard" if env == "db" else full.data.split)
     assert LONGEST_PROMPT[env] + cfg.env.max_turns * cfg.rollout.max_new_tokens < cfg.env.max_total_tokens
     assert cfg.env.max_total_tokens <= cfg.train.micro_batch_tokens <= 2 * cfg.env.max_total_tokens
+
+
+def test_the_1_5b_cpu_recipe_is_the_0_5b_one_on_the_larger_model_with_activation_checkpointing():
+    cfg = load_config(CONFIGS / "qwen2.5-coder-1.5b_db_sao_lora_cpu.yaml")
+    small = load_config(CONFIGS / "qwen2.5-coder-0.5b_db_sao_lora_cpu.yaml")
+    assert cfg.model.path.endswith("models/qwen2.5-coder-1.5b-instruct") and cfg.train.activation_checkpointing
+    assert not small.train.activation_checkpointing
+    # Everything else, prompts and budgets included, is the 0.5B recipe's.
+    assert (cfg.env, cfg.algo, cfg.rollout, cfg.data) == (small.env, small.algo, small.rollout, small.data)
+    assert cfg.model.lora == small.model.lora and cfg.model.dtype == small.model.dtype == "bfloat16"
