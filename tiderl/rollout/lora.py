@@ -7,7 +7,7 @@ linear layer of the engine's plain model gets a low-rank term (`tiderl.rollout.l
 output is the base layer's output plus (alpha / r) B (A x), computed in the adapters' dtype
 (fp32, as peft keeps them) and rounded to the base's dtype once. Merging instead would round
 W + (alpha / r) B A to the base's dtype, which on a bf16 base drops every update under half a
-bf16 step of its weight: most of an early LoRA update (docs/real_models.md). Its
+bf16 step of its weight and turns the rest into rounding noise (docs/real_models.md). Its
 `state_checksum` is the checksum of the adapters it holds, which is what the trainer sends.
 """
 
