@@ -75,7 +75,7 @@ class DecodeStep:
             if self.lm_head.weight is not self.embed.weight:
                 _fuse(self.lm_head, transposed=True)
             elif self.embed.weight.numel() <= TRANSPOSE_MAX_ELEMENTS:
-                tied = torch.nn.Parameter(_transposed_copy(self.embed.weight.detach()),
+                tied = torch.nn.Parameter(low_rank.transposed_copy(self.embed.weight.detach()),
                                           requires_grad=self.embed.weight.requires_grad)
                 self.lm_head.weight = self.embed.weight = tied
 
@@ -195,7 +195,7 @@ def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Te
     weights = [m.weight.detach() for m in linears]
     whole = torch.cat(weights)
     if transposed and whole.numel() <= TRANSPOSE_MAX_ELEMENTS:
-        whole = _transposed_copy(whole)
+        whole = low_rank.transposed_copy(whole)
     start = 0
     for m, w in zip(linears, weights):
         m.weight = torch.nn.Parameter(whole[start: start + w.shape[0]], requires_grad=m.weight.requires_grad)
@@ -229,12 +229,6 @@ _COPY_ROWS = 32
 # The largest stacked weight stored transposed (2 MiB of float32; the h256 benchmark model's
 # gate/up weight is exactly this size).
 TRANSPOSE_MAX_ELEMENTS = 2**19
-
-
-def _transposed_copy(w: torch.Tensor) -> torch.Tensor:
-    """`w` ([rows, columns]) with the same values, stored column-major (a transposed view of a
-    contiguous `[columns, rows]` tensor)."""
-    return w.t().contiguous().t()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

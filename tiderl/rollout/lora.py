@@ -73,9 +73,7 @@ class LoraTorchEngine(TorchEngine):
                 low_rank.set_adapters(modules[plain], state_dict[key_a], state_dict[key_b])
             self._adapters = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
             self.version = version
-            with self._inbox_lock:  # computed with the adapters being replaced
-                self._kept.clear()
-                self._kept_bytes = 0
+            self._drop_kept_caches()
 
     def state_checksum(self) -> float:
         """`weights_checksum` of the adapters the engine holds (what the trainer sends)."""

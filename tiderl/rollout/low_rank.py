@@ -53,8 +53,8 @@ def attach(linear: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor, scaling: f
                          f"{linear.in_features} -> {linear.out_features}")
     if hasattr(linear, "lora_a"):
         raise ValueError("this layer has a low-rank term already")
-    linear.register_buffer("lora_a", _transposed_copy(a.detach()), persistent=False)
-    linear.register_buffer("lora_b", _transposed_copy(b.detach()), persistent=False)
+    linear.register_buffer("lora_a", transposed_copy(a.detach()), persistent=False)
+    linear.register_buffer("lora_b", transposed_copy(b.detach()), persistent=False)
     linear.lora_scaling = float(scaling)
     linear.register_forward_hook(_add_term)
 
@@ -106,11 +106,12 @@ def fuse(*linears: torch.nn.Linear) -> LowRankTerm | None:
     return LowRankTerm(a, b, present[0].scaling)
 
 
-def _transposed_copy(w: torch.Tensor) -> torch.Tensor:
-    """A copy of `w` (`[rows, columns]`) stored column-major. `F.linear(x, w)` multiplies by `w.T`;
-    on a CPU, with the few rows of a decode step in `x`, a row-major `w` is repacked at every
-    call, which for the stacked gate/up term ([2 x intermediate, 2r] of fp32) cost more than the
-    products themselves (the same reason as `fast_decode._fuse`'s layout)."""
+def transposed_copy(w: torch.Tensor) -> torch.Tensor:
+    """A copy of `w` (`[rows, columns]`) with the same values, stored column-major (a transposed
+    view of a contiguous `[columns, rows]` tensor). `F.linear(x, w)` multiplies by `w.T`; on a
+    CPU, with the few rows of a decode step in `x`, a row-major `w` is repacked at every call,
+    which for the stacked gate/up term ([2 x intermediate, 2r] of fp32) cost more than the
+    products themselves (see also `fast_decode._fuse`)."""
     return w.t().contiguous().t()
 
 

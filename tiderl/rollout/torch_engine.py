@@ -722,9 +722,13 @@ class TorchEngine:
                         copied.add(target)
             self.version = version
             self._fingerprint = None
-            with self._inbox_lock:
-                self._kept.clear()
-                self._kept_bytes = 0
+            self._drop_kept_caches()
+
+    def _drop_kept_caches(self) -> None:
+        """Forget every kept prefix cache (they were computed with weights being replaced)."""
+        with self._inbox_lock:
+            self._kept.clear()
+            self._kept_bytes = 0
 
     def state_checksum(self) -> float:
         """`weights_checksum` of the engine's current weights (computed once per weight load)."""
