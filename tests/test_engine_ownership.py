@@ -84,12 +84,8 @@ class PlainEngine:
         self.model = copy.deepcopy(model)
 
 
-def test_eval_hands_its_policy_to_the_engine_and_trims_the_heap(tokenizer, tmp_path, monkeypatch):
-    """`tiderl eval` builds its engine with the loaded policy handed over (one copy of the weights)
-    and returns free heap pages while it evaluates."""
-    import tiderl.evaluate
-    import tiderl.rollout
-
+def _small_eval_model(tmp_path):
+    """Overrides for a 4-task embedded evaluation, and a 1-layer model directory fit for it."""
     small = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=4",
              "eval.sampled=false", "env.max_turns=1", "rollout.max_new_tokens=4", "env.max_total_tokens=4096",
              "train.micro_batch_tokens=4096", "model.tiny.max_positions=4096", f"run_dir={tmp_path / 'run'}"]
@@ -100,6 +96,16 @@ def test_eval_hands_its_policy_to_the_engine_and_trims_the_heap(tokenizer, tmp_p
     path = save_model_dir(init_tiny_model(tiny_qwen2_config(len(tok), hidden_size=32, num_layers=1, num_heads=2,
                                                             num_kv_heads=1, max_position_embeddings=4096), seed=0),
                           tok, tmp_path / "model")
+    return small, path
+
+
+def test_eval_hands_its_policy_to_the_engine_and_trims_the_heap(tokenizer, tmp_path, monkeypatch):
+    """`tiderl eval` builds its engine with the loaded policy handed over (one copy of the weights)
+    and returns free heap pages while it evaluates."""
+    import tiderl.evaluate
+    import tiderl.rollout
+
+    small, path = _small_eval_model(tmp_path)
     built = []
     real = tiderl.rollout.make_engine
 
@@ -124,6 +130,36 @@ def test_eval_hands_its_policy_to_the_engine_and_trims_the_heap(tokenizer, tmp_p
                  "--json", str(tmp_path / "out.json")]) == 0
     assert built == [(False, True)], "eval must hand its policy to the engine, not keep a second copy"
     assert trimming == ["on", "off"], "eval must return free heap pages while it runs"
+    assert json.loads((tmp_path / "out.json").read_text())["greedy"]["episodes"] == 4
+
+
+def test_eval_runs_a_lora_checkpoint_on_its_base_model_unmerged(tmp_path, monkeypatch):
+    """`tiderl eval --model <LoRA run>/checkpoints/.../actor` evaluates the adapters on the base
+    model they name, through the unmerged LoRA engine, handed over (no second copy)."""
+    pytest.importorskip("peft")
+    import tiderl.rollout
+    from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.rollout.lora import LoraTorchEngine
+    from tiderl.train.lora import apply_lora, policy_state
+
+    small, base = _small_eval_model(tmp_path)
+    policy = apply_lora(load_model(base), r=2, alpha=4.0, target_modules=["q_proj", "down_proj"])
+    g = torch.Generator().manual_seed(0)
+    policy.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in policy_state(policy).items()},
+                           strict=False)
+    actor = save_model_dir(policy, load_tokenizer(base), tmp_path / "ckpt" / "actor")
+    built = []
+    real = tiderl.rollout.make_engine
+
+    def spy(cfg, model, tokenizer, seed, copy_model=True):
+        engine = real(cfg, model, tokenizer, seed, copy_model=copy_model)
+        built.append((type(engine), copy_model, engine.model.model.layers[0].self_attn.q_proj.lora_b.shape))
+        return engine
+
+    monkeypatch.setattr(tiderl.rollout, "make_engine", spy)
+    assert main(["eval", "--model", str(actor), *small, "model.chat_template=chatml",
+                 "--json", str(tmp_path / "out.json")]) == 0
+    assert built == [(LoraTorchEngine, False, (32, 2))]
     assert json.loads((tmp_path / "out.json").read_text())["greedy"]["episodes"] == 4
 
 

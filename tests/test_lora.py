@@ -287,3 +287,41 @@ def test_the_lora_engine_refuses_adapters_on_layers_other_than_linear():
     policy = apply_lora(base, r=4, alpha=8.0, target_modules=["q_proj", "embed_tokens"])
     with pytest.raises(ValueError, match="linear layers only.*embed_tokens.*model.lora.target_modules"):
         LoraTorchEngine(policy, train_tokenizer(["tool call answer"] * 4, vocab_size=300))
+
+
+def test_a_lora_checkpoint_evaluates_unmerged_on_its_base_model(tmp_path):
+    """`load_policy` (what `tiderl eval --model` and `tiderl serve` call) loads a LoRA run's actor/
+    as its bf16 base with fp32 adapters beside it, and the engine built from it (handed over, not
+    copied) scores exactly as the trainer did. A plain model directory loads as before."""
+    from tiderl.models.loading import load_model, load_policy, save_model_dir
+    from tiderl.rollout import make_engine
+
+    tokenizer = train_tokenizer(["tool call answer"] * 4, vocab_size=300)
+    # The base as a run has it: a model directory, loaded in bf16 (a model cast with .to() would
+    # also round its rotary frequencies, which loading does not).
+    plain, adapters = _bf16_policy_with_small_adapters()
+    base_dir = save_model_dir(plain.unload(), tokenizer, tmp_path / "base")
+    policy = apply_lora(load_model(base_dir, "bfloat16"), r=4, alpha=8.0, target_modules=ALL_LINEAR)
+    policy.load_state_dict(adapters, strict=False)
+    actor_dir = save_model_dir(policy, tokenizer, tmp_path / "ckpt" / "actor")  # as save_checkpoint writes it
+
+    loaded = load_policy(actor_dir, "bfloat16")
+    assert {p.dtype for n, p in loaded.named_parameters() if ".lora_" in n} == {torch.float32}
+    ids = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3, 11, 12, 13, 14]])
+    trainer = logits(policy, ids)
+    assert torch.equal(logits(loaded, ids), trainer)
+    engine = make_engine(load_config(None, []), loaded, tokenizer, seed=0, copy_model=False)
+    assert isinstance(engine, LoraTorchEngine) and engine.model is not None
+    assert torch.equal(logits(engine.model, ids), trainer)
+    with policy.disable_adapter():
+        assert (logits(policy, ids) - trainer).abs().max() > 0.05  # the adapters matter
+    # A plain model directory loads as before; a missing base model names the fix.
+    assert not hasattr(load_policy(base_dir, "bfloat16"), "peft_config")
+    assert torch.equal(logits(load_policy(base_dir, "bfloat16"), ids), logits(load_model(base_dir, "bfloat16"), ids))
+    import shutil
+
+    shutil.move(base_dir, tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match="tiderl export --base-model"):
+        load_policy(actor_dir, "bfloat16")
+    moved = load_policy(actor_dir, "bfloat16", base_model=tmp_path / "moved")
+    assert torch.equal(logits(moved, ids), trainer)

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add("train", "train a policy with the configured algorithm (default SAO)")
     ev = add("eval", "evaluate a policy (or the scripted oracle) on held-out tasks")
-    ev.add_argument("--model", help="model dir or checkpoint's actor/ dir (default: model.path)")
+    ev.add_argument("--model", help="model dir or checkpoint's actor/ dir; a LoRA run's actor/ runs its adapters on the base model, unmerged (default: model.path)")
     ev.add_argument("--json", help="also write the results to this JSON file")
     ev.add_argument("--env", help="shortcut for env.name=...; default: the one --data needs")
     ev.add_argument("--data", choices=_ENV_OF_DATA,
@@ -378,7 +378,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
             return 2
         import torch
 
-        from tiderl.models.loading import load_model, load_tokenizer
+        from tiderl.models.loading import load_policy, load_tokenizer
         from tiderl.models.startup import check_model_and_budgets
         from tiderl.rollout import make_engine
         from tiderl.run import resolve_model_path
@@ -386,7 +386,9 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         torch.manual_seed(cfg.seed)
         path = model or resolve_model_path(cfg, setup)
         tokenizer = load_tokenizer(path)
-        policy = load_model(path, cfg.model.dtype, cfg.model.device).eval()
+        # A LoRA checkpoint's actor/ loads as base + adapters, unmerged (the engine then samples
+        # exactly what the trainer scored; a bf16 merge would round a small update away).
+        policy = load_policy(path, cfg.model.dtype, cfg.model.device)
         report = check_model_and_budgets(cfg, tokenizer, setup,
                                          getattr(policy.config, "max_position_embeddings", None), str(path))
         print(f"[tiderl] chat template: {report.template}; tool calls: {report.tool_call_format}; longest "

@@ -119,13 +119,50 @@ def load_model(
     return model.to(device).eval()
 
 
+def lora_base_of(path: str | Path) -> Path | None:
+    """The base model directory named by the LoRA adapter directory `path` (a LoRA run's
+    checkpoint `actor/`), or None when `path` holds no adapters."""
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    return Path(json.loads(config.read_text()).get("base_model_name_or_path") or "")
+
+
+def load_policy(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+    base_model: str | Path | None = None,
+) -> torch.nn.Module:
+    """A model directory as `load_model` loads it, or a LoRA adapter directory as the peft model
+    the trainer had: its base model (`base_model`, by default the one the adapters name) in
+    `dtype`, the adapters beside it, unmerged and in fp32 as peft keeps them. An engine built from
+    the latter (`make_engine` picks `LoraTorchEngine`) samples what the trainer scored, where a
+    merge into a bf16 base would round a small update away."""
+    base = lora_base_of(path)
+    if base is None:
+        return load_model(path, dtype, device)
+    base = Path(base_model) if base_model else base
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} holds LoRA adapters of the base model {str(base) or '(unnamed)'}, which is not a model "
+            "directory here. Fix: fetch that model (tiderl models fetch), or merge the adapters into a copy "
+            "of it with tiderl export --base-model DIR and evaluate the result.")
+    try:
+        from peft import PeftModel
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(f"{path} holds LoRA adapters, which need peft. Fix: pip install 'tiderl[lora]'") from err
+    model = PeftModel.from_pretrained(load_model(base, dtype, device), str(path))
+    check_finite_weights(model, str(path))
+    return model.eval()
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a model directory (or hub id); it must carry a chat template.
 
     tiderl renders every conversation with the tokenizer's own chat template, so a tokenizer
-    without one is refused rather than guessed at.
+    without one is refused rather than guessed at. A LoRA adapter directory (a LoRA run's
+    checkpoint `actor/`) holds its tokenizer too.
     """
-    source = _check_source(path)
+    source = str(Path(path).expanduser()) if lora_base_of(Path(path).expanduser()) else _check_source(path)
     if _declares_generic_tokenizer(source):
         # AutoTokenizer maps model_type "qwen2" to Qwen2Tokenizer whatever tokenizer_config.json
         # declares, and that class swaps in Qwen's own pre-tokenizer and an NFC normaliser. A

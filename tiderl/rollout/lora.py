@@ -28,7 +28,7 @@ _PEFT_PREFIX = "base_model.model."
 class LoraTorchEngine(TorchEngine):
     """A `TorchEngine` built from a peft LoRA model; `update_weights` takes its adapters only."""
 
-    def __init__(self, model: Any, tokenizer: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, copy_model: bool = True, **kwargs: Any) -> None:
         # name of each adapted layer in the plain model -> (scaling, adapter keys A and B)
         self._layers: dict[str, tuple[float, str, str]] = {}
         for name, module in model.named_modules():
@@ -45,9 +45,9 @@ class LoraTorchEngine(TorchEngine):
             raise ValueError("LoraTorchEngine got a model without LoRA adapters; use TorchEngine for a plain model")
         self._adapters = {k: v.detach().clone() for k, v in model.state_dict().items()
                           if ".lora_A." in k or ".lora_B." in k}
-        # The base model without its adapters (a deep copy: the trainer keeps training `model`),
-        # each adapted layer given its adapters back as an unmerged term.
-        plain_model = copy.deepcopy(model).unload()
+        # The base model without its adapters (a deep copy unless handed over: the trainer keeps
+        # training `model`), each adapted layer given its adapters back as an unmerged term.
+        plain_model = (copy.deepcopy(model) if copy_model else model).unload()
         modules = dict(plain_model.named_modules())
         for plain, (scaling, key_a, key_b) in self._layers.items():
             low_rank.attach(modules[plain], self._adapters[key_a], self._adapters[key_b], scaling)

@@ -318,7 +318,7 @@ def service_from_config(cfg: RunConfig, record: str | None = None) -> ChatServic
     import torch
 
     from tiderl.agent.tool_parser import set_tool_call_format
-    from tiderl.models.loading import check_device, load_model, load_tokenizer
+    from tiderl.models.loading import check_device, load_policy, load_tokenizer
     from tiderl.models.startup import apply_chat_template
     from tiderl.rollout import make_engine
 
@@ -334,7 +334,7 @@ def service_from_config(cfg: RunConfig, record: str | None = None) -> ChatServic
     apply_chat_template(tokenizer, cfg.model.chat_template)
     set_tool_call_format(tokenizer, cfg.model.tool_call_format)
     # Nothing else uses the loaded model: the engine takes it over instead of copying it.
-    engine = make_engine(cfg, load_model(path, cfg.model.dtype, cfg.model.device).eval(), tokenizer,
+    engine = make_engine(cfg, load_policy(path, cfg.model.dtype, cfg.model.device), tokenizer,
                          seed=cfg.seed, copy_model=False)
     name = "tiny" if cfg.model.path == "tiny" else Path(path).name
     store = SessionStore(on_finish=record_to(record) if record else None)
