@@ -205,7 +205,8 @@ class EnvConfig:
     tool_error_penalty: float = opt(
         0.0, "Training reward lost per failed tool call (env_info['tool_errors']: malformed or unknown "
         "calls, wrong arguments, a tool's own error), counting at most env.max_turns of them; 0 = off. "
-        "A dense signal while success is rare; evaluation is never shaped (tiderl/rewards/tool_errors.py).")
+        "A dense signal while success is rare; alone it is gamed by calling fewer tools (measured in "
+        "docs/real_models.md). Evaluation is never shaped (tiderl/rewards/tool_errors.py).")
     math_format_penalty: float = opt(
         0.0, "math: reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
     math_verify_timeout_s: float = opt(

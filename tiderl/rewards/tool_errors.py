@@ -6,6 +6,11 @@ reward' = reward - penalty * min(tool_errors, max_errors), where tool_errors is 
 environment reports in `env_info["tool_errors"]` (malformed calls, unknown tools, wrong
 arguments, a tool's own error such as an SQL error). The cap keeps one turn of many broken calls
 from outweighing the outcome. Evaluation never shapes: held-out success stays the environment's.
+
+Alone, with every outcome 0, the penalty is gamed: a turn without a tool call costs nothing. On
+the 0.5B DB recipe (20 steps, docs/real_models.md) held-out tool errors fell from 3.34 to 0.90 an
+episode because the policy learned to write prose and then commit a guess, and success did not
+rise.
 """
 
 from __future__ import annotations
