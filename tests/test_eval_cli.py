@@ -75,6 +75,8 @@ def test_summarize_samples_on_hand_made_trajectories():
     assert (s["pass_k"], s["pass_at_k"]) == (4, pytest.approx(2 / 3))
     assert s["pass_at_k_stderr"] == pytest.approx(math.sqrt(2 / 3 * 1 / 3 / 3))
     assert s["tool_errors"] == pytest.approx(4 / 12)
+    # Over tasks, as success's: per-task means 0, 0, 1 around 1/3.
+    assert s["tool_errors_stderr"] == pytest.approx(math.sqrt((2 * (1 / 3) ** 2 + (2 / 3) ** 2) / 3 / 3))
     assert s["f1"] is None  # no episode reported an F1 (a DB environment)
     # pass@2 from the same 4 samples: a: 1 - C(3,2)/C(4,2) = 0.5; b: 0; c: 1.
     assert summarize_samples(groups, k=2)["pass_at_k"] == pytest.approx(0.5)
@@ -82,8 +84,9 @@ def test_summarize_samples_on_hand_made_trajectories():
         summarize_samples(groups, k=5)
 
     # One sample per task: the binomial standard error, and no pass@k keys.
-    one = summarize_samples([[_traj("a", 1, f1=1.0)], [_traj("b", 0, f1=0.5)]], k=1)
+    one = summarize_samples([[_traj("a", 1, f1=1.0, errors=3)], [_traj("b", 0, f1=0.5, errors=1)]], k=1)
     assert one["stderr"] == pytest.approx(math.sqrt(0.5 * 0.5 / 2))
+    assert one["tool_errors_stderr"] == pytest.approx(math.sqrt((1 + 1) / 2 / 2))  # errors 3 and 1 around 2
     assert one["f1"] == pytest.approx(0.75) and "pass_at_k" not in one
 
 

@@ -13,13 +13,15 @@ from tiderl.types import Trajectory
 def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
     """Success (with its standard error), F1, turns, tokens and tool errors of a set of episodes.
 
-    The standard error is the binomial one, sqrt(p (1 - p) / n).
+    The standard error is the binomial one, sqrt(p (1 - p) / n); tool_errors_stderr is that of
+    the mean tool errors an episode (so that a before/after difference has an interval).
     """
     n = len(trajectories)
     if n == 0:
         return {"n": 0}
     success = [float(t.env_info.get("success", 0.0)) for t in trajectories]
     p = sum(success) / n
+    tool_errors = [float(t.env_info.get("tool_errors", 0)) for t in trajectories]
     out: dict[str, Any] = {
         "n": n,
         "success": p,
@@ -29,7 +31,8 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "turns": sum(t.num_turns for t in trajectories) / n,
         "tokens": sum(len(t.tokens) for t in trajectories) / n,
         "action_tokens": sum(t.num_action_tokens for t in trajectories) / n,
-        "tool_errors": sum(float(t.env_info.get("tool_errors", 0)) for t in trajectories) / n,
+        "tool_errors": sum(tool_errors) / n,
+        "tool_errors_stderr": _stderr(tool_errors),
         "stop_reasons": _counts(t.stop_reason for t in trajectories),
     }
     return out
@@ -54,7 +57,8 @@ def summarize_samples(groups: Sequence[Sequence[Trajectory]], k: int = 1) -> dic
       solved; with more, the unbiased pass@1);
     - stderr: the standard error of that mean over tasks, sqrt(mean_i (s_i - p)^2 / n) with s_i
       task i's success rate (the binomial sqrt(p (1 - p) / n) with one sample per task), so
-      samples of one task are not counted as independent evidence;
+      samples of one task are not counted as independent evidence; tool_errors_stderr likewise,
+      over each task's mean tool errors;
     - f1: None when no episode reports one (the DB environment scores no F1);
     - when k > 1: pass_k = k, pass_at_k = the mean over tasks of `pass_at_k(n_i, c_i, k)` and
       pass_at_k_stderr, its standard error over tasks (same formula as stderr).
@@ -66,8 +70,9 @@ def summarize_samples(groups: Sequence[Sequence[Trajectory]], k: int = 1) -> dic
     if not episodes:
         return out
     rates = [sum(float(t.env_info.get("success", 0.0)) for t in g) / len(g) for g in groups]
+    errors = [sum(float(t.env_info.get("tool_errors", 0)) for t in g) / len(g) for g in groups]
     out.update(n=len(groups), episodes=len(episodes), samples_per_task=max(len(g) for g in groups),
-               stderr=_stderr(rates))
+               stderr=_stderr(rates), tool_errors_stderr=_stderr(errors))
     if not any("f1" in t.env_info for t in episodes):
         out["f1"] = None
     if k > 1:
