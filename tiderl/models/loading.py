@@ -79,10 +79,11 @@ def check_device(device: str | torch.device) -> None:
         raise ValueError(f"model.device={device}: MPS is not available here. Fix: model.device=cpu.")
 
 
-def check_finite_weights(model: torch.nn.Module, source: str) -> None:
-    """Refuse a model whose weights hold NaN or infinity, naming the first such tensor."""
+def check_finite_weights(model: torch.nn.Module, source: str, only: str = "") -> None:
+    """Refuse a model whose weights (those whose name contains `only`) hold NaN or infinity,
+    naming the first such tensor."""
     for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if only in name and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise ValueError(f"{source}: weight {name} holds {bad} non-finite values (NaN or inf). Fix: load "
                              "an earlier checkpoint (train.resume=<run_dir>/checkpoints/step_N) or re-export the model.")
@@ -144,14 +145,15 @@ def load_policy(
     if not (base / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} holds LoRA adapters of the base model {str(base) or '(unnamed)'}, which is not a model "
-            "directory here. Fix: fetch that model (tiderl models fetch), or merge the adapters into a copy "
-            "of it with tiderl export --base-model DIR and evaluate the result.")
+            "directory here. Fix: pass the base model the run trained from (tiderl export --base-model DIR; "
+            "its model.path, or the embedded model's directory under model.cache_dir), or fetch it again "
+            "(tiderl models fetch).")
     try:
         from peft import PeftModel
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(f"{path} holds LoRA adapters, which need peft. Fix: pip install 'tiderl[lora]'") from err
     model = PeftModel.from_pretrained(load_model(base, dtype, device), str(path))
-    check_finite_weights(model, str(path))
+    check_finite_weights(model, str(path), only=".lora_")  # load_model checked the base
     return model.eval()
 
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiderl.models.loading import load_model, save_model_dir
+from tiderl.models.loading import load_model, load_policy, lora_base_of, save_model_dir
 from tiderl.train.critic import LORA_STATE, ValueModel, load_lora_critic
 from tiderl.train.learner import Learner
 from tiderl.train.lora import is_lora
@@ -340,19 +340,10 @@ def export_actor(checkpoint: str | Path, out: str | Path, base_model: str | Path
         config = AutoConfig.from_pretrained(source)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
         load_sharded_weights(checkpoint / SHARDED, model, "actor")
-    elif (checkpoint / "actor" / "adapter_config.json").is_file():
+    elif lora_base_of(checkpoint / "actor") is not None:
         source = checkpoint / "actor"
-        adapter = json.loads((source / "adapter_config.json").read_text())
-        base = Path(base_model or adapter.get("base_model_name_or_path") or "")
-        if not (base / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{source} holds LoRA adapters of the base model {str(base) or '(unnamed)'}, which is not a model "
-                "directory here. Fix: pass the base model the run trained from (--base-model DIR; its "
-                "model.path, or the embedded model's directory under model.cache_dir).")
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_model(base), source).merge_and_unload()
-        source = base  # the tokenizer: the base model's (the adapter dir is no model dir)
+        model = load_policy(source, base_model=base_model).merge_and_unload()
+        source = Path(base_model) if base_model else lora_base_of(source)  # the tokenizer: the base model's
     else:
         source = checkpoint / "actor"
         model = load_model(source)
