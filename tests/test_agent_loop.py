@@ -254,7 +254,7 @@ def test_scripted_episode_is_the_template_rendering_and_masks_only_model_tokens(
 
     assert (traj.stop_reason, traj.reward, traj.num_turns) == ("answer", 1.0, 2)
     assert traj.reward_parts == {"outcome": 1.0}
-    assert traj.env_info == {"success": 1, "reward_parts": {"outcome": 1.0}, "turns": 2}
+    assert traj.env_info == {"success": 1, "reward_parts": {"outcome": 1.0}, "turns": 2, "no_call_turns": 0}
     assert (traj.task_id, traj.group_id) == ("t-alien", "t-alien")
     messages = [
         {"role": "system", "content": SYSTEM},
@@ -287,6 +287,8 @@ def test_malformed_and_unknown_tool_calls_become_observations_and_loop_continues
     [traj] = play_episodes(engine, tok, factory, [task("heat")], PARAMS, max_turns=6, max_total_tokens=2000)
 
     assert (traj.stop_reason, traj.reward, traj.num_turns) == ("answer", 1.0, 4)
+    # A malformed call is a call: no turn here went without one.
+    assert traj.env_info["no_call_turns"] == 0
     actions = factory.envs[0].actions
     assert len(actions[0].parse_errors) == 1 and actions[0].tool_calls == []
     text = decode(tok, traj.tokens)
@@ -304,6 +306,15 @@ def test_turn_without_observation_gets_continue_message(tok):
         + sampled_turn(tok, "ANSWER: Pete Docter")
     )
     assert traj.tokens == expected and traj.stop_reason == "answer"
+    # The prose turn got the nudge; the answer turn ended the episode and is not counted.
+    assert traj.env_info["no_call_turns"] == 1
+
+
+def test_turns_without_a_call_are_counted_up_to_the_turn_limit(tok):
+    engine = ScriptedEngine(tok, {"Up": ["Let me think.", call("up"), "Hmm.", "Still thinking."]})
+    [traj] = play_episodes(engine, tok, EnvFactory(), [task("up")], PARAMS, max_turns=4, max_total_tokens=2000)
+    assert (traj.stop_reason, traj.num_turns) == ("max_turns", 4)
+    assert traj.env_info["no_call_turns"] == 3
 
 
 def test_turn_limit_calls_finish_and_ends_on_the_model_turn(tok):

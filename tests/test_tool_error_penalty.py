@@ -1,9 +1,10 @@
-"""env.tool_error_penalty: a training reward lost per failed tool call, capped, never in eval."""
+"""env.tool_error_penalty and env.no_call_penalty: training reward lost per failed tool call
+(capped) and per turn without a call, never in eval."""
 
 import pytest
 
 from tiderl.config import ConfigError, load_config
-from tiderl.rewards.tool_errors import PART, penalize_tool_errors
+from tiderl.rewards.tool_errors import NO_CALL_PART, PART, penalize_no_call_turns, penalize_tool_errors
 from tiderl.run import build_run
 from tiderl.types import Trajectory
 from tests.test_e2e_sao import small_config
@@ -29,9 +30,21 @@ def test_penalty_refuses_missing_counts_and_double_shaping():
         penalize_tool_errors(penalize_tool_errors(trajectory(0.0, tool_errors=1), 0.1, 4), 0.1, 4)
 
 
-def test_negative_penalty_is_a_config_error():
-    with pytest.raises(ConfigError, match="env.tool_error_penalty"):
-        load_config("configs/kg_sao_tiny.yaml", ["env.tool_error_penalty=-0.1"])
+def test_no_call_penalty_per_turn_recorded_and_refused_without_a_count():
+    shaped = penalize_no_call_turns(trajectory(1.0, no_call_turns=2), 0.05)
+    assert shaped.reward == pytest.approx(0.9)
+    assert shaped.reward_parts == {"outcome": 1.0, NO_CALL_PART: pytest.approx(-0.1)}
+    assert penalize_no_call_turns(trajectory(0.0, no_call_turns=0), 0.05).reward == 0.0
+    with pytest.raises(ValueError, match="no_call_turns"):
+        penalize_no_call_turns(trajectory(0.0), 0.05)
+    with pytest.raises(ValueError, match="once"):
+        penalize_no_call_turns(penalize_no_call_turns(trajectory(0.0, no_call_turns=1), 0.05), 0.05)
+
+
+@pytest.mark.parametrize("field", ["env.tool_error_penalty", "env.no_call_penalty"])
+def test_negative_penalty_is_a_config_error(field):
+    with pytest.raises(ConfigError, match=field):
+        load_config("configs/kg_sao_tiny.yaml", [f"{field}=-0.1"])
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +60,10 @@ def test_the_run_shapes_training_trajectories_with_it(cache, tmp_path):
     assert on.shape(trajectory(0.0, tool_errors=50)).reward == pytest.approx(-0.05 * on.cfg.env.max_turns)
     off = build_run(small_config(cache, tmp_path / "off"))
     assert PART not in off.shape(trajectory(1.0, tool_errors=2, success=1.0)).reward_parts
+
+
+def test_the_run_charges_turns_without_a_call_beside_tool_errors(cache, tmp_path):
+    run = build_run(small_config(cache, tmp_path / "both", "env.tool_error_penalty=0.05", "env.no_call_penalty=0.1"))
+    shaped = run.shape(trajectory(0.0, tool_errors=1, no_call_turns=2))
+    assert shaped.reward == pytest.approx(-0.25)
+    assert shaped.reward_parts[PART] == pytest.approx(-0.05) and shaped.reward_parts[NO_CALL_PART] == pytest.approx(-0.2)

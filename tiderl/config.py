@@ -207,6 +207,11 @@ class EnvConfig:
         "calls, wrong arguments, a tool's own error), counting at most env.max_turns of them; 0 = off. "
         "A dense signal while success is rare; alone it is gamed by calling fewer tools (measured in "
         "docs/real_models.md). Evaluation is never shaped (tiderl/rewards/tool_errors.py).")
+    no_call_penalty: float = opt(
+        0.0, "Training reward lost per turn with no tool call that did not end the episode "
+        "(env_info['no_call_turns'], counted by the agent loop: turns that got the environment's "
+        "nudge); 0 = off. Closes the path that games env.tool_error_penalty (prose instead of calls); "
+        "an answer that ends the episode, such as a math answer in text, is never charged.")
     math_format_penalty: float = opt(
         0.0, "math: reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
     math_verify_timeout_s: float = opt(
@@ -1026,6 +1031,7 @@ def validate(cfg: RunConfig) -> None:
          "data.source=folder reads task folders from it", "set data.task_dir=/path/to/tasks")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
     need(cfg.env.tool_error_penalty >= 0, "env.tool_error_penalty", "must be >= 0", "use 0 (off) or e.g. 0.05")
+    need(cfg.env.no_call_penalty >= 0, "env.no_call_penalty", "must be >= 0", "use 0 (off) or e.g. 0.05")
     need(cfg.env.math_format_penalty >= 0, "env.math_format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
     need(cfg.env.math_verify_timeout_s > 0, "env.math_verify_timeout_s", "must be > 0", "use 5.0")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")

@@ -28,7 +28,7 @@ from tiderl.metrics.logger import cut_metrics
 from tiderl.models.loading import check_device, load_model, load_tokenizer
 from tiderl.models.startup import check_model_and_budgets
 from tiderl.rewards.curiosity import CuriosityShaper
-from tiderl.rewards.tool_errors import penalize_tool_errors
+from tiderl.rewards.tool_errors import penalize_no_call_turns, penalize_tool_errors
 from tiderl.rollout import Engine, make_engine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
@@ -111,11 +111,13 @@ class Run:
         return self.setup.make_env
 
     def shape(self, trajectory: Trajectory) -> Trajectory:
-        """The trajectory with the curiosity bonus of the current step, and the tool-error
-        penalty when `env.tool_error_penalty` is on."""
+        """The trajectory with the curiosity bonus of the current step, and the tool-error and
+        no-call penalties when `env.tool_error_penalty` / `env.no_call_penalty` are on."""
         shaped = self.curiosity.shape(trajectory, self.step)
         if self.cfg.env.tool_error_penalty > 0:
             shaped = penalize_tool_errors(shaped, self.cfg.env.tool_error_penalty, self.cfg.env.max_turns)
+        if self.cfg.env.no_call_penalty > 0:
+            shaped = penalize_no_call_turns(shaped, self.cfg.env.no_call_penalty)
         return shaped
 
 

@@ -47,6 +47,9 @@ class _Episode:
     behavior_logprobs: list[float] = field(default_factory=list)
     policy_version: list[int] = field(default_factory=list)
     num_turns: int = 0
+    # Turns with neither a tool call nor a malformed one that did not end the episode (they got
+    # the environment's nudge): what `env.no_call_penalty` charges.
+    no_call_turns: int = 0
     # Sum of the rewards of non-final steps (shaping); added to the final reward.
     shaping: float = 0.0
     trajectory: Trajectory | None = None
@@ -76,7 +79,7 @@ class _Episode:
             reward_parts=reward_parts,
             task_id=self.task.task_id,
             group_id=self.group_id,
-            env_info={**env_info, "turns": self.num_turns},
+            env_info={**env_info, "turns": self.num_turns, "no_call_turns": self.no_call_turns},
             num_turns=self.num_turns,
             stop_reason=stop_reason,
         )
@@ -170,13 +173,16 @@ def _apply_result(
     if result.done:
         episode.close_with(result, "answer")
         return
+    # A turn without any tool call (well-formed or not) that was not accepted as an answer.
+    called = action is None or bool(action.tool_calls or action.parse_errors)
+    if not called:
+        episode.no_call_turns += 1
     episode.shaping += result.reward
     if episode.num_turns >= max_turns:
         episode.stop_early("max_turns")
         return
     # A turn without any tool call has nothing for a tool response to answer: the environment's
     # nudge ("no tool call ...") goes back as a user turn, as a chat model expects.
-    called = action is None or bool(action.tool_calls or action.parse_errors)
     try:
         answer = episode.fmt.answer_ids(result.observations, continue_message, as_tool_responses=called)
     except TemplateError:
@@ -235,7 +241,9 @@ async def play_episode(
     - an answer (`done`) ends with stop_reason "answer"; reward = the final reward plus any
       shaping rewards of earlier (non-final) steps; reward_parts = the final info's
       "reward_parts", or {"outcome": final reward} without it, plus "shaping" when there was
-      any; env_info = the final info plus "turns" (the same on a limit, from `env.finish`);
+      any; env_info = the final info plus "turns" and "no_call_turns" (turns with no tool call,
+      well-formed or not, that the environment did not take as an answer: they got its nudge),
+      the same on a limit, from `env.finish`;
     - every text rendered into the conversation is valid for the tokenizer (`ChatFormat.render`
       replaces code points UTF-8 cannot encode, e.g. a lone surrogate a tool echoed);
     - an exception in `make_env` or any environment method, or an answer that cannot be

@@ -11,7 +11,8 @@ from tiderl.types import Trajectory
 
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
-    """Success (with its standard error), F1, turns, tokens and tool errors of a set of episodes.
+    """Success (with its standard error), F1, turns, tokens, tool errors and turns without a
+    tool call (that got the environment's nudge) of a set of episodes.
 
     The standard error is the binomial one, sqrt(p (1 - p) / n); tool_errors_stderr is that of
     the mean tool errors an episode (so that a before/after difference has an interval).
@@ -33,6 +34,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "action_tokens": sum(t.num_action_tokens for t in trajectories) / n,
         "tool_errors": sum(tool_errors) / n,
         "tool_errors_stderr": _stderr(tool_errors),
+        "no_call_turns": sum(float(t.env_info.get("no_call_turns", 0)) for t in trajectories) / n,
         "stop_reasons": _counts(t.stop_reason for t in trajectories),
     }
     return out
@@ -99,6 +101,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "reward": s["reward"], "success": s["success"], "f1": s["f1"],
         "episode/turns": s["turns"], "episode/tokens": s["tokens"],
         "episode/action_tokens": s["action_tokens"], "episode/tool_errors": s["tool_errors"],
+        "episode/no_call_turns": s["no_call_turns"],
     }
     for reason, count in s["stop_reasons"].items():
         out[f"episode/stop_{reason}"] = count / s["n"]

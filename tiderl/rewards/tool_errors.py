@@ -1,16 +1,20 @@
-"""A penalty for failed tool calls (`env.tool_error_penalty`): a dense signal for a model that
-rarely succeeds yet, since an outcome reward of 0 on every episode gives SAO's advantages and
-value targets of exactly 0, and nothing moves.
+"""Penalties for failed tool use: dense signals for a model that rarely succeeds yet, since an
+outcome reward of 0 on every episode gives SAO's advantages and value targets of exactly 0, and
+nothing moves. Evaluation never shapes: held-out success stays the environment's.
 
-reward' = reward - penalty * min(tool_errors, max_errors), where tool_errors is what the
-environment reports in `env_info["tool_errors"]` (malformed calls, unknown tools, wrong
-arguments, a tool's own error such as an SQL error). The cap keeps one turn of many broken calls
-from outweighing the outcome. Evaluation never shapes: held-out success stays the environment's.
+- `env.tool_error_penalty`: reward' = reward - penalty * min(tool_errors, max_errors), where
+  tool_errors is what the environment reports in `env_info["tool_errors"]` (malformed calls,
+  unknown tools, wrong arguments, a tool's own error such as an SQL error). The cap keeps one turn
+  of many broken calls from outweighing the outcome.
+- `env.no_call_penalty`: reward' = reward - penalty * no_call_turns, where no_call_turns is what
+  the agent loop counts in `env_info["no_call_turns"]`: turns with no tool call at all that the
+  environment did not take as an answer (they got its nudge). A math answer in text ends its
+  episode, so it is never charged.
 
-Alone, with every outcome 0, the penalty is gamed: a turn without a tool call costs nothing. On
-the 0.5B DB recipe (20 steps, docs/real_models.md) held-out tool errors fell from 3.34 to 0.90 an
-episode because the policy learned to write prose and then commit a guess, and success did not
-rise.
+Alone, with every outcome 0, the tool-error penalty is gamed: a turn without a tool call costs
+nothing. On the 0.5B DB recipe (20 steps, docs/real_models.md) held-out tool errors fell from 3.34
+to 0.90 an episode because the policy learned to write prose and then commit a guess, and success
+did not rise. The no-call penalty closes that path.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import dataclasses
 
 from tiderl.types import Trajectory
 
-__all__ = ["PART", "penalize_tool_errors"]
+__all__ = ["NO_CALL_PART", "PART", "penalize_no_call_turns", "penalize_tool_errors"]
 
 PART = "tool_errors"
+NO_CALL_PART = "no_call"
 
 
 def penalize_tool_errors(trajectory: Trajectory, penalty: float, max_errors: int) -> Trajectory:
@@ -40,3 +45,20 @@ def penalize_tool_errors(trajectory: Trajectory, penalty: float, max_errors: int
     part = -penalty * min(float(errors), float(max_errors))
     return dataclasses.replace(trajectory, reward=trajectory.reward + part,
                                reward_parts={**trajectory.reward_parts, PART: part})
+
+
+def penalize_no_call_turns(trajectory: Trajectory, penalty: float) -> Trajectory:
+    """A copy of `trajectory` with reward_parts["no_call"] = -penalty * no_call_turns added to its
+    reward. Raises ValueError when env_info has no "no_call_turns" (the trajectory did not come
+    from tiderl's agent loop), or when the trajectory was already penalised."""
+    if NO_CALL_PART in trajectory.reward_parts:
+        raise ValueError(f"trajectory {trajectory.task_id!r} already has a '{NO_CALL_PART}' reward part: "
+                         "penalise each trajectory once")
+    turns = trajectory.env_info.get("no_call_turns")
+    if not isinstance(turns, (int, float)):
+        raise ValueError(f"env.no_call_penalty={penalty} needs env_info['no_call_turns'], which tiderl's agent "
+                         f"loop counts, but task {trajectory.task_id!r} has none (a trajectory recorded elsewhere, "
+                         "e.g. by `tiderl serve`). Fix: set env.no_call_penalty=0")
+    part = -penalty * float(turns)
+    return dataclasses.replace(trajectory, reward=trajectory.reward + part,
+                               reward_parts={**trajectory.reward_parts, NO_CALL_PART: part})
