@@ -124,6 +124,27 @@ def test_concurrent_requests_are_decoded_together_and_cut_to_their_own_budget():
     assert engine.calls[-1] == (1, 2) and greedy.token_ids == [1, 1]  # other settings: own batch
 
 
+def test_a_request_level_engine_never_batches_requests_with_different_seeds():
+    """One SamplingParams goes with each generate call: a seeded request's own stream must not
+    be replaced by its batch neighbour's."""
+    seen = []
+
+    class SeedRecorder(CountingEngine):
+        def generate(self, prompts, params):
+            seen.append((len(prompts), params.seed))
+            return super().generate(prompts, params)
+
+    async def main():
+        client = BatchingEngine(SeedRecorder(), max_batch_size=8)
+        client.start()
+        await asyncio.gather(*(client.generate([i], SamplingParams(max_new_tokens=2, seed=s))
+                               for i, s in enumerate([7, 7, 8])))
+        await client.close()
+
+    asyncio.run(main())
+    assert sorted(seen) == [(1, 8), (2, 7)]
+
+
 def test_engine_failure_reaches_every_waiting_episode():
     class Broken(CountingEngine):
         def generate(self, prompts, params):

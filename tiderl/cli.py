@@ -298,7 +298,8 @@ def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
         watcher = watch(mode, len(tasks) * samples) if watch else None
         try:
             return evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, greedy,
-                            samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher)
+                            samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher,
+                            seed=cfg.seed)
         finally:
             if watcher is not None:
                 watcher.close()

@@ -205,13 +205,15 @@ class EnvConfig:
     tool_error_penalty: float = opt(
         0.0, "Training reward lost per failed tool call (env_info['tool_errors']: malformed or unknown "
         "calls, wrong arguments, a tool's own error), counting at most env.max_turns of them; 0 = off. "
-        "A dense signal while success is rare; alone it is gamed by calling fewer tools (measured in "
-        "docs/real_models.md). Evaluation is never shaped (tiderl/rewards/tool_errors.py).")
+        "A dense signal while success is rare; with every outcome 0 it is gamed by calling fewer tools "
+        "(measured in docs/real_models.md). Evaluation is never shaped (tiderl/rewards/tool_errors.py).")
     no_call_penalty: float = opt(
         0.0, "Training reward lost per turn with no tool call that did not end the episode "
         "(env_info['no_call_turns'], counted by the agent loop: turns that got the environment's "
-        "nudge); 0 = off. Closes the path that games env.tool_error_penalty (prose instead of calls); "
-        "an answer that ends the episode, such as a math answer in text, is never charged.")
+        "nudge); 0 = off. Closes the path that games env.tool_error_penalty (prose instead of calls), "
+        "but with every outcome 0 both together are gamed by committing a guess at once "
+        "(docs/real_models.md). An answer that ends the episode, such as a math answer in text, is "
+        "never charged.")
     math_format_penalty: float = opt(
         0.0, "math: reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
     math_verify_timeout_s: float = opt(

@@ -100,6 +100,7 @@ def evaluate(
     samples_per_task: int = 1,
     chunk_size: int = 0,
     on_episode: Callable[[Task, Trajectory], None] | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Run every task and summarise (`summarize_samples`), overall, per number of hops
     (`by_hops`, when tasks have `meta["hops"]`) and per answer type (`by_type`, when tasks have
@@ -109,9 +110,11 @@ def evaluate(
     at the rollout temperature, and pass@k with k = samples_per_task when it is above 1.
     `mode` names which ("greedy" or "sampled(T=...)"). `engine` and `chunk_size`: see
     `run_samples`; so is `on_episode`. The result's "by_stop_reason" is `stop_reason_rows`.
+    seed: when set, each sampled episode draws from its own stream (`play_episodes`), so two
+    evaluations of one model give the same episodes, however they are batched.
     """
     samples = 1 if greedy else samples_per_task
-    params = sampling_params(rollout, tokenizer.eos_token_id, greedy)
+    params = dataclasses.replace(sampling_params(rollout, tokenizer.eos_token_id, greedy), seed=seed)
     groups = run_samples(engine, tokenizer, make_env, tasks, params, env_cfg, samples, chunk_size, on_episode)
     result = summarize_samples(groups, samples)
     result["mode"] = "greedy" if greedy else f"sampled(T={rollout.temperature})"

@@ -25,7 +25,7 @@ from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, TemplateError, chat_
 from tiderl.agent.tool_parser import parse_tool_calls, tool_call_format_of
 from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
-from tiderl.rollout.base import Completion, Engine, SamplingParams
+from tiderl.rollout.base import Completion, Engine, SamplingParams, episode_seed
 from tiderl.rollout.client import BatchingEngine
 from tiderl.types import NO_VERSION, Trajectory
 
@@ -318,9 +318,20 @@ def play_episodes(
     decodes in the loop's own thread (`InlineExecutor`: nothing else runs torch meanwhile) with
     `threads` torch threads (0 = the cores other processes leave free). `on_episode(i, trajectory)`
     is called as each episode ends (i = its index in `tasks`), for progress displays.
+
+    With `params.seed` set, each episode samples from its own stream, `episode_seed(params.seed,
+    "<task id>#<k>")` for the k-th episode of that task id in `tasks`, so its random draws do not
+    depend on the batch size, the number in flight, the order of `tasks` or how fast tools
+    answer (the logits' rounding still may, in bf16).
     """
     if group_ids is not None and len(group_ids) != len(tasks):
         raise ValueError(f"{len(group_ids)} group ids for {len(tasks)} tasks: give one per task")
+    per_episode = [params] * len(tasks)
+    if params.seed is not None:
+        seen: dict[str, int] = {}
+        for i, task in enumerate(tasks):
+            k = seen[task.task_id] = seen.get(task.task_id, -1) + 1
+            per_episode[i] = dataclasses.replace(params, seed=episode_seed(params.seed, f"{task.task_id}#{k}"))
 
     async def main() -> list[Trajectory]:
         loop = asyncio.get_running_loop()
@@ -333,7 +344,7 @@ def play_episodes(
 
         async def one(i: int, task: Task) -> Trajectory:
             async with slots:  # tasks start in order as earlier episodes end
-                trajectory = await play_episode(client, tokenizer, make_env, task, params, max_turns,
+                trajectory = await play_episode(client, tokenizer, make_env, task, per_episode[i], max_turns,
                                                 max_total_tokens, group_id=group_ids[i] if group_ids else None,
                                                 continue_message=continue_message)
             if on_episode is not None:

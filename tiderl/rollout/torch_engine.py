@@ -26,7 +26,9 @@ Log-probs are those of the distribution each token was actually sampled from:
 the temperature-1 distribution (a greedy choice has no sampling distribution of its own, and
 the temperature-1 value is what the trainer recomputes). Every row has its own sampling
 settings; the sampled rows of a step draw from the one `generator`, in row order (one uniform
-number per row, turned into a token by inverting the row's cumulative distribution).
+number per row, turned into a token by inverting the row's cumulative distribution), except
+rows whose `SamplingParams.seed` is set: their draw is `stream_uniform(seed, position)`, the same
+whatever else is in the batch.
 
 Weights can be swapped while rows decode in another thread: each forward pass holds a lock,
 `update_weights` takes the same lock, and every token carries the version of the weights that
@@ -50,7 +52,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request
+from tiderl.rollout.base import Completion, SamplingParams, check_request, stream_uniform
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
 from tiderl.rollout.weights import weights_checksum
 
@@ -513,7 +515,8 @@ class TorchEngine:
         """Sample the next token of every row; finished rows leave; the rest take one decode step."""
         assert self._logits is not None and self._cache is not None
         rows = self._rows
-        sampled, sampled_logprobs = self._sample(self._logits, [row.request.params for row in rows])
+        sampled, sampled_logprobs = self._sample(self._logits, [row.request.params for row in rows],
+                                                 [len(row.request.prompt) + len(row.tokens) for row in rows])
         keep: list[int] = []
         done: list[tuple[int, _Row]] = []
         for j, (row, token, logprob) in enumerate(zip(rows, sampled.tolist(), sampled_logprobs.tolist())):
@@ -630,11 +633,14 @@ class TorchEngine:
         new_cache = output["cache"] if "cache" in output else output["past_key_values"]
         return output.logits[:, -1].float(), new_cache, version
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled token per row and its log-prob under the distribution it was drawn from.
 
         Greedy rows take the argmax (log-prob at temperature 1) and draw nothing; the other rows
-        draw together, in row order, from `self.generator`.
+        draw together, in row order, from `self.generator`, except seeded rows, which draw
+        `stream_uniform(seed, positions[row])` (positions: the sequence position of each row's
+        next token; needed when any row is seeded).
         """
         temperatures = [p.temperature for p in params]
         if not any(temperatures):
@@ -649,17 +655,24 @@ class TorchEngine:
             top_p = torch.tensor([params[j].top_p for j in nucleus], device=logits.device)
             logprobs[index] = _nucleus_logprobs(logprobs[index], top_p[:, None])
         drawn = [j for j, t in enumerate(temperatures) if t > 0]
+        seeds = [params[j].seed for j in drawn]
+        fixed = None
+        if any(seed is not None for seed in seeds):
+            if positions is None:
+                raise ValueError("a seeded request needs its sequence positions to draw from its own stream")
+            fixed = [None if seed is None else stream_uniform(seed, positions[j]) for j, seed in zip(drawn, seeds)]
         if len(drawn) == len(params):
-            tokens = self._draw(logprobs)
+            tokens = self._draw(logprobs, fixed)
         else:
             index = torch.tensor(drawn, device=logits.device)
             tokens = logits.argmax(dim=-1)
-            tokens[index] = self._draw(logprobs[index])
+            tokens[index] = self._draw(logprobs[index], fixed)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
-    def _draw(self, logprobs: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logprobs: torch.Tensor, fixed: list[float | None] | None = None) -> torch.Tensor:
         """One token per row from `exp(logprobs)`, by inverting the cumulative distribution at one
-        uniform draw per row (from `self.generator`, in row order).
+        uniform draw per row (from `self.generator`, in row order; a row whose `fixed[row]` is a
+        number uses that number instead; the generator still advances one draw per row).
 
         The token drawn is the first whose cumulative mass exceeds the draw, so a token of zero
         probability (outside a nucleus) is never drawn. Several times cheaper than
@@ -667,6 +680,12 @@ class TorchEngine:
         """
         cdf = logprobs.exp().cumsum(dim=-1)
         u = torch.rand((cdf.shape[0], 1), generator=self.generator, device=cdf.device, dtype=cdf.dtype)
+        if fixed is not None:
+            rows = [j for j, value in enumerate(fixed) if value is not None]
+            values = torch.tensor([fixed[j] for j in rows], device=cdf.device, dtype=cdf.dtype)
+            # Rounded to the dtype, a draw just below 1 could become 1: keep it below, as rand's.
+            below_one = torch.nextafter(torch.ones((), dtype=cdf.dtype), torch.zeros((), dtype=cdf.dtype))
+            u[rows, 0] = values.clamp_(max=below_one.item())
         tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
         return tokens.clamp_(max=cdf.shape[-1] - 1)
 
