@@ -110,8 +110,9 @@ def evaluate(
     at the rollout temperature, and pass@k with k = samples_per_task when it is above 1.
     `mode` names which ("greedy" or "sampled(T=...)"). `engine` and `chunk_size`: see
     `run_samples`; so is `on_episode`. The result's "by_stop_reason" is `stop_reason_rows`.
-    seed: when set, each sampled episode draws from its own stream (`play_episodes`), so two
-    evaluations of one model give the same episodes, however they are batched.
+    seed: when set, each sampled episode draws from its own stream (`play_episodes`), so its
+    random draws do not depend on how episodes are batched (in bf16 the logits' rounding still
+    may: docs/evaluation.md).
     """
     samples = 1 if greedy else samples_per_task
     params = dataclasses.replace(sampling_params(rollout, tokenizer.eos_token_id, greedy), seed=seed)

