@@ -4,7 +4,7 @@ SAO, GRPO and DAPO train asynchronously at staleness 8 (local backend, the embed
 trajectories per optimizer step: SAO 32 prompts x 1, GRPO 4 x 8, DAPO 2 x 16) for 250 steps,
 with GRPO at staleness 0 as the control, on 2 seeds. Held-out greedy success (tasks never trained
 on) is measured every 25 steps. What counts as a collapse is fixed in
-`tiderl/metrics/collapse.py` (held-out below the start or under half its best at two consecutive
+`tiderl/lab/collapse.py` (held-out below the start or under half its best at two consecutive
 evaluations, or the training reward under half its running best for 20 steps), written before
 any of these runs was made.
 
@@ -32,7 +32,7 @@ from common import train_to_budget  # sets up the import path and torch threads
 
 from tiderl.config import load_config
 from tiderl.envs.setup import load_setup
-from tiderl.metrics.collapse import find_collapse
+from tiderl.lab.collapse import find_collapse
 from tiderl.run import resolve_model_path
 
 MODES = [("sao", 8), ("grpo", 8), ("dapo", 8), ("grpo", 0)]

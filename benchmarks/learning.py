@@ -52,7 +52,7 @@ import common  # noqa: F401  (sets up the import path and torch threads)
 
 from tiderl.agent.loop import play_episodes
 from tiderl.config import load_config
-from tiderl.metrics.compare import (
+from tiderl.lab.compare import (
     first_reaching,
     mean_ci,
     paired_difference,

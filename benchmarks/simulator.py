@@ -48,7 +48,7 @@ from tiderl.config import load_config
 from tiderl.recipe import train
 from tiderl.rollout.base import SamplingParams
 from tiderl.run import build_run
-from tiderl.system.simulate import Cluster, Dist, Schedule, Workload, simulate
+from tiderl.lab.simulate import Cluster, Dist, Schedule, Workload, simulate
 
 TOOL_LATENCY = Dist("lognormal", 1.0, 1.5, 30.0)
 WORKLOAD = [

@@ -1,6 +1,6 @@
-"""The collapse rule of tiderl/metrics/collapse.py on curves worked out by hand."""
+"""The collapse rule of tiderl/lab/collapse.py on curves worked out by hand."""
 
-from tiderl.metrics.collapse import find_collapse, held_out_collapse, reward_collapse
+from tiderl.lab.collapse import find_collapse, held_out_collapse, reward_collapse
 
 
 def test_held_out_needs_two_consecutive_bad_evaluations():

@@ -14,7 +14,7 @@ import torch
 
 from tests.test_system_scheduler import FakeRollout, FakeTrainer, tasks
 from tiderl.config import AlgoConfig, load_config, preset_defaults
-from tiderl.metrics.compare import (
+from tiderl.lab.compare import (
     first_reaching,
     mean_ci,
     paired_difference,

@@ -1,4 +1,4 @@
-"""The discrete-event model of the pipeline (tiderl/system/simulate.py): exact figures where
+"""The discrete-event model of the pipeline (tiderl/lab/simulate.py): exact figures where
 they can be worked out by hand, and the rules it shares with the real scheduler; and its command
 line, `tiderl simulate`: every setting of the model has a flag that reaches it, bad values stop the
 command with the flag named, and the output has every mode of the validated benchmark."""
@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from tiderl.cli import _parser, main
-from tiderl.system import simulate_cli
-from tiderl.system.simulate import (
+from tiderl.lab import simulate_cli
+from tiderl.lab.simulate import (
     Cluster,
     Dist,
     Schedule,
@@ -225,7 +225,7 @@ def test_lockstep_passes_hold_finished_turns_until_the_pass_ends():
     assert r.trained == 40 and set(r.staleness) <= {0, 1}
 
 
-# -- tiderl simulate (tiderl/system/simulate_cli.py) ---------------------------------------------
+# -- tiderl simulate (tiderl/lab/simulate_cli.py) ------------------------------------------------
 SMALL = ["--steps", "4", "--seeds", "2", "--batch-size", "4", "--tool-latency", "lognormal:0.2:1.0:5"]
 
 
@@ -347,7 +347,7 @@ def test_sweep_reports_each_value_and_where_async_stops_paying(capsys):
 
 
 def test_every_scenario_runs_and_reports_tokens_per_trajectory(capsys):
-    from tiderl.system.simulate import SCENARIOS
+    from tiderl.lab.simulate import SCENARIOS
 
     for name in SCENARIOS:
         assert main(["simulate", "--scenario", name, "--batch-size", "16", "--steps", "3", "--seeds", "1",

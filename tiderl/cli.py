@@ -127,9 +127,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _simulate_parser(sub: Any) -> None:
-    """`tiderl simulate`: the discrete-event model of the pipeline (tiderl/system/simulate.py);
-    its flags live with it in tiderl/system/simulate_cli.py."""
-    from tiderl.system.simulate_cli import add_parser
+    """`tiderl simulate`: the discrete-event model of the pipeline (tiderl/lab/simulate.py, a
+    research tool); its flags live with it in tiderl/lab/simulate_cli.py."""
+    from tiderl.lab.simulate_cli import add_parser
 
     add_parser(sub)
 
@@ -275,7 +275,7 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from tiderl.system.simulate_cli import run
+    from tiderl.lab.simulate_cli import run
 
     return run(args)
 

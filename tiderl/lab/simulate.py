@@ -34,7 +34,7 @@ modelled, and how:
 What is not modelled: memory limits of the KV cache, prefill cost growing with the context,
 failures and retries, and network time beyond `sync_s`. `benchmarks/simulator.py --validate`
 checks the predictions against runs of tiderl on this machine; `tiderl simulate`
-(`tiderl/system/simulate_cli.py`) is its command line.
+(`tiderl/lab/simulate_cli.py`) is its command line.
 """
 
 from __future__ import annotations

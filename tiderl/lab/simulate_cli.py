@@ -1,4 +1,4 @@
-"""`tiderl simulate`: the command line of the discrete-event model (`tiderl/system/simulate.py`).
+"""`tiderl simulate`: the command line of the discrete-event model (`tiderl/lab/simulate.py`).
 
 A scenario gives every setting; each flag overrides one (every field of `Workload`, `Cluster`
 and `Schedule` has one). The command runs every mode `standard_modes` lists over several seeds
@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tiderl.system.simulate import (
+from tiderl.lab.simulate import (
     SCENARIOS,
     Cluster,
     Dist,

@@ -1,0 +1,5 @@
+"""Research tools, not the training system: nothing in the core imports it (tests/test_architecture.py).
+
+The discrete-event model of the pipeline (`simulate`, its command line `simulate_cli`: `tiderl
+simulate`, docs/simulate.md), the collapse rule of benchmarks/collapse.py (`collapse`) and the
+statistics that compare runs (`compare`, docs/metrics.md)."""
