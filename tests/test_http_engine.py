@@ -35,16 +35,11 @@ from safetensors.torch import load_file
 
 from tiderl.config import ConfigError, load_config
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.lab.vllm_server import vllm_command, vllm_env, wait_until_ready
 from tiderl.rollout import make_engine
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.client import BatchingEngine
-from tiderl.rollout.http_engine import (
-    HttpEngine,
-    ServerError,
-    vllm_command,
-    vllm_env,
-    wait_until_ready,
-)
+from tiderl.rollout.http_engine import HttpEngine, ServerError
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.train.forward import token_logprobs

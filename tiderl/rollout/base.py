@@ -133,6 +133,25 @@ def check_request(prompt: list[int], params: SamplingParams, i: int, vocab_size:
             "prompt or lower max_new_tokens")
 
 
+def check_update(own: dict[str, Any], state_dict: dict[str, Any], version: int, current: int,
+                 send: str = "model.state_dict() of the same architecture (unwrap DDP/FSDP/compile prefixes first)",
+                 ) -> None:
+    """Raise ValueError, before an engine changes anything, when `version` is lower than the
+    engine's `current` one (weights never go back in time; the same version may load again) or
+    when `state_dict`'s keys or shapes are not those of `own`; `send` says what to send instead."""
+    if version < current:
+        raise ValueError(f"update_weights got version {version}, lower than the engine's current version "
+                         f"{current}: versions must not decrease; pass the trainer's latest version")
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"update_weights state dict does not match the engine's model: missing keys "
+                         f"{missing[:5]}, unexpected keys {unexpected[:5]}; send {send}")
+    wrong_shapes = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
+    if wrong_shapes:
+        raise ValueError(f"update_weights state dict has wrong shapes for {wrong_shapes[:5]}: send {send}")
+
+
 def sampling_params(rollout: Any, eos_id: int, greedy: bool) -> SamplingParams:
     """The sampling of a `RolloutConfig` (or greedy decoding), stopping at the end-of-turn token."""
     return SamplingParams(

@@ -235,7 +235,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     """The Llama-family RMSNorm, computed in float32 as the models do."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    dtype = x.dtype
-    y = x.float() if dtype != torch.float32 else x
+    y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (y.to(dtype) if dtype != torch.float32 else y)
+    return weight * y.to(x.dtype)

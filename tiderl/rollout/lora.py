@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tiderl.rollout import low_rank
+from tiderl.rollout.base import check_update
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 
@@ -56,17 +57,8 @@ class LoraTorchEngine(TorchEngine):
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Load the adapters in `state_dict` (every adapter key of the policy, nothing else) and set
         `version` (never lower than the current one). Kept prefix caches are dropped."""
-        if version < self.version:
-            raise ValueError(f"update_weights got version {version}, lower than the engine's current version "
-                             f"{self.version}: versions must not decrease")
-        missing = sorted(set(self._adapters) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(self._adapters))
-        if missing or unexpected:
-            raise ValueError(f"update_weights expects the LoRA adapters of the policy: missing keys {missing[:3]}, "
-                             f"unexpected keys {unexpected[:3]}; send tiderl.train.lora.policy_state(model)")
-        wrong = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(self._adapters[k].shape)]
-        if wrong:
-            raise ValueError(f"update_weights got adapters of the wrong shape for {wrong[:3]} (another model.lora.r?)")
+        check_update(self._adapters, state_dict, version, self.version,
+                     send="the policy's LoRA adapters, tiderl.train.lora.policy_state(model), of the same model.lora.r")
         modules = dict(self.model.named_modules())
         with self._lock:
             for plain, (_, key_a, key_b) in self._layers.items():

@@ -73,22 +73,18 @@ def set_adapters(linear: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> N
         linear.lora_b.copy_(b)
 
 
-class Unfusable(ValueError):
-    """The layers' terms cannot share one product (different scalings or dtypes)."""
-
-
 def fuse(*linears: torch.nn.Linear) -> LowRankTerm | None:
     """One term for `linears`, which read the same input and whose outputs are concatenated in
     this order (as the fast decode step stacks q/k/v and gate/up): `a` stacks every layer's `a`,
     and `b` is block-diagonal, so one pair of products computes every layer's term; a layer
     without a term gets zero rows. The layers' own buffers become views of the stacked ones.
-    None when no layer has a term; `Unfusable` when their scalings or dtypes differ."""
+    None when no layer has a term; ValueError when their scalings or dtypes differ."""
     terms = [term_of(m) for m in linears]
     present = [t for t in terms if t is not None]
     if not present:
         return None
     if len({t.scaling for t in present}) > 1 or len({t.a.dtype for t in present}) > 1:
-        raise Unfusable("layers with different LoRA scalings or dtypes")
+        raise ValueError("layers with different LoRA scalings or dtypes cannot share one term")
     dtype, device = present[0].a.dtype, present[0].a.device
     rank = sum(t.a.shape[0] for t in present)
     a = torch.zeros(linears[0].in_features, rank, dtype=dtype, device=device).t()

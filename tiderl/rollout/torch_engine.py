@@ -52,7 +52,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request, stream_uniform
+from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_uniform
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
 from tiderl.rollout.weights import weights_checksum
 
@@ -706,26 +706,8 @@ class TorchEngine:
         same version may be loaded again. Nothing is changed when the check fails. Kept prefix
         caches are dropped (they were computed with the weights being replaced).
         """
-        if version < self.version:
-            raise ValueError(
-                f"update_weights got version {version}, lower than the engine's current version "
-                f"{self.version}: versions must not decrease; pass the trainer's latest version"
-            )
         own = self.model.state_dict()
-        missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"update_weights state dict does not match the engine's model: missing keys "
-                f"{missing[:5]}, unexpected keys {unexpected[:5]}; send model.state_dict() of the "
-                "same architecture (unwrap DDP/FSDP/compile prefixes first)"
-            )
-        wrong_shapes = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
-        if wrong_shapes:
-            raise ValueError(
-                f"update_weights state dict has wrong shapes for {wrong_shapes[:5]}: send the weights "
-                "of the same model configuration"
-            )
+        check_update(own, state_dict, version, self.version)
         # Weights the engine stores transposed (fast_decode on a CPU) are copied in blocks of rows
         # (`copy_into`), each tensor once (tied weights are one tensor under two names); the
         # others through load_state_dict. The keys were checked above.
