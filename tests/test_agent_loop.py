@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tiderl.agent.chat import ChatFormat, TemplateError, chat_format, observation_ids, render_prompt_ids, user_message_ids
+from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episodes
 from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.models.tiny import IM_END_ID, train_tokenizer
@@ -164,9 +164,10 @@ def test_assembled_tokens_equal_template_rendering_of_full_conversation(tok):
     a2 = "hmm"
     a3 = "ANSWER: Ridley Scott"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}]
-    ids = render_prompt_ids(tok, messages, TOOLS)
-    ids += sampled_turn(tok, a1) + observation_ids(tok, ["Ridley Scott", "Michael Mann"], TOOLS)
-    ids += sampled_turn(tok, a2) + user_message_ids(tok, CONTINUE_MESSAGE, TOOLS)
+    fmt = chat_format(tok, TOOLS)
+    ids = fmt.prompt_ids(messages)
+    ids += sampled_turn(tok, a1) + fmt.observation_ids(["Ridley Scott", "Michael Mann"])
+    ids += sampled_turn(tok, a2) + fmt.user_message_ids(CONTINUE_MESSAGE)
     ids += sampled_turn(tok, a3)
     messages += [
         {"role": "assistant", "content": a1},
@@ -186,7 +187,7 @@ def test_assembled_tokens_equal_template_rendering_of_full_conversation(tok):
 
 
 def test_observation_ids_end_with_generation_prompt_and_start_after_end_of_turn(tok):
-    obs = decode(tok, observation_ids(tok, ["Pete Docter"], TOOLS))
+    obs = decode(tok, chat_format(tok, TOOLS).observation_ids(["Pete Docter"]))
     assert obs.endswith("<|im_start|>assistant\n")
     assert "Pete Docter" in obs and "<|im_end|>" not in obs.split("Pete Docter")[0]
 
@@ -266,8 +267,9 @@ def test_scripted_episode_is_the_template_rendering_and_masks_only_model_tokens(
     rendered = render(tok, messages, add_generation_prompt=False)
     assert decode(tok, traj.tokens) == rendered[: rendered.rindex("<|im_end|>") + len("<|im_end|>")]
     # loss_mask is 1 exactly on the two scripted turns (their text + end-of-turn).
-    prompt = render_prompt_ids(tok, messages[:2], TOOLS)
-    obs = observation_ids(tok, ["Ridley Scott"], TOOLS)
+    fmt = chat_format(tok, TOOLS)
+    prompt = fmt.prompt_ids(messages[:2])
+    obs = fmt.observation_ids(["Ridley Scott"])
     t1, t2 = sampled_turn(tok, a1), sampled_turn(tok, a2)
     assert traj.tokens == prompt + t1 + obs + t2
     assert traj.loss_mask == [0] * len(prompt) + [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
@@ -300,9 +302,9 @@ def test_turn_without_observation_gets_continue_message(tok):
     engine = ScriptedEngine(tok, {"Up": ["Let me think.", "ANSWER: Pete Docter"]})
     [traj] = play_episodes(engine, tok, EnvFactory(), [task("up")], PARAMS, max_turns=3, max_total_tokens=1000)
     expected = (
-        render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Up?"}], TOOLS)
+        chat_format(tok, TOOLS).prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Up?"}])
         + sampled_turn(tok, "Let me think.")
-        + user_message_ids(tok, CONTINUE_MESSAGE, TOOLS)
+        + chat_format(tok, TOOLS).user_message_ids(CONTINUE_MESSAGE)
         + sampled_turn(tok, "ANSWER: Pete Docter")
     )
     assert traj.tokens == expected and traj.stop_reason == "answer"
@@ -329,7 +331,7 @@ def test_turn_limit_calls_finish_and_ends_on_the_model_turn(tok):
 
 
 def test_token_budget_is_never_exceeded(tok):
-    prompt_len = len(render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}], TOOLS))
+    prompt_len = len(chat_format(tok, TOOLS).prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}]))
     turn_len = len(sampled_turn(tok, call("alien")))
     reasons = set()
     for budget in range(prompt_len + 2, prompt_len + 4 * turn_len + 60):
@@ -345,7 +347,7 @@ def test_token_budget_is_never_exceeded(tok):
 
 def test_engine_ignoring_its_limit_is_cut_to_the_budget(tok):
     engine = FakeEngine(lambda c, i: [5] * 500, ignore_limit=True)
-    prompt_len = len(render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}], TOOLS))
+    prompt_len = len(chat_format(tok, TOOLS).prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}]))
     [traj] = play_episodes(engine, tok, EnvFactory(), [task("alien")], PARAMS, max_turns=5, max_total_tokens=prompt_len + 20)
     assert len(traj.tokens) <= prompt_len + 20
     assert traj.num_action_tokens <= PARAMS.max_new_tokens
@@ -353,7 +355,7 @@ def test_engine_ignoring_its_limit_is_cut_to_the_budget(tok):
 
 @pytest.mark.parametrize("room", [-5, 0, 1])
 def test_prompt_leaving_no_room_for_a_turn_ends_at_once(tok, room):
-    prompt_len = len(render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}], TOOLS))
+    prompt_len = len(chat_format(tok, TOOLS).prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}]))
     engine, factory = FakeEngine(lambda c, i: [IM_END_ID]), EnvFactory()
     [traj] = play_episodes(engine, tok, factory, [task("alien")], PARAMS, max_turns=5, max_total_tokens=prompt_len + room)
     assert (traj.stop_reason, traj.tokens, traj.num_turns) == ("max_tokens", [], 0)

@@ -174,23 +174,3 @@ def chat_format(tokenizer: Any, tools: list[dict[str, Any]] | None, end_of_turn:
         per_tokenizer[key] = ChatFormat(tokenizer, tools, end_of_turn)
     return per_tokenizer[key]
 
-
-def render_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-    """`messages` rendered by the tokenizer's chat template with the generation prompt, as ids.
-
-    The text is encoded with add_special_tokens=False: the template already holds the special
-    tokens, so the tokenizer must not add a BOS of its own.
-    """
-    return chat_format(tokenizer, tools).prompt_ids(messages)
-
-
-def observation_ids(tokenizer: Any, tool_messages: list[str], tools: list[dict[str, Any]] | None) -> list[int]:
-    """Tokens after a finished assistant turn up to the next generation prompt, for tool
-    responses (role "tool"); see `ChatFormat.observation_ids`."""
-    return chat_format(tokenizer, tools).observation_ids(tool_messages)
-
-
-def user_message_ids(tokenizer: Any, content: str, tools: list[dict[str, Any]] | None) -> list[int]:
-    """Tokens after a finished assistant turn up to the next generation prompt, for a user
-    message; see `ChatFormat.user_message_ids`."""
-    return chat_format(tokenizer, tools).user_message_ids(content)

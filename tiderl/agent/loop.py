@@ -267,11 +267,10 @@ async def play_episode(
         while episode.trajectory is None:
             assert episode.fmt is not None and episode.env is not None
             limit = min(params.max_new_tokens, max_total_tokens - len(episode.tokens) - 1)
-            call_params = dataclasses.replace(
-                params,
-                max_new_tokens=limit,
-                stop_token_ids=_with_end_of_turn(params.stop_token_ids, [episode.fmt.end_of_turn_id]),
-            )
+            stops = list(params.stop_token_ids)  # the caller's, plus the end-of-turn token
+            if episode.fmt.end_of_turn_id not in stops:
+                stops.append(episode.fmt.end_of_turn_id)
+            call_params = dataclasses.replace(params, max_new_tokens=limit, stop_token_ids=stops)
             completion = await client.generate(list(episode.tokens), call_params)
             action = _append_turn(episode, completion, limit, tokenizer)
             with client.in_env():
@@ -364,15 +363,6 @@ def play_episodes(
     # own loop; the caller's loop waits until the episodes are done.
     with ThreadPoolExecutor(1, thread_name_prefix="tiderl-episodes") as pool:
         return pool.submit(asyncio.run, main()).result()
-
-
-def _with_end_of_turn(stop_token_ids: list[int], end_ids: list[int]) -> list[int]:
-    """The caller's stop token ids plus every episode's end-of-turn id (no duplicates)."""
-    merged = list(stop_token_ids)
-    for token_id in end_ids:
-        if token_id not in merged:
-            merged.append(token_id)
-    return merged
 
 
 class ScriptedEngine:

@@ -50,45 +50,15 @@ def parse_hermes_tool_calls(text: str, strip: Iterable[str] = ()) -> Action:
     - text outside the blocks (reasoning, a final answer) is left to the environment;
     - never raises, whatever the input.
     """
-    for token in strip:
-        if token:
-            text = text.replace(token, "")
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    position = text.find(OPEN_TAG)
-    number = 0
-    while position != -1:
-        number += 1
-        body_start = position + len(OPEN_TAG)
-        close = text.find(CLOSE_TAG, body_start)
-        reopen = text.find(OPEN_TAG, body_start)
-        if close == -1 and reopen == -1:
-            errors.append(f"tool call {number}: {OPEN_TAG} is never closed with {CLOSE_TAG}; {_EXPECTED}")
-            break
-        if reopen != -1 and (close == -1 or reopen < close):
-            # The model started a second call before finishing this one: report this block and
-            # parse the next one on its own, so one slip does not hide a good call.
-            errors.append(f"tool call {number}: {OPEN_TAG} opened again before {CLOSE_TAG}; {_EXPECTED}")
-            position = reopen
-            continue
-        call, error = _parse_call_body(text[body_start:close])
-        if call is not None:
-            calls.append(call)
-        else:
-            errors.append(f"tool call {number}: {error}")
-        position = text.find(OPEN_TAG, close + len(CLOSE_TAG))
-    return Action(text=text, tool_calls=calls, parse_errors=errors)
+    return parse_tool_calls(text, "hermes", strip)
 
 
-def _parse_call_body(body: str, expected: str = _EXPECTED) -> tuple[ToolCall | None, str]:
+def _parse_call_body(body: str) -> tuple[ToolCall | None, str]:
     """Decode the JSON between the tags; returns (call, "") or (None, reason)."""
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return None, f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {expected}"
-    except (ValueError, RecursionError) as exc:  # e.g. absurdly deep nesting
-        return None, f"invalid JSON ({type(exc).__name__}); {expected}"
-    return _call_from_value(value, expected)
+    value, error = _decode(body)
+    if error:
+        return None, f"{error}; {_EXPECTED}"
+    return _call_from_value(value, _EXPECTED)
 
 
 def _call_from_value(value: Any, expected: str) -> tuple[ToolCall | None, str]:
@@ -162,7 +132,7 @@ def parse_tool_calls(text: str, fmt: str = "auto", strip: Iterable[str] = ()) ->
     reading the forms of `fmt` (one of `TOOL_CALL_FORMATS`; see the module docstring).
 
     `strip`: strings removed from `text` first (the end-of-turn token); `Action.text` is the
-    turn without them. "hermes" is exactly `parse_hermes_tool_calls`. Otherwise:
+    turn without them. "hermes" reads only the tag blocks (`parse_hermes_tool_calls`). Otherwise:
     - calls come in reading order; a JSON list of calls gives one call per element;
     - errors are numbered by the attempt's position among all attempts ("tool call 2: ..."):
       a `json`-tagged (or untagged) fenced block whose body starts like JSON but does not
@@ -175,17 +145,16 @@ def parse_tool_calls(text: str, fmt: str = "auto", strip: Iterable[str] = ()) ->
     for token in strip:
         if token:
             text = text.replace(token, "")
-    if fmt == "hermes":
-        return parse_hermes_tool_calls(text)
     if fmt not in TOOL_CALL_FORMATS:
         return Action(text=text, parse_errors=[
             f"tiderl cannot read tool calls in format {fmt!r}; use one of {', '.join(TOOL_CALL_FORMATS)}"])
     attempts: list[_Attempt] = []
     covered: list[tuple[int, int]] = []
-    if fmt == "auto":
-        attempts += _tag_attempts(text, covered)
-    attempts += _fenced_attempts(text, covered)
-    attempts += _bare_attempts(text, covered)
+    if fmt != "json":
+        attempts += _tag_attempts(text, covered, unwrap=fmt == "auto")
+    if fmt != "hermes":
+        attempts += _fenced_attempts(text, covered)
+        attempts += _bare_attempts(text, covered)
     attempts.sort(key=lambda a: a[0])
     calls = [call for _, call, _ in attempts if call is not None]
     errors = [f"tool call {i}: {error}" for i, (_, call, error) in enumerate(attempts, 1) if call is None]
@@ -196,8 +165,9 @@ def _inside(position: int, covered: list[tuple[int, int]]) -> bool:
     return any(start <= position < end for start, end in covered)
 
 
-def _tag_attempts(text: str, covered: list[tuple[int, int]]) -> list[_Attempt]:
-    """The `<tool_call>` blocks as attempts (Hermes rules); marks their spans as covered."""
+def _tag_attempts(text: str, covered: list[tuple[int, int]], unwrap: bool) -> list[_Attempt]:
+    """The `<tool_call>` blocks as attempts (Hermes rules); marks their spans as covered. With
+    `unwrap` ("auto"), a body is stripped and a fenced one (```json {...}```) read as its content."""
     out: list[_Attempt] = []
     position = text.find(OPEN_TAG)
     while position != -1:
@@ -209,15 +179,18 @@ def _tag_attempts(text: str, covered: list[tuple[int, int]]) -> list[_Attempt]:
             covered.append((position, len(text)))
             break
         if reopen != -1 and (close == -1 or reopen < close):
+            # The model started a second call before finishing this one: report this block and
+            # parse the next one on its own, so one slip does not hide a good call.
             out.append((position, None, f"{OPEN_TAG} opened again before {CLOSE_TAG}; {_EXPECTED}"))
             covered.append((position, reopen))
             position = reopen
             continue
-        body = text[body_start:close].strip()
-        # A fenced body inside the tags (```json {...}```) is unwrapped.
-        fenced = _FENCE.fullmatch(body)
-        if fenced and fenced.group(3):
-            body = fenced.group(2)
+        body = text[body_start:close]
+        if unwrap:
+            body = body.strip()
+            fenced = _FENCE.fullmatch(body)
+            if fenced and fenced.group(3):
+                body = fenced.group(2)
         call, error = _parse_call_body(body)
         out.append((position, call, error))
         covered.append((position, close + len(CLOSE_TAG)))
