@@ -59,14 +59,6 @@ class Trajectory:
         """Tokens the policy sampled (the ones that carry loss)."""
         return sum(self.loss_mask)
 
-    @property
-    def prompt_length(self) -> int:
-        """Forced tokens before the first sampled token."""
-        for i, m in enumerate(self.loss_mask):
-            if m:
-                return i
-        return len(self.loss_mask)
-
     def versions(self) -> set[int]:
         """The policy versions that sampled any token of this trajectory."""
         return {v for v, m in zip(self.policy_version, self.loss_mask) if m}

@@ -186,11 +186,7 @@ def load_checkpoint(path: str | Path, actor: Learner, critic: Learner | None,
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     if critic is not None:
         if state["critic_optimizer"] is None or not (path / "critic").is_dir():
-            saved_by = f" (algo.name={marker['algo']})" if marker.get("algo") else ""
-            raise ValueError(
-                f"{path} holds no critic/: it was saved by an algorithm without a critic{saved_by}, and this "
-                "run's algorithm needs one. Fix: resume it with the algo.name it was trained with (see "
-                "config.yaml beside its checkpoints/).")
+            raise _critic_missing(path, marker)
         if is_lora(getattr(critic.model, "backbone", None)):
             load_lora_critic(critic.model, path / "critic")
         else:
