@@ -107,11 +107,11 @@ class ChatFormat:
         """Tokens that follow a finished assistant turn (ended by the end-of-turn token) when the
         environment answers with tool responses: the "tool" messages as the template renders
         them, up to and including the next generation prompt."""
-        return self._continuation_ids([{"role": "tool", "content": m} for m in tool_messages])
+        return self.continuation_ids([{"role": "tool", "content": m} for m in tool_messages])
 
     def user_message_ids(self, content: str) -> list[int]:
         """Like `observation_ids`, for an environment that answers in a plain user turn."""
-        return self._continuation_ids([{"role": "user", "content": content}])
+        return self.continuation_ids([{"role": "user", "content": content}])
 
     def answer_ids(self, observations: list[str], continue_message: str = CONTINUE_MESSAGE,
                    as_tool_responses: bool = True) -> list[int]:
@@ -133,7 +133,10 @@ class ChatFormat:
             return self.user_message_ids("\n\n".join(observations))
         return self.user_message_ids(continue_message)
 
-    def _continuation_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
+    def continuation_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens the template puts after a finished assistant turn (its end-of-turn token
+        included) for `new_messages`, up to and including the next generation prompt: the
+        reference conversation rendered with and without them, the difference kept."""
         full = self.render([*self._base, self._assistant, *new_messages], add_generation_prompt=True)
         if not full.startswith(self._turn_prefix):
             raise TemplateError(

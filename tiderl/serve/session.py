@@ -25,30 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiderl.agent.chat import ChatFormat
+from tiderl.agent.chat import ChatFormat, TemplateError
 from tiderl.serve.wire import RequestError, message_key
 from tiderl.types import NO_VERSION, Trajectory
 
-# The conversation new messages are rendered after (see `continuation_ids`): placeholders no
-# real message contains.
-_REF = [{"role": "system", "content": "tiderl serve reference system"},
-        {"role": "user", "content": "tiderl serve reference user"}]
-_REF_TURN = "tiderl serve reference assistant"
-
-
 def continuation_ids(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[int]:
-    """The tokens the template puts after a finished assistant turn (its end-of-turn token
-    included) for `messages`, up to and including the next generation prompt.
-
-    Found as `ChatFormat` finds observation tokens: the template renders a reference
-    conversation ending in an assistant turn, with and without `messages`, and the difference is
-    kept (the format has checked the template is prefix-consistent)."""
-    prefix = fmt.render(_REF, add_generation_prompt=True) + _REF_TURN + fmt.end_of_turn
-    full = fmt.render([*_REF, {"role": "assistant", "content": _REF_TURN}, *messages], add_generation_prompt=True)
-    if not full.startswith(prefix):
+    """`ChatFormat.continuation_ids` of `messages`, or RequestError (400) when the template
+    renders the earlier turns differently once they follow."""
+    try:
+        return fmt.continuation_ids(messages)
+    except TemplateError:
         raise RequestError("the model's chat template renders earlier turns differently when these messages "
-                           "follow, so they cannot be appended to the recorded tokens", "messages")
-    return fmt.encode(full[len(prefix):])
+                           "follow, so they cannot be appended to the recorded tokens", "messages") from None
 
 
 @dataclass
@@ -245,9 +233,11 @@ class SessionStore:
         return session
 
     def delete(self, session_id: str) -> None:
-        self.get(session_id)
+        """Forget a session (finished or not; a finished one leaves the `take_finished` queue too)."""
+        session = self.get(session_id)
         with self._lock:
             self._sessions.pop(session_id, None)
+            self._finished = [s for s in self._finished if s is not session]
 
     def take_finished(self) -> list[Session]:
         """The sessions finished since the last call, in the order they finished."""
