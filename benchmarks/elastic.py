@@ -2,7 +2,7 @@
 
 What runs for real: Ray (a local 2-CPU cluster), `RayRollout`'s actor pool (each worker a Ray
 actor process, started, weight-synced by checksum through the object store, drained and
-killed), tiderl's `Scheduler` (staleness gate, ready buffer, ledger) and, for the elastic mode,
+killed), tiderl's rollout pool and loop (staleness gate, ready buffer, ledger) and, for the elastic mode,
 `tiderl.system.elastic.decide` resizing the pool from readiness. What is simulated: the work
 inside a worker and the trainer. This machine has 2 cores shared with other jobs, so real
 decoding could not show more workers giving more capacity; instead each worker is a
@@ -66,10 +66,11 @@ import torch
 
 from tiderl.config import load_config
 from tiderl.envs.protocol import Task
+from tiderl.recipe import loop
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.buffer import ReadyBuffer
+from tiderl.system.pool import PoolSettings, RolloutPool
 from tiderl.system.ray_backend import RayRollout
-from tiderl.system.scheduler import Scheduler, SchedulerSettings
 from tiderl.types import NO_VERSION, Trajectory
 
 # The simulated engine: a decode step of `n` sequences takes STEP_S + PER_SEQ_S * n seconds and
@@ -144,22 +145,22 @@ class SimulatedEngineWorker:
 
 
 class SleepTrainer:
-    """The trainer side: each step sleeps `train_s`; the weights are one tensor holding the version."""
+    """The trainer side: each step sleeps `train_s` on a thread; the weights are one tensor holding
+    the version."""
 
     def __init__(self, train_s: float):
         self.train_s = train_s
-        self.weights = {"w": torch.zeros(4)}
+        self.version = 0
+        self._weights = {"w": torch.zeros(4)}
 
-    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
-        time.sleep(self.train_s)
-        self.weights = {"w": torch.full((4,), float(version + 1))}
+    async def step(self, batch: list[Trajectory]) -> dict[str, float]:
+        await asyncio.to_thread(time.sleep, self.train_s)
+        self.version += 1
+        self._weights = {"w": torch.full((4,), float(self.version))}
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.weights
-
-    def checksum(self, state: dict[str, Any]) -> float:
-        return weights_checksum(state)
+    def weights(self) -> dict[str, Any]:
+        return self._weights
 
 
 def phase_of(version: int, phase_steps: int) -> str:
@@ -218,28 +219,27 @@ async def run_mode(mode: str, workers: int, seed: int, steps: int, phase_steps: 
     assert cfg.algo.group_size == 1, cfg.algo.group_size
     rollout = RayRollout(cfg, torch.nn.Linear(2, 2), None, None, worker_cls=worker_cls,
                          worker_options={"num_cpus": 0.25})
-    await rollout.start()
     trained = [0]
     serial = [0]
-    scheduler: Scheduler | None = None
+    trainer = SleepTrainer(train_s)
 
     def next_task() -> Task:
         serial[0] += 1
-        return make_task(serial[0], phase_of(scheduler.version, phase_steps), seed)
+        return make_task(serial[0], phase_of(trainer.version, phase_steps), seed)
 
-    def on_step(version: int, metrics: dict, batch: list[Trajectory]) -> None:
+    def after_step(version: int, metrics: dict, batch: list[Trajectory]) -> bool:
         trained[0] += sum(t.num_action_tokens for t in batch)
+        return False
 
-    trainer = SleepTrainer(train_s)
-    scheduler = Scheduler(SchedulerSettings.from_config(cfg), next_task, rollout, trainer,
-                          ReadyBuffer([], 1), on_step=on_step)
+    pool = RolloutPool(PoolSettings.from_config(cfg), next_task, rollout, ReadyBuffer([], 1))
+    await pool.start()
     try:
         t0, ws0 = time.monotonic(), rollout.worker_seconds()
-        await scheduler.run(steps)
+        await loop(pool, trainer, steps, after_step)
         wall, worker_s = time.monotonic() - t0, rollout.worker_seconds() - ws0
     finally:
-        await rollout.close()
-    summary = scheduler.summary()
+        await pool.close()
+    summary = pool.summary()
     ledger = summary["ledger"]
     settled = sum(v for k, v in ledger.items() if k != "started")
     assert ledger["started"] == settled, f"{mode}: the ledger does not balance: {ledger}"

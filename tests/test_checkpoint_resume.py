@@ -249,7 +249,7 @@ def test_nan_loss_or_gradient_stops_the_step_before_the_weights_change(parity_mo
                         group_id=f"n{i}#0") for i in range(2)]
     before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
     with pytest.raises(FloatingPointError, match=r"env.name=resume_env:LengthReward.*actor (loss|gradient).*n0, n1"):
-        Trainer(run, []).step(batch, version=0)
+        Trainer(run, []).train(batch)
     assert all(torch.equal(v, run.actor.model.state_dict()[k]) for k, v in before.items())
 
 

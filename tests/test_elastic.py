@@ -133,58 +133,25 @@ def test_no_grow_while_added_capacity_is_booting():
 
 
 def test_an_episode_cut_by_a_shrink_is_requeued_without_using_a_retry():
-    import asyncio
-    import itertools
-
-    from tiderl.envs.protocol import Task
-    from tiderl.system.buffer import ReadyBuffer
+    from pool_fakes import FakeRollout, FakeTrainer, check_ledger, run_pool
     from tiderl.system.elastic import CapacityRemoved
-    from tiderl.system.scheduler import Scheduler, SchedulerSettings
-    from tiderl.types import NO_VERSION, Trajectory
+    from tiderl.system.pool import PoolSettings
 
-    calls: list[str] = []
-
-    class CutOnce:
-        version = 0
-
+    class CutOnce(FakeRollout):
         async def run_episode(self, task, group_id):
-            calls.append(task.task_id)
-            await asyncio.sleep(0.01)
-            if task.task_id == "t0" and calls.count("t0") <= 1:
+            if task.task_id == "t0" and self.attempts.get("t0", 0) == 0:
+                self.attempts["t0"] = 1
                 raise CapacityRemoved("rollout worker 1 was removed by an elastic shrink")
-            return Trajectory(tokens=[1, 2], loss_mask=[0, 1], behavior_logprobs=[0.0, -1.0],
-                              policy_version=[NO_VERSION, self.version], task_id=task.task_id, group_id=group_id)
+            return await super().run_episode(task, group_id)
 
-        async def update_weights(self, state, version):
-            self.version = version
-            return 0.0
-
-    class Instant:
-        def step(self, batch, version):
-            return {}
-
-        def state_dict(self):
-            return {}
-
-        def checksum(self, state):
-            return 0.0
-
-    counter = itertools.count()
+    rollout, trainer = CutOnce(), FakeTrainer()
     # max_task_retries=0: a fault would fail the task at once; a cut must not.
-    settings = SchedulerSettings(batch_size=2, max_staleness=1, max_task_retries=0)
-
-    async def main():
-        s = Scheduler(settings, lambda: Task(f"t{next(counter)}", "", None), CutOnce(), Instant(), ReadyBuffer([], 1))
-        trained = []
-        s.on_step = lambda v, m, batch: trained.extend(t.task_id for t in batch)
-        await s.run(3)
-        return s, trained
-
-    s, trained = asyncio.run(main())
-    ledger = s.summary()["ledger"]
+    pool, _ = run_pool(PoolSettings(batch_size=2, max_staleness=1, max_task_retries=0), rollout, trainer, steps=3)
+    ledger = pool.summary()["ledger"]
     assert ledger["requeued"] == 1 and ledger["retried"] == 0 and ledger["failed"] == 0, ledger
-    assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started"), ledger
-    assert calls.count("t0") == 2 and "t0" in trained  # played again, then trained
+    check_ledger(pool)
+    trained = [t.task_id for _, batch, _, _ in trainer.batches for t in batch]
+    assert rollout.attempts["t0"] == 2 and "t0" in trained  # played again, then trained
 
 
 def test_the_worker_range_config_is_checked():

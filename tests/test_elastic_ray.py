@@ -21,7 +21,8 @@ from tiderl.envs.protocol import Task
 from tiderl.system import ray_backend as rb
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.elastic import CapacityRemoved
-from tiderl.system.scheduler import Scheduler, SchedulerSettings
+from tiderl.recipe import loop
+from tiderl.system.pool import PoolSettings, RolloutPool
 
 bench = importlib.import_module("benchmarks.elastic")
 TIMEOUT_S = 120  # every wait on Ray here is bounded by this (a hang becomes a failure)
@@ -59,51 +60,50 @@ def test_elastic_pool_grows_and_shrinks_with_the_load_and_loses_no_task(cluster)
         return task(serial[0], 2)  # instant episodes
 
     class ShiftingTrainer(bench.SleepTrainer):
-        def step(self, batch, version):
+        async def step(self, batch):
             self.train_s = 0.0 if phase["now"] == "rollout-bound" else 0.25
-            return super().step(batch, version)
+            return await super().step(batch)
 
     async def scenario():
         rollout = rb.RayRollout(cfg, torch.nn.Linear(2, 2), None, None, worker_cls=bench.SimulatedEngineWorker,
                                 worker_options={"num_cpus": 0.25})
-        await rollout.start()
-        scheduler = Scheduler(SchedulerSettings.from_config(cfg), next_task, rollout, ShiftingTrainer(0.0),
-                              ReadyBuffer([], 1))
+        pool = RolloutPool(PoolSettings.from_config(cfg), next_task, rollout, ReadyBuffer([], 1))
         live_seen = []
 
-        def stop(metrics) -> bool:
+        def after_step(version, metrics, batch) -> bool:
             live_seen.append(rollout.live_workers)
-            assert scheduler.slots == rollout.live_workers * 2  # the slots follow the live workers
+            assert pool.slots == rollout.live_workers * 2  # the slots follow the live workers
             if phase["now"] == "rollout-bound" and rollout.live_workers == 4:
                 phase["now"] = "trainer-bound"  # the pool reached the gate's bound: turn the load
                 phase["steps"] = len(live_seen)
             return phase["now"] == "trainer-bound" and rollout.live_workers == 2 and len(live_seen) > phase["steps"] + 2
 
+        await pool.start()
         try:
-            await asyncio.wait_for(scheduler.run(400, stop=stop), TIMEOUT_S)
+            await asyncio.wait_for(loop(pool, ShiftingTrainer(0.0), 400, after_step), TIMEOUT_S)
         finally:
-            await rollout.close()
-        return scheduler, rollout, live_seen
+            await pool.close()
+        return pool, rollout, live_seen
 
     t0 = time.monotonic()
-    scheduler, rollout, live_seen = asyncio.run(scenario())
-    print("pool events:", rollout.events, "\nworker decisions:", scheduler.worker_events,
+    pool, rollout, live_seen = asyncio.run(scenario())
+    print("pool events:", rollout.events, "\nworker decisions:", pool.worker_events,
           f"\n{time.monotonic() - t0:.1f} s, live workers per step: {live_seen}")
     kinds = [e["event"] for e in rollout.events]
     assert kinds.count("added") == 2 and kinds.count("removed") == 2, rollout.events
     assert max(live_seen) == 4 and live_seen[-1] == 2  # the gate's bound, then one batch's
-    grows = [e for e in scheduler.worker_events if e["to"] > e["from"]]
-    shrinks = [e for e in scheduler.worker_events if e["to"] < e["from"]]
+    grows = [e for e in pool.worker_events if e["to"] > e["from"]]
+    shrinks = [e for e in pool.worker_events if e["to"] < e["from"]]
     assert grows and "trainer waited" in grows[0]["reason"]
     assert shrinks and all("staleness gate" in e["reason"] or "wait" in e["reason"] for e in shrinks)
-    assert all(2 <= e["to"] <= 4 for e in scheduler.worker_events)
+    assert all(2 <= e["to"] <= 4 for e in pool.worker_events)
     # No task lost: every attempt started is in one ledger bucket, nothing failed or was retried.
-    ledger = scheduler.summary()["ledger"]
+    ledger = pool.summary()["ledger"]
     assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started"), ledger
     assert ledger["failed"] == 0 and ledger["retried"] == 0, ledger
     assert ledger["trained"] == 4 * len(live_seen)
     # Worker-seconds: the actors held, at least 2 workers for the whole run.
-    assert rollout.worker_seconds() >= 2 * scheduler.summary()["wall_s"] * 0.9
+    assert rollout.worker_seconds() >= 2 * pool.summary()["wall_s"] * 0.9
     assert sum(s["episodes"] for s in rollout.worker_stats) >= ledger["trained"]
 
 

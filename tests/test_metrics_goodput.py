@@ -1,18 +1,17 @@
 """Goodput, critic-value lag and the statistics of run comparisons (docs/metrics.md).
 
-The scheduler parts use the fake rollout and trainer of test_system_scheduler (no model); the
-critic snapshot's stamp uses a two-layer tiny model.
+The rollout pool's parts use the fake backend and trainer of pool_fakes (no model); the critic
+snapshot's stamp uses a two-layer tiny model.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 import torch
 
-from tests.test_system_scheduler import FakeRollout, FakeTrainer, tasks
+from pool_fakes import FakeRollout, FakeTrainer, run_pool
 from tiderl.config import AlgoConfig, load_config, preset_defaults
 from tiderl.lab.compare import (
     first_reaching,
@@ -23,12 +22,7 @@ from tiderl.lab.compare import (
     verdict,
 )
 from tiderl.system.buffer import ReadyBuffer
-from tiderl.system.scheduler import (
-    Scheduler,
-    SchedulerSettings,
-    critic_value_lags,
-    lag_metrics,
-)
+from tiderl.system.pool import PoolSettings, critic_value_lags, lag_metrics
 from tiderl.types import NO_VERSION, Trajectory
 
 # --- comparing runs -------------------------------------------------------------------------------
@@ -84,22 +78,16 @@ def test_trainer_token_passes_count_each_pass_of_the_algorithm():
     assert trainer_token_passes(ppo, 10, train_actor=True) == {"fwd_bwd": 50, "fwd": 30}
 
 
-# --- goodput in the scheduler ---------------------------------------------------------------------
+# --- goodput in the rollout pool ------------------------------------------------------------------
 
 
-def run(settings: SchedulerSettings, trainer, steps: int, buffer: ReadyBuffer | None = None):
-    async def main():
-        s = Scheduler(settings, tasks(), FakeRollout(lambda _: 0.002), trainer,
-                      buffer or ReadyBuffer([], settings.group_size))
-        history = await s.run(steps)
-        return s, history
-
-    return asyncio.run(main())
+def run(settings: PoolSettings, trainer, steps: int, buffer: ReadyBuffer | None = None):
+    return run_pool(settings, FakeRollout(lambda _: 0.002), trainer, steps, buffer)
 
 
 def test_goodput_counts_the_sampled_tokens_of_trained_trajectories_only():
     # A fake trajectory has 3 tokens of which 2 were sampled (the first is the prompt).
-    s, history = run(SchedulerSettings(batch_size=4, max_staleness=1, resource_units=2.0), FakeTrainer(), 3)
+    s, history = run(PoolSettings(batch_size=4, max_staleness=1, resource_units=2.0), FakeTrainer(), 3)
     last = history[-1]
     assert last["system/trained_action_tokens"] == 3 * 4 * 2
     assert last["system/trained_sequence_tokens"] == 3 * 4 * 3
@@ -112,14 +100,9 @@ def test_goodput_counts_the_sampled_tokens_of_trained_trajectories_only():
     assert "system/prep_overlap_frac" not in last
 
 
-class SkippingTrainer(FakeTrainer):
-    def step(self, batch, version):
-        super().step(batch, version)
-        return {"nonfinite/skipped_step": 1.0} if version == 0 else {"loss": 0.0}
-
-
 def test_a_skipped_optimizer_step_is_not_goodput():
-    _, history = run(SchedulerSettings(batch_size=4), SkippingTrainer(), 2)
+    skipping = FakeTrainer(metrics=lambda version: {"nonfinite/skipped_step": 1.0} if version == 0 else {"loss": 0.0})
+    _, history = run(PoolSettings(batch_size=4), skipping, 2)
     assert history[0]["system/trained_action_tokens"] == 0
     assert history[1]["system/trained_action_tokens"] == 8
 
@@ -127,7 +110,7 @@ def test_a_skipped_optimizer_step_is_not_goodput():
 def test_resource_units_must_be_positive():
     with pytest.raises(ValueError, match="system.resource_units"):
         load_config("configs/sao.yaml", ["system.resource_units=0"])
-    assert SchedulerSettings.from_config(load_config("configs/sao.yaml", ["system.resource_units=8"])).resource_units == 8
+    assert PoolSettings.from_config(load_config("configs/sao.yaml", ["system.resource_units=8"])).resource_units == 8
 
 
 # --- critic-value lag -----------------------------------------------------------------------------
@@ -159,22 +142,22 @@ class StampingSnapshot:
             t.annotations["values_version"] = [float(self.refreshes)] * len(t.tokens)
 
 
-class RefreshingTrainer(FakeTrainer):
-    def __init__(self, snapshot):
-        super().__init__(lambda: 0.01)
-        self.snapshot = snapshot
+def refreshing_trainer(snapshot: StampingSnapshot) -> FakeTrainer:
+    """A trainer that refreshes the snapshot after every step, as the real one does."""
+    trainer = FakeTrainer(lambda: 0.01)
 
-    def step(self, batch, version):
-        out = super().step(batch, version)
-        self.snapshot.refreshes += 1
-        return out
+    def refresh(version: int) -> None:
+        snapshot.refreshes += 1
+
+    trainer.after = refresh
+    return trainer
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
-def test_scheduler_logs_the_lag_histogram_within_the_staleness_bound(staleness):
+def test_pool_logs_the_lag_histogram_within_the_staleness_bound(staleness):
     snap = StampingSnapshot()
-    settings = SchedulerSettings(batch_size=4, max_staleness=staleness)
-    s, history = run(settings, RefreshingTrainer(snap), 6, ReadyBuffer([snap], 1))
+    settings = PoolSettings(batch_size=4, max_staleness=staleness)
+    s, history = run(settings, refreshing_trainer(snap), 6, ReadyBuffer([snap], 1))
     hist = s.summary()["critic_lag_histogram"]
     assert sum(hist.values()) == 6 * 4
     # Values are computed after the episode ends, so they lag by at most the staleness bound.

@@ -17,7 +17,7 @@ from tiderl.system.ray_trainer import RayParallelTrainer  # noqa: E402
 from tiderl.train.learner import Learner  # noqa: E402
 from tiderl.train.step import train_step  # noqa: E402
 
-from test_parallel import CLIP, build, snapshot, trajectories  # noqa: E402
+from support import CLIP, build, nine_trajectories, snapshot  # noqa: E402
 
 LR = 1e-3
 
@@ -47,7 +47,7 @@ def test_ranks_spread_over_two_nodes_and_train_like_one_process(two_nodes):
                           tokenizer=SimpleNamespace(pad_token_id=0))
     trainer = RayParallelTrainer(run, preparations=[])
     try:
-        metrics = trainer.step(trajectories(), version=0)
+        metrics = trainer.train(nine_trajectories())  # one blocking step from version run.step = 0
         nodes = {info["node_id"] for info in trainer.info}
         assert len(nodes) == 2, trainer.info  # one rank per node
         assert trainer.published is not None and trainer.published.version == 1
@@ -56,7 +56,7 @@ def test_ranks_spread_over_two_nodes_and_train_like_one_process(two_nodes):
         trainer.close()
 
     single_actor, single_critic, _ = build(cfg.algo, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
-    single = train_step(trajectories(), single_actor, single_critic, ref, cfg.algo, pad_id=0,
+    single = train_step(nine_trajectories(), single_actor, single_critic, ref, cfg.algo, pad_id=0,
                         micro_batch_tokens=40, train_actor=True)
     assert metrics["micro_batches"] == single["micro_batches"] >= 3
     for learner, want in ((run.actor, single_actor), (run.critic, single_critic)):
@@ -88,18 +88,19 @@ def test_sharded_checkpoint_across_two_nodes_resumes_like_the_uninterrupted_run(
         "system.wait_timeout_s=120"])
     tokenizer = train_tokenizer(["a tiny corpus for a tokenizer"] * 3, vocab_size=300)
     tokenizer.pad_token_id = 0  # the trajectories' padding id
-    second = [dataclasses.replace(t, reward=1.0 - t.reward) for t in trajectories()]
+    second = [dataclasses.replace(t, reward=1.0 - t.reward) for t in nine_trajectories()]
 
     actor, critic, ref = build(cfg.algo, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
     run = SimpleNamespace(cfg=cfg, actor=actor, critic=critic, ref=ref, step=0, tokenizer=tokenizer)
     trainer = RayParallelTrainer(run, preparations=[])
     try:
-        trainer.step(trajectories(), version=0)
+        trainer.train(nine_trajectories())
         assert len({info["node_id"] for info in trainer.info}) == 2
         trainer.pull_actor()
         trainer._pull_critic()
         ckpt = save_checkpoint(tmp_path / "step_1", 1, run.actor, run.critic, tokenizer, shards=trainer.save_sharded)
-        trainer.step(second, version=1)
+        run.step = 1
+        trainer.train(second)
         trainer.close()
     finally:
         trainer.close()
@@ -111,7 +112,7 @@ def test_sharded_checkpoint_across_two_nodes_resumes_like_the_uninterrupted_run(
                                   tokenizer=tokenizer, resume_state=state)
     resumed = RayParallelTrainer(resumed_run, preparations=[])
     try:
-        resumed.step(second, version=1)
+        resumed.train(second)
         resumed.close()
     finally:
         resumed.close()

@@ -9,12 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.test_system_scheduler import (
-    FakeRollout,
-    FakeTrainer,
-    check_ledger,
-    run_scheduler,
-)
+from pool_fakes import FakeRollout, FakeTrainer, check_ledger, run_pool
 from tiderl.config import ConfigError, load_config
 from tiderl.system.cores import (
     CorePlan,
@@ -23,7 +18,7 @@ from tiderl.system.cores import (
     resolve_cores,
     thread_cpu,
 )
-from tiderl.system.scheduler import SchedulerSettings
+from tiderl.system.pool import PoolSettings
 from tiderl.system.staleness import StalenessGate
 
 MULTICORE = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -123,9 +118,9 @@ def test_over_provisioned_sync_trains_the_first_finishers_on_policy_and_restarts
     # Twice the batch runs at once; the slow tasks (every third) are overtaken by fast ones.
     rollout = FakeRollout(lambda tid: 0.08 if int(tid[1:]) % 3 == 0 else 0.005)
     trainer = FakeTrainer(lambda: 0.01)
-    settings = SchedulerSettings(batch_size=4, max_staleness=0, admission=8)
+    settings = PoolSettings(batch_size=4, max_staleness=0, admission=8)
     assert settings.initial_slots() == 8
-    s = run_scheduler(settings, rollout, trainer, steps=6)
+    s, _ = run_pool(settings, rollout, trainer, steps=6)
     for version, batch, _, _ in trainer.batches:
         for t in batch:
             assert t.versions() == {version}  # on-policy: sampled by the weights it trains

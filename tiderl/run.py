@@ -1,13 +1,15 @@
 """A run's parts, built from one config: tasks, tokenizer, engine, actor, critic, reference,
-curiosity, and the trainer side the scheduler drives.
+curiosity, and the two sides of the recipe's loop: the rollout pool and the trainer.
 
-`build_run(cfg)` builds (or resumes) them; `Trainer` is what the scheduler calls for each
-optimizer step. Which parts exist follows from the algorithm options alone
-(`tiderl.algos.registry.needs_critic` / `needs_ref`): nothing here knows which algorithm runs.
+`build_run(cfg)` builds (or resumes) the parts; `open_pool` puts the rollout pool around a
+backend; `Trainer` takes one optimizer step per batch. Which parts exist follows from the
+algorithm options alone (`tiderl.algos.registry.needs_critic` / `needs_ref`): nothing here knows
+which algorithm runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from tiderl.algos.registry import needs_critic, needs_ref
+from tiderl.algos.sampling import has_signal
 from tiderl.config import RunConfig
 from tiderl.envs.protocol import Task
 from tiderl.envs.setup import Setup, load_setup
@@ -31,8 +34,11 @@ from tiderl.rewards.curiosity import CuriosityShaper
 from tiderl.rewards.tool_errors import penalize_no_call_turns, penalize_tool_errors
 from tiderl.rollout import Engine, make_engine
 from tiderl.rollout.weights import weights_checksum
-from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
+from tiderl.system.buffer import ReadyBuffer
+from tiderl.system.cores import RunThreads
 from tiderl.system.ledger import LedgerLog, cut_back
+from tiderl.system.pool import PoolSettings, RolloutBackend, RolloutPool
+from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
 from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.forward import logprob_temperature
@@ -88,7 +94,7 @@ class TaskStream:
 
 @dataclass
 class Run:
-    """Everything a run holds. Built by `build_run`; the recipe steps it through the scheduler."""
+    """Everything a run holds. Built by `build_run`; the recipe trains it."""
 
     cfg: RunConfig
     setup: Setup
@@ -103,7 +109,7 @@ class Run:
     model_path: str = ""
     resume_state: dict[str, Any] | None = None  # the checkpoint's trainer state, until train() uses it
     resumed_from: str = ""
-    scheduler: Any = None  # the scheduler of the latest train(): its state goes into checkpoints
+    pool: RolloutPool | None = None  # the rollout pool of the latest train(): its state goes into checkpoints
     trainer: Any = None  # the running trainer of train(); data-parallel ranks write sharded checkpoints
 
     @property
@@ -223,15 +229,28 @@ def preparations_for(run: Run) -> list[Preparation]:
 
 
 class Trainer:
-    """The scheduler's trainer side: one `train_step` of the configured algorithm per batch,
-    then a refresh of every preparation that holds a copy of the critic."""
+    """The learning side of the loop. `await step(batch)` runs one `train_step` of the configured
+    algorithm on `executor` (the trainer's own thread, or the shared compute thread of synchronous
+    training), then refreshes every preparation that holds a copy of the critic; `version` is the
+    number of steps taken (`run.step`), `weights()` what the rollout side loads after a step."""
 
-    def __init__(self, run: Run, preparations: list[Preparation]):
+    def __init__(self, run: Run, preparations: list[Preparation], executor: Any = None):
         self.run = run
         self.refreshers = [p for p in preparations if hasattr(p, "refresh")]
+        self.executor = executor
 
-    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
-        run, cfg = self.run, self.run.cfg
+    @property
+    def version(self) -> int:
+        return self.run.step
+
+    async def step(self, batch: list[Trajectory]) -> dict[str, float]:
+        metrics = await asyncio.get_running_loop().run_in_executor(self.executor, self.train, batch)
+        self.run.step += 1
+        return metrics
+
+    def train(self, batch: list[Trajectory]) -> dict[str, float]:
+        """One optimizer step on `batch` (blocking); the version does not move."""
+        run, cfg, version = self.run, self.run.cfg, self.run.step
         try:
             with trainer_autocast(cfg.train.autocast, cfg.model.device):  # bf16 matmuls when train.autocast=bfloat16
                 metrics = train_step(batch, run.actor, run.critic, run.ref, cfg.algo,
@@ -248,22 +267,54 @@ class Trainer:
                 p.refresh(run.critic.model)
         return metrics
 
-    def state_dict(self) -> dict[str, Any]:
+    def weights(self) -> dict[str, Any]:
         return policy_state(self.run.actor.model)  # the adapters alone for a LoRA policy
 
-    def checksum(self, state_dict: dict[str, Any]) -> float:
-        return weights_checksum(state_dict)
+    def close(self) -> None:
+        """Nothing to hand back: the actor is this process's own."""
+
+
+def make_trainer(run: Run, preparations: list[Preparation], executor: Any) -> Any:
+    """The trainer `train.parallel` asks for: this process (`Trainer`), or data-parallel ranks as
+    Ray actors (`RayParallelTrainer`, docs/ray.md)."""
+    if run.cfg.train.parallel == "none":
+        return Trainer(run, preparations, executor)
+    from tiderl.system.ray_trainer import RayParallelTrainer
+
+    return RayParallelTrainer(run, preparations, executor)
+
+
+def open_pool(run: Run, backend: RolloutBackend, preparations: list[Preparation], threads: RunThreads) -> RolloutPool:
+    """The rollout pool of `run` around `backend`: its tasks, reward shaping, preparations (on
+    `threads`), ledger file, and, on resume, the checkpoint's schedule; `run.pool` from now on."""
+    cfg = run.cfg
+
+    def informative(group: list[Trajectory]) -> bool:  # dynamic sampling: equal rewards teach nothing
+        return has_signal([t.reward for t in group])
+
+    # Reproducible runs prepare one trajectory at a time: a batch's padded shape would depend on
+    # which trajectories happened to be waiting, and that changes float sums in the last bits.
+    buffer = ReadyBuffer(preparations, group_size=cfg.algo.group_size,
+                         max_prep_batch=1 if cfg.train.reproducible else 64, thread_init=threads.prep_init,
+                         accept_group=informative if cfg.algo.dynamic_sampling else None, executor=threads.compute)
+    ledger, lost = open_ledger(run)  # run_dir/ledger.jsonl, cut back to the checkpoint on resume
+    run.pool = RolloutPool(PoolSettings.from_config(cfg), lambda: run.tasks.take(1)[0], backend, buffer,
+                           shape=run.shape, ledger_log=ledger, start_version=run.step)
+    schedule = (run.resume_state or {}).pop("scheduler", None)
+    if schedule is not None:
+        run.pool.load_state_dict(schedule, run.tasks.task, lost)
+    return run.pool
 
 
 def save_run_checkpoint(run: Run, path: Path) -> Path:
     """The whole state of the run, atomically: actor, critic, optimizers, the curiosity counts
-    (so a resume pays the same bonuses), every random state and the schedule (when a scheduler
-    ran). Call it between steps."""
+    (so a resume pays the same bonuses), every random state and the rollout pool's schedule (when
+    one ran). Call it between steps."""
     rng = getattr(run.engine, "rng_state", None)
     state = {"tasks": run.tasks.state_dict(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
              "engine_rng": rng() if rng is not None else None, "run_dir": str(Path(run.cfg.run_dir).resolve())}
-    if run.scheduler is not None:
-        state["scheduler"] = run.scheduler.state_dict()
+    if run.pool is not None:
+        state["scheduler"] = run.pool.state_dict()
     elif run.resume_state is not None and "scheduler" in run.resume_state:
         state["scheduler"] = run.resume_state["scheduler"]  # resumed, not trained since
     shards = None
@@ -274,7 +325,7 @@ def save_run_checkpoint(run: Run, path: Path) -> Path:
                                "and they are not running: save it during train() (train.checkpoint_every)")
     path = save_checkpoint(path, run.step, run.actor, run.critic, run.tokenizer, state=state,
                            curiosity=run.curiosity.state_dict(), meta={"algo": run.cfg.algo.name}, shards=shards)
-    log = getattr(run.scheduler, "ledger_log", None)
+    log = getattr(run.pool, "ledger_log", None)
     if log is not None:
         log.append({"ev": "checkpoint", "step": run.step, "path": str(path)})
     return path
@@ -313,15 +364,6 @@ def open_ledger(run: Run) -> tuple[LedgerLog, list[dict[str, Any]]]:
             and run.resume_state.get("run_dir") == str(Path(run.cfg.run_dir).resolve()):
         lost = cut_back(path, sched["ledger_offset"], run.step, run.resumed_from)
     return LedgerLog(path), lost
-
-
-def resume_schedule(run: Run, scheduler: Any, lost: list[dict[str, Any]]) -> None:
-    """Hand a resumed checkpoint's schedule (queue, in-flight attempts, buffer, ledger) to
-    `scheduler`, once; remember the scheduler for the checkpoints that follow."""
-    run.scheduler = scheduler
-    sched = (run.resume_state or {}).pop("scheduler", None)
-    if sched is not None:
-        scheduler.load_state_dict(sched, run.tasks.task, lost)
 
 
 def sync_weights(run: Run) -> None:

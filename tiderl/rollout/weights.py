@@ -76,3 +76,11 @@ def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode("utf-8"))
         digest.update(values.contiguous().numpy().tobytes())
     return float(int.from_bytes(digest.digest()[:7], "big") >> 4)
+
+
+def published_checksum(weights: object) -> float:
+    """What the rollout side must report after loading `weights`: the checksum published with
+    weights that travel by reference (an object with `.checksum`, as the data-parallel trainer's
+    ranks publish them), else `weights_checksum` of the state dict."""
+    checksum = getattr(weights, "checksum", None)
+    return checksum if checksum is not None else weights_checksum(weights)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ in-process training with an external agent).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -67,10 +68,25 @@ class ChatService:
         self.store = store or SessionStore()
         self.max_batch_size = max_batch_size
         self.client: BatchingEngine | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where `client` lives
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.client = BatchingEngine(self.engine, self.max_batch_size)
         self.client.start()
+
+    async def update_weights(self, weights: dict[str, Any], version: int) -> Any:
+        """Load `weights` as `version` between two decode steps, from any event loop (the serving
+        loop runs on its own thread); returns the engine's checksum of what it now holds."""
+        if self.client is None or self.loop is None:
+            raise RuntimeError("ChatService.start() was not called")
+        client = self.client
+
+        async def load() -> Any:
+            await client.update_weights(weights, version)
+            return await client.call(self.engine.state_checksum)
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(load(), self.loop))
 
     async def close(self) -> None:
         if self.client is not None:

@@ -1,3 +1,3 @@
-"""Scheduling rollout and training: the asynchronous scheduler, the staleness rule, the
-readiness-aware buffer, elastic capacity, simulated latency, and the local and Ray backends
-(docs/architecture.md, "System")."""
+"""The rollout side of the loop: the rollout pool (slots, the staleness rule, the readiness-aware
+buffer, elastic capacity, retries, the ledger), simulated tool latency, and the local and Ray
+backends (docs/architecture.md, "System")."""

@@ -54,7 +54,7 @@ class ReadyBuffer:
         self._preparing: list[Trajectory] = []  # taken from _waiting, being prepared
         self.prep_busy: list[tuple[float, float]] = []
         # Complete groups failing `accept_group` (e.g. all rewards equal, for dynamic sampling)
-        # are handed to `on_reject` instead of the trainer; the scheduler settles and counts them.
+        # are handed to `on_reject` instead of the trainer; the pool settles and counts them.
         self.accept_group = accept_group
         self.on_reject: Callable[[list[Trajectory]], None] = lambda group: None
 
@@ -98,11 +98,6 @@ class ReadyBuffer:
         for t in trajectories:
             t.annotations.clear()
             self.put(t)
-
-    def discard(self, trajectories: list[Trajectory]) -> None:
-        """Remove ready trajectories (the scheduler's own bookkeeping put them back)."""
-        ids = {id(t) for t in trajectories}
-        self._ready = [t for t in self._ready if id(t) not in ids]
 
     async def take(self, n: int, timeout_s: float, describe: Callable[[], str] = lambda: "") -> list[Trajectory]:
         """The first `n` ready trajectories; raises TimeoutError (saying what it waited for)

@@ -27,8 +27,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+from tiderl.aio import InlineExecutor, cores
 
 COMPONENTS = ("trainer", "rollout", "prep")
 FIELD = "system.cores"
@@ -154,6 +158,38 @@ def resolve_cores(spec: str, available: Sequence[int], synchronous: bool) -> Cor
         union = tuple(sorted({c for ids in plan.values() for c in ids}))
         return CorePlan(trainer=union, rollout=union, prep=union)
     return CorePlan(**plan)
+
+
+@dataclass
+class RunThreads:
+    """The threads a run's torch work runs on (docs/architecture.md, "Threads"), from `system.*`.
+
+    Synchronous training (`max_staleness=0`) never decodes, prepares and trains at once: all three
+    run in the event loop's own thread (`compute`, an `InlineExecutor`), one torch thread pool as
+    in a plain loop. Asynchronous training overlaps them, so the trainer gets a thread of its own
+    (`system.trainer_threads`), the preparations another (`prep_init` sets it up), on the cores
+    `system.cores` gives each; `compute` is then None and the engine decodes on its own thread.
+    """
+
+    plan: CorePlan
+    compute: Executor | None
+    trainer: Executor
+    prep_init: Callable[[], None]
+
+    @classmethod
+    def from_config(cls, system: Any) -> "RunThreads":
+        synchronous = system.max_staleness == 0
+        plan = resolve_cores(system.cores, available_cores(), synchronous=synchronous)
+        prep_init = plan.thread_init("prep", plan.threads_for("prep", system.prep_threads, 0))
+        if synchronous:
+            compute = InlineExecutor(plan.threads_for("trainer", system.trainer_threads, 0))
+            return cls(plan, compute, compute, prep_init)
+        half = max(1, cores() - cores() // 2)
+        init = plan.thread_init("trainer", plan.threads_for("trainer", system.trainer_threads, half))
+        return cls(plan, None, ThreadPoolExecutor(1, thread_name_prefix="tiderl-train", initializer=init), prep_init)
+
+    def shutdown(self) -> None:
+        self.trainer.shutdown(wait=True)
 
 
 @contextmanager

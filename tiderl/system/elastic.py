@@ -5,8 +5,8 @@ A *unit* of capacity is what the run can add or remove: a Ray rollout worker (ea
 backend, one rollout slot (`system.min_slots`/`max_slots`, `slots_per_unit` = 1).
 
 The decision is one pure function, `decide`, of the current units, their bounds, the load
-measured over the last interval and a small hysteresis memory. The scheduler
-(`tiderl/system/scheduler.py`) and the discrete-event model (`tiderl/system/simulate.py`) call
+measured over the last interval and a small hysteresis memory. The rollout pool
+(`tiderl/system/pool.py`) and the discrete-event model (`tiderl/system/simulate.py`) call
 the same function, so what the simulator predicts is what a run does.
 
 Readiness, the signal: who waited on whom over the last interval.
@@ -50,13 +50,13 @@ GATE_BOUND_FRAC = 0.5  # capacity idle this much because the staleness gate refu
 class CapacityRemoved(RuntimeError):
     """The worker serving an episode was removed by an elastic shrink before the episode ended.
 
-    The scheduler queues the task again without using one of its retries and counts the attempt
+    The rollout pool queues the task again without using one of its retries and counts the attempt
     as `requeued` in the ledger (a shrink is the run's own decision, not a fault)."""
 
 
 @dataclass(frozen=True)
 class LoadSignals:
-    """What the scheduler measured over the last interval.
+    """What the rollout pool measured over the last interval.
 
     trainer_idle_frac: fraction of the interval the trainer waited for a batch.
     ready: finished trajectories waiting for the trainer (queue depth) at the interval's end.

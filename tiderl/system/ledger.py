@@ -15,7 +15,7 @@ A `lost` line stands for an attempt that started and was lost: a resume cuts the
 its checkpoint (the killed run's later lines describe work whose weights were never saved) and
 writes one `lost` line, with the reason, per attempt the cut removed a `started` line of. A
 `resume` line carries the counts the checkpoint restored, so `replay` of the file gives the
-same counts as the scheduler's ledger (`tests/test_checkpoint_resume.py` checks both).
+same counts as the pool's ledger (`tests/test_checkpoint_resume.py` checks both).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-# Where each event puts an attempt (the buckets of the scheduler's `Ledger`).
+# Where each event puts an attempt (the buckets of the pool's `Ledger`).
 SETTLED = ("trained", "dropped_stale", "failed", "retried", "restarted", "filtered", "requeued", "lost")
 
 
@@ -40,7 +40,7 @@ class LedgerLog:
         self.offset = self._file.tell()
 
     def append(self, event: dict[str, Any]) -> None:
-        closed = self._file.closed  # e.g. the final checkpoint, after the scheduler stopped
+        closed = self._file.closed  # e.g. the final checkpoint, after the pool stopped
         if closed:
             self._file = self.path.open("a")
         self._file.write(json.dumps(event) + "\n")

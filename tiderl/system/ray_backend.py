@@ -9,17 +9,17 @@ policy weights (`ray.put` once, loaded by every worker).
 
 Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory
 monitor, on a call to it) is removed from the pool at once, every call in flight on it raises
-`WorkerLost` (the scheduler retries those tasks on the live workers), and a fresh actor is
+`WorkerLost` (the pool retries those tasks on the live workers), and a fresh actor is
 started in the background with the latest weights and version; it joins the pool only after its
 weight checksum matches the trainer's. Every wait on a Ray reference is bounded by
 `system.wait_timeout_s`.
 
-Elastic pool (`system.min_workers` < `system.max_workers`): the scheduler's elastic loop calls
+Elastic pool (`system.min_workers` < `system.max_workers`): the pool's elastic loop calls
 `resize(units)` with what `tiderl.system.elastic.decide` chose from readiness. Growing starts new
 actors exactly as a replacement starts (latest weights, checksum verified) and admits each when it
 is ready; shrinking takes the least-loaded workers out of routing at once and lets them finish
 their episodes for up to `system.worker_drain_s`, then kills them: an episode still running then
-raises `CapacityRemoved` and the scheduler queues its task again (ledger `requeued`). The slots
+raises `CapacityRemoved` and the pool queues its task again (ledger `requeued`). The slots
 follow the live workers (`slots_per_worker` each, through `on_live_change`), and `worker_seconds()`
 integrates the actors held (booting, live or draining): the resource an elastic run is charged.
 
@@ -66,7 +66,7 @@ from tiderl.rollout.client import BatchingEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.elastic import CapacityRemoved
 from tiderl.system.latency import training_env_factory
-from tiderl.system.scheduler import SchedulerSettings
+from tiderl.system.pool import PoolSettings
 from tiderl.system.timing import TimeWeighted
 from tiderl.train.annotate import CriticSnapshot
 from tiderl.train.lora import policy_state  # what engines hold: the adapters alone for a LoRA policy
@@ -323,7 +323,7 @@ class RayRollout:
         # The elastic range (a single point unless system.min_workers < system.max_workers).
         self.worker_range = (min(s.min_workers or self.num_workers, self.num_workers),
                              max(s.max_workers or self.num_workers, self.num_workers))
-        settings = SchedulerSettings.from_config(cfg)
+        settings = PoolSettings.from_config(cfg)
         self.slots_per_worker = s.slots_per_worker or math.ceil(settings.initial_slots() / self.num_workers)
         self.drain_s = s.worker_drain_s
         self.on_live_change: Any = None  # called with the live worker count when it changes
@@ -521,7 +521,7 @@ class RayRollout:
 
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
         """Play `task` on the least-loaded live worker. Raises WorkerLost when that worker dies,
-        TimeoutError after `system.wait_timeout_s` (both: the scheduler retries the task)."""
+        TimeoutError after `system.wait_timeout_s` (both: the pool retries the task)."""
         w = await self._pick()
         w.load += 1
         try:
@@ -534,7 +534,7 @@ class RayRollout:
         """Load `state_dict` as `version` on every live worker; returns their common checksum.
 
         The weights are serialised into the object store once, now (the trainer is idle while
-        the scheduler awaits this call). A worker that dies meanwhile is replaced with these
+        the pool awaits this call). A worker that dies meanwhile is replaced with these
         weights; one that disagrees fails the sync (RuntimeError naming every worker's checksum).
         """
         if isinstance(state_dict, PublishedWeights):  # already in the object store, checksummed

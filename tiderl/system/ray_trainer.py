@@ -1,12 +1,12 @@
 """The data-parallel trainer on Ray: `train.world_size` ranks (`TrainerRank` actors in one
 placement group) run `tiderl.train.parallel.ParallelLearner`s over the one `train_step`.
 
-The driver's side is `RayParallelTrainer`, the scheduler's trainer (`step`, `state_dict`,
-`checksum`). Each step it sends the batch to every rank (one object-store copy), and the ranks
-train it together (DDP or FSDP2 over gloo on the CPU, NCCL on GPUs). Then rank 0 gathers the full
-policy weights, computes their checksum and puts them in the object store itself: the scheduler
-hands the rollout workers that reference (`PublishedWeights`), so the weights go from rank 0 to
-the engines without passing through the driver, and each worker's checksum is compared with rank
+The driver's side is `RayParallelTrainer`, the recipe's trainer (`step`, `version`, `weights`).
+Each step it sends the batch to every rank (one object-store copy), and the ranks train it
+together (DDP or FSDP2 over gloo on the CPU, NCCL on GPUs). Then rank 0 gathers the full policy
+weights, computes their checksum and puts them in the object store itself: the pool publishes
+that reference (`PublishedWeights`) to the rollout workers, so the weights go from rank 0 to the
+engines without passing through the driver, and each worker's checksum is compared with rank
 0's. The driver keeps a mirror of the actor (and critic) for evaluation and checkpoints: the
 critic is pulled every step when the driver computes critic values ahead (its preparations),
 the actor at checkpoint steps and when the trainer closes. Every wait on a rank is bounded by
@@ -21,6 +21,7 @@ while the driver's mirror has already read the whole weights.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -151,13 +152,13 @@ class TrainerRank:
 
 
 class RayParallelTrainer:
-    """The scheduler's trainer side for `train.parallel=ddp|fsdp2`: `train.world_size`
-    `TrainerRank` actors, started (in a placement group) at the first step, so that the rollout
-    workers of the Ray backend are placed first."""
+    """The recipe's trainer for `train.parallel=ddp|fsdp2`: `train.world_size` `TrainerRank`
+    actors, started (in a placement group) at the first step, so that the rollout workers of the
+    Ray backend are placed first. `step` waits on the ranks on `executor` (a thread)."""
 
-    def __init__(self, run: Any, preparations: list[Any]):
+    def __init__(self, run: Any, preparations: list[Any], executor: Any = None):
         cfg: RunConfig = run.cfg
-        self.run, self.cfg = run, cfg
+        self.run, self.cfg, self.executor = run, cfg, executor
         self.world_size = cfg.train.world_size
         self.timeout_s = cfg.system.wait_timeout_s
         self.refreshers = [p for p in preparations if hasattr(p, "refresh")]
@@ -210,8 +211,18 @@ class RayParallelTrainer:
             self.resume_shards = None
         logger.info("%d trainer ranks (%s) ready: %s", self.world_size, self.cfg.train.parallel, self.info)
 
-    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
-        """One data-parallel optimizer step, then rank 0 publishes the new weights."""
+    @property
+    def version(self) -> int:
+        return self.run.step
+
+    async def step(self, batch: list[Trajectory]) -> dict[str, float]:
+        metrics = await asyncio.get_running_loop().run_in_executor(self.executor, self.train, batch)
+        self.run.step += 1
+        return metrics
+
+    def train(self, batch: list[Trajectory]) -> dict[str, float]:
+        """One data-parallel optimizer step, then rank 0 publishes the new weights (blocking)."""
+        version = self.run.step
         self.start()
         batch_ref = ray.put(batch)
         metrics = self._get([r.step.remote(batch_ref, version) for r in self.ranks], "a training step")[0]
@@ -236,13 +247,11 @@ class RayParallelTrainer:
         self._get([r.save_sharded.remote(str(path)) for r in self.ranks], f"saving the sharded checkpoint {path}")
         return {"parallel": self.cfg.train.parallel, "world_size": self.world_size}
 
-    def state_dict(self) -> Any:
+    def weights(self) -> PublishedWeights:
+        """Rank 0's latest weights, by reference, with their checksum."""
         if self.published is None:
-            raise RuntimeError("RayParallelTrainer.state_dict() before the first step")
+            raise RuntimeError("RayParallelTrainer.weights() before the first step")
         return self.published
-
-    def checksum(self, state: Any) -> float:
-        return state.checksum if isinstance(state, PublishedWeights) else weights_checksum(state)
 
     def _pull_critic(self) -> None:
         state = self._get([r.critic_state.remote() for r in self.ranks], "gathering the critic")[0]

@@ -44,7 +44,7 @@ def trajectory_staleness(policy_versions: Iterable[int], trainer_version: int) -
 class StalenessGate:
     """Admission control and the drop rule for a bound of `max_staleness` versions.
 
-    The gate holds no clock and no threads: the scheduler tells it what happened (`started`,
+    The gate holds no clock and no threads: the pool tells it what happened (`started`,
     `settled`) and asks it questions (`may_start`, `is_fresh`). Versions come from the
     caller, so tests can drive it with a fake version source.
     """

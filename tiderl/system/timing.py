@@ -1,4 +1,4 @@
-"""Small time-accounting helpers for the scheduler's metrics."""
+"""Small time-accounting helpers for the rollout pool's metrics."""
 
 from __future__ import annotations
 

@@ -1,121 +1,21 @@
-"""The asynchronous scheduler with fake rollout and trainer sides (no model, no torch).
-
-Episodes are asyncio sleeps whose length each test chooses; a fake episode's first sampled token
-carries the weight version when it started and its last one the version when it ended, as a
-partial rollout would.
+"""The rollout pool, driven through the recipe's own loop with a fake backend and trainer (no
+model, no torch work): the staleness gate, continuous batching, partial rollouts, faults, groups,
+attempts with several trajectories, elastic slots, and the ledger that accounts for every attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
+from pool_fakes import FakeRollout, FakeTrainer, check_ledger, fake_trajectory, run_pool
 from tiderl.envs.protocol import Task
 from tiderl.system.buffer import ReadyBuffer
-from tiderl.system.scheduler import Scheduler, SchedulerSettings
+from tiderl.system.pool import PoolSettings
 from tiderl.system.staleness import StalenessGate, trajectory_staleness
-from tiderl.types import NO_VERSION, Trajectory
-
-
-def fake_trajectory(task: Task, group_id: str, v_start: int, v_end: int, reward: float = 0.0) -> Trajectory:
-    return Trajectory(tokens=[5, 6, 7], loss_mask=[0, 1, 1], behavior_logprobs=[0.0, -1.0, -1.0],
-                      policy_version=[NO_VERSION, v_start, v_end], reward=reward, task_id=task.task_id,
-                      group_id=group_id, env_info={"success": reward}, stop_reason="answer")
-
-
-class FakeRollout:
-    """Episodes that sleep `duration(task_id)` seconds. `fail(task_id, attempt)` may return
-    "worker" (raise) or "env" (stop_reason error) to simulate faults."""
-
-    def __init__(self, duration: Callable[[str], float],
-                 fail: Callable[[str, int], str] = lambda *_: "",
-                 reward: Callable[[str], float] = lambda _: 0.0):
-        self.duration = duration
-        self.fail = fail
-        self.reward = reward
-        self.version = 0
-        self.attempts: dict[str, int] = {}
-        self.starts: list[tuple[str, int, float]] = []  # (task_id, version at start, time)
-        self.finishes: list[tuple[str, float]] = []
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
-        attempt = self.attempts.get(task.task_id, 0)
-        self.attempts[task.task_id] = attempt + 1
-        v_start = self.version
-        self.starts.append((task.task_id, v_start, time.monotonic()))
-        await asyncio.sleep(self.duration(task.task_id))
-        self.finishes.append((task.task_id, time.monotonic()))
-        kind = self.fail(task.task_id, attempt)
-        if kind == "worker":
-            raise ConnectionError("rollout worker died")
-        t = fake_trajectory(task, group_id, v_start, self.version, self.reward(task.task_id))
-        if kind == "env":
-            t.stop_reason = "error"
-            t.env_info["error"] = "RuntimeError('tool crashed')"
-        return t
-
-    async def update_weights(self, state_dict, version: int) -> float:
-        self.version = version
-        return 0.0
-
-
-class FakeTrainer:
-    """Sleeps `step_s()` per step and records every batch with the version it trained from."""
-
-    def __init__(self, step_s: Callable[[], float] = lambda: 0.0):
-        self.step_s = step_s
-        self.batches: list[tuple[int, list[Trajectory], float, float]] = []
-        self.lock = threading.Lock()
-
-    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
-        t0 = time.monotonic()
-        time.sleep(self.step_s())
-        with self.lock:
-            self.batches.append((version, list(batch), t0, time.monotonic()))
-        return {"loss": 0.0}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def checksum(self, state_dict) -> float:
-        return 0.0
-
-
-def tasks() -> Callable[[], Task]:
-    counter = itertools.count()
-
-    def next_task() -> Task:
-        i = next(counter)
-        return Task(task_id=f"t{i}", prompt=f"q{i}", answer=None)
-
-    return next_task
-
-
-def run_scheduler(settings: SchedulerSettings, rollout: FakeRollout, trainer: FakeTrainer, steps: int,
-                  buffer: ReadyBuffer | None = None) -> Scheduler:
-    async def main() -> Scheduler:
-        s = Scheduler(settings, tasks(), rollout, trainer, buffer or ReadyBuffer([], settings.group_size))
-        await s.run(steps)
-        return s
-
-    return asyncio.run(main())
-
-
-def check_ledger(s: Scheduler) -> None:
-    """Every attempt is in exactly one bucket."""
-    summary = s.summary()["ledger"]
-    buckets = ("trained", "dropped_stale", "failed", "retried", "restarted", "filtered", "unsettled")
-    assert summary["started"] == sum(summary[b] for b in buckets)
-    assert s.unsettled() >= 0
+from tiderl.types import NO_VERSION
 
 
 # --- the staleness rule --------------------------------------------------------------------------
@@ -156,7 +56,7 @@ def test_gate_drops_and_counts_what_is_older_than_the_bound():
 def test_synchronous_mode_trains_only_on_the_current_version():
     rollout = FakeRollout(lambda tid: 0.002 * (int(tid[1:]) % 5))
     trainer = FakeTrainer(lambda: 0.01)
-    s = run_scheduler(SchedulerSettings(batch_size=4, max_staleness=0), rollout, trainer, steps=5)
+    s, _ = run_pool(PoolSettings(batch_size=4, max_staleness=0), rollout, trainer, steps=5)
     assert [v for v, *_ in trainer.batches] == [0, 1, 2, 3, 4]
     for version, batch, _, _ in trainer.batches:
         for t in batch:
@@ -172,22 +72,26 @@ def test_synchronous_mode_trains_only_on_the_current_version():
 
 
 def test_a_slow_task_does_not_hold_the_other_slots():
-    # t0 takes 1.5 s; every other task 5 ms. With 4 slots and staleness 3, the other three
-    # slots keep refilling while t0 runs.
-    rollout = FakeRollout(lambda tid: 1.5 if tid == "t0" else 0.005)
+    # t0 runs until the trainer has taken 6 steps; every other task finishes at once. With 4
+    # slots and staleness 8, the three other slots keep refilling while t0 runs.
+    t0_may_end = asyncio.Event()
+    rollout = FakeRollout(wait=lambda tid: t0_may_end if tid == "t0" else None)
     trainer = FakeTrainer()
-    s = run_scheduler(SchedulerSettings(batch_size=2, max_staleness=3, slots=4), rollout, trainer, steps=8)
-    t0_end = dict(rollout.finishes).get("t0", float("inf"))
-    trained_before = sum(len(b) for _, b, start, _ in trainer.batches if start < t0_end)
-    assert trained_before >= 12, f"only {trained_before} trajectories trained while the slow task ran"
+    trainer.after = lambda version: t0_may_end.set() if version >= 6 else None
+    s, _ = run_pool(PoolSettings(batch_size=2, max_staleness=8, slots=4), rollout, trainer, steps=8)
+    trained_first = [t.task_id for _, batch, _, _ in trainer.batches[:6] for t in batch]
+    assert len(trained_first) == 12 and "t0" not in trained_first  # trained while t0 ran
+    assert "t0" in dict(rollout.finishes)  # and t0 finished afterwards
     check_ledger(s)
 
 
 def test_finished_trajectory_older_than_the_bound_is_dropped_and_counted():
-    # t0 spans many versions: when it finishes, its first token is more than 1 version old.
-    rollout = FakeRollout(lambda tid: 0.6 if tid == "t0" else 0.005)
-    trainer = FakeTrainer(lambda: 0.02)
-    s = run_scheduler(SchedulerSettings(batch_size=2, max_staleness=1, slots=4), rollout, trainer, steps=30)
+    # t0 runs until the trainer is at version 4: when it finishes, its first token is 4 versions old.
+    t0_may_end = asyncio.Event()
+    rollout = FakeRollout(wait=lambda tid: t0_may_end if tid == "t0" else None)
+    trainer = FakeTrainer()
+    trainer.after = lambda version: t0_may_end.set() if version >= 4 else None
+    s, _ = run_pool(PoolSettings(batch_size=2, max_staleness=1, slots=4), rollout, trainer, steps=30)
     summary = s.summary()
     assert summary["ledger"]["dropped_stale"] >= 1
     assert max(summary["staleness_histogram"]) > 1  # the dropped one was judged
@@ -201,7 +105,7 @@ def test_finished_trajectory_older_than_the_bound_is_dropped_and_counted():
 def test_partial_rollouts_continue_across_versions():
     rollout = FakeRollout(lambda tid: 0.05 + 0.02 * (int(tid[1:]) % 3))
     trainer = FakeTrainer(lambda: 0.02)
-    s = run_scheduler(SchedulerSettings(batch_size=4, max_staleness=2), rollout, trainer, steps=12)
+    s, _ = run_pool(PoolSettings(batch_size=4, max_staleness=2), rollout, trainer, steps=12)
     mixed = [t for _, b, _, _ in trainer.batches for t in b if len(t.versions()) > 1]
     assert mixed, "no trained trajectory spans two weight versions"
     assert s.ledger.restarted == 0
@@ -211,7 +115,7 @@ def test_partial_rollouts_continue_across_versions():
 def test_restart_mode_interrupts_and_requeues_episodes_on_new_weights():
     rollout = FakeRollout(lambda tid: 0.05 + 0.02 * (int(tid[1:]) % 3))
     trainer = FakeTrainer(lambda: 0.02)
-    s = run_scheduler(SchedulerSettings(batch_size=4, max_staleness=2, partial_rollout="restart"),
+    s, _ = run_pool(PoolSettings(batch_size=4, max_staleness=2, partial_rollout="restart"),
                       rollout, trainer, steps=12)
     assert s.ledger.restarted >= 1
     # A restarted task runs again from scratch: some task id was started more than once.
@@ -238,7 +142,7 @@ def test_failed_workers_and_environments_are_retried_and_every_task_accounted_fo
 
     rollout = FakeRollout(lambda tid: 0.003, fail=fail)
     trainer = FakeTrainer()
-    s = run_scheduler(SchedulerSettings(batch_size=4, max_staleness=1, max_task_retries=2),
+    s, _ = run_pool(PoolSettings(batch_size=4, max_staleness=1, max_task_retries=2),
                       rollout, trainer, steps=6)
     assert s.ledger.retried >= 3
     assert s.ledger.failed == 1
@@ -253,7 +157,7 @@ def test_failed_workers_and_environments_are_retried_and_every_task_accounted_fo
 def test_waiting_for_a_batch_times_out_and_says_what_it_waited_for():
     rollout = FakeRollout(lambda tid: 30.0)
     with pytest.raises(TimeoutError, match=r"4 ready trajectories.*In flight 4 of 4 slots"):
-        run_scheduler(SchedulerSettings(batch_size=4, wait_timeout_s=0.3), rollout, FakeTrainer(), steps=1)
+        run_pool(PoolSettings(batch_size=4, wait_timeout_s=0.3), rollout, FakeTrainer(), steps=1)
 
 
 # --- groups ------------------------------------------------------------------------------------------
@@ -269,9 +173,9 @@ def test_group_algorithms_train_on_complete_groups_and_filter_uninformative_ones
 
     rollout = FakeRollout(lambda tid: 0.002, reward=reward)
     trainer = FakeTrainer()
-    settings = SchedulerSettings(batch_size=4, max_staleness=1, group_size=2)
+    settings = PoolSettings(batch_size=4, max_staleness=1, group_size=2)
     buffer = ReadyBuffer([], group_size=2, accept_group=lambda g: len({t.reward for t in g}) > 1)
-    s = run_scheduler(settings, rollout, trainer, steps=3, buffer=buffer)
+    s, _ = run_pool(settings, rollout, trainer, steps=3, buffer=buffer)
     for _, batch, _, _ in trainer.batches:
         ids = [t.group_id for t in batch]
         assert ids[0] == ids[1] and ids[2] == ids[3]  # complete groups, members together
@@ -284,23 +188,60 @@ def test_group_algorithms_train_on_complete_groups_and_filter_uninformative_ones
 
 
 def test_elastic_slots_follow_a_synthetic_load_up_and_down():
-    # Phase 1 (first ~1.5 s): slow episodes, instant training -> the trainer starves -> grow.
-    # Phase 2: instant episodes, slow training -> finished work piles up -> shrink.
-    t_start = time.monotonic()
-
-    def phase2() -> bool:
-        return time.monotonic() - t_start > 1.5
-
-    rollout = FakeRollout(lambda tid: 0.002 if phase2() else 0.3)
-    trainer = FakeTrainer(lambda: 0.15 if phase2() else 0.0)
-    settings = SchedulerSettings(batch_size=4, max_staleness=8, slots=2, min_slots=2, max_slots=24,
-                                 elastic_interval_s=0.1)
-    s = run_scheduler(settings, rollout, trainer, steps=22)
+    # Phase 1 (the first 8 steps): slow episodes, instant training -> the trainer starves -> grow.
+    # Phase 2: instant episodes, slow training -> finished work piles up -> shrink. The phases
+    # follow the steps taken, not the clock; the elastic loop measures readiness every 0.1 s.
+    trainer = FakeTrainer(lambda: 0.15 if trainer.version >= 8 else 0.0)
+    rollout = FakeRollout(lambda tid: 0.002 if trainer.version >= 8 else 0.3)
+    settings = PoolSettings(batch_size=4, max_staleness=8, slots=2, min_slots=2, max_slots=24,
+                            elastic_interval_s=0.1)
+    s, _ = run_pool(settings, rollout, trainer, steps=22)
     grows = [e for e in s.slot_events if e["to"] > e["from"]]
     shrinks = [e for e in s.slot_events if e["to"] < e["from"]]
     assert grows and shrinks, s.slot_events
-    assert grows[0]["t"] < shrinks[-1]["t"]
+    assert grows[0]["version"] < 8 <= shrinks[-1]["version"]  # grown while starved, shrunk while piled up
     assert max(e["to"] for e in grows) > 2
     assert all(e["reason"] for e in s.slot_events)
     assert all(2 <= e["to"] <= 24 for e in s.slot_events)
+    check_ledger(s)
+
+
+# --- attempts with several trajectories (an external agent's session) --------------------------------
+
+
+class SegmentedRollout(FakeRollout):
+    """Every attempt gives `segments(task_id)` trajectories, as a session whose agent edited its
+    history gives several segments."""
+
+    def __init__(self, segments, **kwargs):
+        super().__init__(**kwargs)
+        self.segments = segments
+
+    async def run_episode(self, task, group_id):
+        one = await super().run_episode(task, group_id)
+        return [fake_trajectory(task, group_id, one.policy_version[1], one.policy_version[2])
+                for _ in range(self.segments(task.task_id))]
+
+
+def test_each_trajectory_of_an_attempt_trains_and_is_accounted_for():
+    rollout = SegmentedRollout(lambda tid: 2 if int(tid[1:]) % 2 else 1)
+    trainer = FakeTrainer()
+    s, _ = run_pool(PoolSettings(batch_size=4, max_staleness=1), rollout, trainer, steps=3)
+    trained = [t.task_id for _, batch, _, _ in trainer.batches for t in batch]
+    assert len(trained) == 12 and any(trained.count(tid) == 2 for tid in trained)  # both segments trained
+    ledger = s.summary()["ledger"]
+    assert ledger["trained"] == 12 and ledger["started"] > len(rollout.attempts)  # one start per trajectory
+    check_ledger(s)
+
+
+def test_an_attempt_without_trajectories_or_with_several_for_a_group_is_a_fault():
+    # t0's attempts give nothing (an agent that sent no request); with groups, t1's give two.
+    rollout = SegmentedRollout(lambda tid: {"t0": 0, "t1": 2}.get(tid, 1), reward=lambda tid: float(tid[1:]) % 2)
+    trainer = FakeTrainer()
+    settings = PoolSettings(batch_size=8, max_staleness=1, group_size=2, max_task_retries=1)
+    s, _ = run_pool(settings, rollout, trainer, steps=2, buffer=ReadyBuffer([], group_size=2))
+    reasons = [f["reason"] for f in s.ledger.failures]
+    assert any("gave no trajectory" in r for r in reasons), reasons
+    assert any("gave 2 trajectories" in r and "algo.group_size=2" in r for r in reasons), reasons
+    assert all(t.task_id not in ("t0", "t1") for _, batch, _, _ in trainer.batches for t in batch)
     check_ledger(s)

@@ -1,33 +1,39 @@
-"""The asynchronous scheduler: rollout slots and the trainer, each waiting only where the
-staleness bound says so.
+"""The rollout pool: episodes in flight, and the finished trajectories the trainer takes.
 
-Three coroutines share one event loop:
+    await pool.start()
+    batch = await pool.next_batch()          # `batch_size` fresh trajectories; waits only where needed
+    ...                                      # the trainer's step (the recipe's loop)
+    await pool.publish(version, weights)     # rollout samples with these weights from now on
+    metrics = pool.step_metrics(batch, trainer_metrics)
+    await pool.close()
 
-- **fill**: keeps up to `slots` episodes running. The moment one finishes, its slot takes the
-  next task (a retried task first) if the `StalenessGate` admits it: no batch barrier on the
-  rollout side.
-- **train**: takes `batch_size` ready trajectories from the `ReadyBuffer` (dropping and
-  counting the ones the gate judges too stale), runs the trainer's step on a worker thread,
-  bumps the version, hands the weights to the rollout side, verifies them by checksum, and
-  settles the batch. In `restart` mode (and always at staleness 0) it then cancels the episodes
-  that started on older weights and queues their tasks again.
-- **elastic**: every `elastic_interval_s`, measures readiness (did the trainer wait on rollout,
-  or rollout on the trainer and the gate?) and resizes the rollout capacity with
-  `elastic.decide`: the backend's workers when it can add and remove them (the Ray backend with
-  `system.min_workers` < `max_workers`; the slots then follow the live workers), else `slots`
-  within [min_slots, max_slots]; each change is logged with its reason.
+Behind that interface, on the event loop:
 
-Everything the scheduler needs from the outside is injected: a task source, a rollout backend
-(`run_episode`, `update_weights`, `version`), and a trainer (`step`, `state_dict`). The local
-and Ray backends plug in the same way, and the tests drive it with fakes.
+- **Slots** (continuous task batching): up to `slots` episodes run at once; the moment one
+  finishes, its slot takes the next task (a retried or requeued attempt first) if the
+  `StalenessGate` admits it. No batch barrier on the rollout side.
+- **The readiness buffer** (`ReadyBuffer`): a finished episode's reward is shaped, its
+  preparations run (critic values, reference log-probs), and it waits there until
+  `next_batch` takes it; group algorithms take whole groups. `next_batch` drops (and counts)
+  what the gate judges too stale.
+- **Publishing** hands the new weights to the backend and checks the checksum the backend
+  reports against the trainer's; the batch is then settled as trained. At staleness 0 (and in
+  `restart` mode) the episodes that started on older weights are cancelled and queued again.
+- **Elastic capacity**: every `elastic_interval_s`, readiness (did the trainer wait on rollout,
+  or rollout on the trainer and the gate?) resizes the capacity with `elastic.decide`: the
+  backend's workers when it can add and remove them (Ray, `min_workers < max_workers`; the slots
+  then follow the live workers), else the slots within [min_slots, max_slots].
+- **Retries and the ledger**: every task attempt ends in exactly one bucket: trained, dropped as
+  stale, failed (its retries used up), retried (it faulted and went back to the queue), restarted
+  (cancelled by new weights), filtered (its complete group carried no signal, with dynamic
+  sampling), requeued (in flight at the checkpoint a run resumed from, or cut by an elastic
+  shrink), lost (started after the checkpoint a run resumed from), or still unsettled when the run
+  stops. Every event is appended to the ledger file as it happens (`tiderl.system.ledger`).
 
-Every task attempt ends in exactly one ledger bucket: trained, dropped as stale, failed (its
-retries used up), retried (it faulted and went back to the queue), restarted (cancelled by new
-weights in restart mode), filtered (its complete group carried no signal, with dynamic
-sampling), re-queued (in flight at a checkpoint a run resumed from), lost (started after the
-checkpoint a run resumed from: its work was not saved), or still unsettled when the run stops.
-Every event is also appended to the ledger file as it happens (`tiderl.system.ledger`), and
-`state_dict` / `load_state_dict` carry the schedule through a checkpoint.
+Where episodes run is the backend's business (`RolloutBackend`: this process, Ray actors, an
+external agent behind `tiderl serve`); the pool only needs `run_episode`, `update_weights` and
+`version`. Tests drive it with fakes. `state_dict` / `load_state_dict` carry it through a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -37,19 +43,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tiderl.aio import cancel_and_wait
 from tiderl.envs.protocol import Task
+from tiderl.rollout.weights import published_checksum
 from tiderl.system.buffer import ReadyBuffer
-from tiderl.system.elastic import (
-    CapacityRemoved,
-    LoadSignals,
-    Memory,
-    capacity_bounds,
-    decide,
-)
+from tiderl.system.elastic import CapacityRemoved, LoadSignals, Memory, capacity_bounds, decide
 from tiderl.system.staleness import StalenessGate, trajectory_staleness
 from tiderl.system.timing import TimeWeighted
 from tiderl.types import Trajectory
@@ -58,7 +60,10 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutBackend(Protocol):
-    """Where episodes run. `version` is the weight version new tokens are sampled with."""
+    """Where episodes run. `version` is the weight version new tokens are sampled with.
+
+    A backend named by `system.backend` is built as `Backend.from_run(run, preparations,
+    executor)` (docs/extending.md)."""
 
     @property
     def version(self) -> int: ...
@@ -67,11 +72,13 @@ class RolloutBackend(Protocol):
 
     async def close(self) -> None: ...
 
-    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
-        """Play one episode. Raising means the worker failed (the task is retried)."""
+    async def run_episode(self, task: Task, group_id: str) -> Trajectory | list[Trajectory]:
+        """Play one attempt at `task`. Raising means the worker failed (the task is retried).
+        An attempt may give several trajectories (an external agent's session with several
+        segments); group algorithms need exactly one."""
         ...
 
-    async def update_weights(self, state_dict: dict[str, Any], version: int) -> Any:
+    async def update_weights(self, weights: Any, version: int) -> Any:
         """Load weights `version`; returns the checksum of what the workers now hold."""
         ...
 
@@ -80,28 +87,12 @@ class RolloutBackend(Protocol):
         ...
 
 
-class TrainerSide(Protocol):
-    """The learning side, as the scheduler sees it."""
-
-    def step(self, batch: list[Trajectory], version: int) -> dict[str, float]:
-        """One optimizer step on `batch` (the trainer's weights are `version`); blocking."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """The policy weights to hand to the rollout side."""
-        ...
-
-    def checksum(self, state_dict: dict[str, Any]) -> Any:
-        """What `RolloutBackend.update_weights` must return for these weights."""
-        ...
-
-
 @dataclass
-class SchedulerSettings:
+class PoolSettings:
     batch_size: int
     max_staleness: int = 0
     partial_rollout: str = "continue"  # or "restart"
-    slots: int = 0  # 0 = (max_staleness + 1) * batch_size
+    slots: int = 0  # 0 = admission, else (max_staleness + 1) * batch_size
     min_slots: int = 0  # 0 = slots
     max_slots: int = 0  # 0 = slots
     elastic_interval_s: float = 2.0
@@ -120,7 +111,7 @@ class SchedulerSettings:
         return max(self.initial_slots(), self.max_slots)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "SchedulerSettings":
+    def from_config(cls, cfg: Any) -> "PoolSettings":
         """The settings a RunConfig gives (`system.*`, the batch size, the algorithm's group size)."""
         s = cfg.system
         return cls(batch_size=cfg.rollout.batch_size, max_staleness=s.max_staleness,
@@ -142,7 +133,7 @@ class Ledger:
     retried: int = 0
     restarted: int = 0
     filtered: int = 0  # complete groups set aside as uninformative (dynamic sampling)
-    requeued: int = 0  # in flight at the checkpoint a run resumed from; queued again
+    requeued: int = 0  # queued again without using a retry (a resume, an elastic shrink)
     lost: int = 0  # started after the checkpoint a run resumed from (the stop lost their work)
     failures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -166,23 +157,14 @@ class _Attempt:
         return {"task": self.task.task_id, "group": self.group_id, "attempt": self.attempt}
 
 
-class Scheduler:
-    """Runs rollout and training concurrently for a number of optimizer steps."""
+class RolloutPool:
+    """Rollout under the staleness bound, fed by `next_task()` and played by `backend`
+    (module docstring). `shape(trajectory)` shapes each finished episode's reward before it
+    enters the buffer; `ledger_log` (a `LedgerLog`, optional) gets every ledger event."""
 
-    def __init__(
-        self,
-        settings: SchedulerSettings,
-        next_task: Callable[[], Task],
-        rollout: RolloutBackend,
-        trainer: TrainerSide,
-        buffer: ReadyBuffer,
-        on_step: Callable[[int, dict[str, float], list[Trajectory]], None] = lambda *_: None,
-        start_version: int = 0,
-        shape: Callable[[Trajectory], Trajectory] = lambda t: t,
-        trainer_thread_init: Callable[[], None] | None = None,
-        trainer_executor: Executor | None = None,
-        ledger_log: Any = None,
-    ):
+    def __init__(self, settings: PoolSettings, next_task: Callable[[], Task], backend: RolloutBackend,
+                 buffer: ReadyBuffer, shape: Callable[[Trajectory], Trajectory] = lambda t: t,
+                 ledger_log: Any = None, start_version: int = 0):
         s = settings
         if s.batch_size % s.group_size:
             raise ValueError(f"batch_size={s.batch_size} must be a multiple of group_size={s.group_size}")
@@ -190,13 +172,12 @@ class Scheduler:
             raise ValueError(f"partial_rollout={s.partial_rollout!r}: use 'continue' or 'restart'")
         self.settings = s
         self.next_task = next_task
-        self.rollout = rollout
-        self.trainer = trainer
+        self.backend = backend
         self.buffer = buffer
         buffer.on_reject = self._filtered
-        self.on_step = on_step
-        self.shape = shape  # reward shaping of each finished episode (curiosity), before the buffer
-        self.version = start_version
+        self.shape = shape
+        self.ledger_log = ledger_log
+        self.version = start_version  # the trainer's: the weights last published
         self.gate = StalenessGate(s.max_staleness, s.batch_size, s.admission)
         self.ledger = Ledger()
         self.slots = s.initial_slots()
@@ -207,73 +188,159 @@ class Scheduler:
         self._queue: deque[_Attempt] = deque()  # retried/restarted attempts and pending group members
         self._group_serial = 0
         self._inflight: dict[asyncio.Task[None], _Attempt] = {}
-        self._stopped: list[_Attempt] = []  # in flight when the run stopped (unsettled)
+        self._stopped: list[_Attempt] = []  # in flight when the pool closed (unsettled)
         self._failed_in_a_row = 0  # tasks failed after their retries, no clean episode between
-        self.ledger_log = ledger_log  # LedgerLog (or None): every ledger event, appended as it happens
         self._changed = asyncio.Event()
-        # The trainer steps on its own thread (`trainer_thread_init` runs there first, e.g. its torch
-        # thread budget), or on a compute thread the caller shares with decoding and preparation.
-        self._own_trainer_exec = trainer_executor is None
-        self._trainer_exec = trainer_executor or ThreadPoolExecutor(
-            1, thread_name_prefix="tiderl-train", initializer=trainer_thread_init)
+        self._loops: list[asyncio.Task[None]] = []  # fill and elastic
+        self._closing = False
+        self._taken: list[Trajectory] = []  # handed to the trainer, settled by the next publish
+        self._lags: list[int] = []  # critic value lags of the batch taken last
         # Time accounting (monotonic seconds).
         self._active = TimeWeighted(0.0)
         self._slots_tw = TimeWeighted(float(self.slots))
         self._blocked = TimeWeighted(0.0)
-        self._idle = TimeWeighted(0.0)
-        self.train_busy: list[tuple[float, float]] = []
+        self._idle = TimeWeighted(0.0)  # 1 while the trainer waits in next_batch
         self.generated_tokens = 0
         # Goodput counts the sampled (action) tokens of trained trajectories; the sequence count
         # (prompt and observations included) is what the trainer's passes read, not goodput.
-        self.trained_tokens = 0  # action tokens of trained trajectories
+        self.trained_tokens = 0
         self.trained_sequence_tokens = 0
         self.critic_lag_histogram: dict[int, int] = {}  # run totals of `critic_value_lags`
         self._prep_seen = 0  # preparation intervals already counted in `time/prep_s`
         self._start_version = start_version  # the critic snapshot counts its refreshes from here
-        self._t0 = self._last_end = 0.0
-        self._stopping = False
+        self._t0 = self._last_end = self._t_wait = self._t_got = self._t_publish = self._t_published = 0.0
 
-    # ------------------------------------------------------------------ public
+    # ------------------------------------------------------------------ the trainer's interface
 
-    async def run(self, steps: int, stop: Callable[[dict[str, float]], bool] | None = None
-                  ) -> list[dict[str, float]]:
-        """Train `steps` optimizer steps (fewer if `stop(metrics)` says so after a step); returns
-        each step's metrics. Cancels what is still in flight at the end (counted as unsettled,
-        never silently lost)."""
+    async def start(self) -> None:
+        """Start the backend, the preparations and the fill and elastic loops."""
+        # Environments without `astep` step on the default executor: a thread per slot, so slow
+        # tools do not queue behind each other.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(self.settings.most_slots() + 4))
         self._t0 = self._last_end = time.monotonic()
-        self._start_version = self.version  # a resumed schedule's version is set by now
-        history: list[dict[str, float]] = []
+        self._start_version = self.version  # a resumed pool's version is set by now
+        await self.backend.start()
         self._attach_worker_pool()
         self.buffer.start()
-        fill = asyncio.create_task(self._fill_loop(), name="tiderl-fill")
-        elastic = asyncio.create_task(self._elastic_loop(), name="tiderl-elastic")
+        self._loops = [asyncio.create_task(self._fill_loop(), name="tiderl-fill"),
+                       asyncio.create_task(self._elastic_loop(), name="tiderl-elastic")]
+
+    async def next_batch(self) -> list[Trajectory]:
+        """`batch_size` ready trajectories that the gate judges fresh for the trainer's version
+        (whole groups; stale ones are dropped and counted). Raises what stopped the rollout side:
+        a bug in the fill loop, a run where every task keeps failing, a timeout naming what it
+        waited for."""
+        fill = self._loops[0]
+        if fill.done():  # a bug in the fill loop must not turn into a timeout
+            fill.result()
+        self._t_wait = time.monotonic()
+        self._idle.set(1.0)
         try:
-            for _ in range(steps):
-                history.append(await self._train_one())
-                if stop is not None and stop(history[-1]):
-                    break
-                if fill.done():  # a bug in the fill loop must not turn into a timeout
-                    fill.result()
+            batch = await self._take_fresh_batch()
         finally:
-            self._stopping = True
-            for task in (fill, elastic):
-                task.cancel()
-            await asyncio.gather(fill, elastic, return_exceptions=True)
-            inflight = list(self._inflight)
-            self._stopped = [a for a in self._inflight.values() if not a.over]
-            for task in inflight:
-                task.cancel()
-            await asyncio.gather(*inflight, return_exceptions=True)
-            await self.buffer.close()
-            if self._own_trainer_exec:
-                self._trainer_exec.shutdown(wait=True)
-        return history
+            self._idle.set(0.0)
+        self._t_got = time.monotonic()
+        # Read before the step: the critic snapshot has been refreshed once per step since the start.
+        self._lags = critic_value_lags(batch, self.version - self._start_version)
+        self._taken.extend(batch)
+        return batch
+
+    async def publish(self, version: int, weights: Any) -> None:
+        """Hand weights `version` to the backend and check that it holds them (by checksum); then
+        the batches taken since the last publish count as trained, and at staleness 0 (or in
+        restart mode) episodes still running on older weights restart."""
+        self._t_publish = time.monotonic()
+        timeout = self.settings.wait_timeout_s
+        try:
+            held = await asyncio.wait_for(self.backend.update_weights(weights, version), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"weight sync to version {version} took longer than "
+                               f"system.wait_timeout_s={timeout}s") from None
+        sent = published_checksum(weights)
+        if held != sent:
+            raise RuntimeError(f"weight sync to version {version} failed: the rollout side holds "
+                               f"checksum {held!r}, the trainer sent {sent!r}")
+        self.version = version
+        trained, self._taken = self._taken, []
+        self.gate.settled(len(trained))
+        self.ledger.trained += len(trained)
+        for t in trained:
+            self._event("trained", task=t.task_id, group=t.group_id, version=version)
+        # At max_staleness=0 an episode still running on the old weights could never train: restart
+        # it now (only an over-provisioned admission leaves any in flight there).
+        if self.settings.partial_rollout == "restart" or self.settings.max_staleness == 0:
+            self._restart_older_than(version)
+        self._changed.set()
+        self._t_published = time.monotonic()
+
+    def step_metrics(self, batch: list[Trajectory], trainer_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's system metrics (time, slots, staleness, ledger, throughput; docs/metrics.md),
+        once per step after `publish`. A step whose trainer metrics say it changed no weights
+        (skipped) adds nothing to goodput."""
+        if not _skipped(trainer_metrics):
+            self.trained_tokens += sum(t.num_action_tokens for t in batch)
+            self.trained_sequence_tokens += sum(len(t.tokens) for t in batch)
+        for lag in self._lags:
+            self.critic_lag_histogram[lag] = self.critic_lag_histogram.get(lag, 0) + 1
+        t_end = time.monotonic()
+        wall = max(t_end - self._t0, 1e-9)
+        # The batch was trained from version - 1: the same measure the gate judged it by.
+        staleness = [trajectory_staleness(t.policy_version, self.version - 1) for t in batch]
+        out = {
+            "policy_version": self.version,
+            "step_s": t_end - self._last_end,
+            "time/wait_batch_s": self._t_got - self._t_wait,
+            "time/train_s": self._t_publish - self._t_got,
+            "time/sync_s": t_end - self._t_publish,
+            "system/slots": self.slots,
+            "system/active_slots": len(self._inflight),
+            "system/queue_depth": self.buffer.ready_count,
+            "system/preparing": self.buffer.waiting_count,
+            "system/staleness_mean": sum(staleness) / len(staleness),
+            "system/staleness_max": max(staleness),
+            "system/dropped_stale": self.ledger.dropped_stale,
+            "system/retried": self.ledger.retried,
+            "system/failed": self.ledger.failed,
+            "system/restarted": self.ledger.restarted,
+            "system/filtered": self.ledger.filtered,
+            "system/trainer_idle_frac": self._idle.integral() / wall,
+            "system/rollout_idle_frac": self._rollout_idle(),
+            "throughput/goodput_trajectories_per_s": self.ledger.trained / wall,
+            "throughput/goodput_tokens_per_s": self.trained_tokens / wall,
+            "throughput/goodput_tokens_per_s_per_unit": self.trained_tokens / wall / self.settings.resource_units,
+            "throughput/trained_sequence_tokens_per_s": self.trained_sequence_tokens / wall,
+            "throughput/generated_tokens_per_s": self.generated_tokens / wall,
+            "system/generated_tokens": self.generated_tokens,
+            "system/trained_action_tokens": self.trained_tokens,
+            "system/trained_sequence_tokens": self.trained_sequence_tokens,
+            "time/prep_s": self._prep_seconds_since_last_step(),
+            **lag_metrics(self._lags),
+        }
+        self._last_end = t_end
+        return out
+
+    async def close(self) -> None:
+        """Stop the loops and cancel what is still in flight (counted as unsettled, never
+        silently lost), then stop the preparations and the backend."""
+        self._closing = True
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        inflight = list(self._inflight)
+        self._stopped = [a for a in self._inflight.values() if not a.over]
+        for task in inflight:
+            task.cancel()
+        await asyncio.gather(*inflight, return_exceptions=True)
+        await self.buffer.close()
+        await self.backend.close()
+
+    # ------------------------------------------------------------------ checkpoints and summary
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue this schedule: the version, the ledger, the
-        queue (retried attempts, pending group members), the attempts in flight (as task ids with
-        their attempt counts, to queue again), the finished trajectories in the buffer, the
-        staleness gate's counts and the throughput counters. Call it between steps."""
+        """What a checkpoint needs to continue: the version, the ledger, the queue (retried
+        attempts, pending group members), the attempts in flight (as task ids with their attempt
+        counts, to queue again), the finished trajectories in the buffer, the staleness gate's
+        counts and the throughput counters. Call it between steps."""
         inflight = [a for a in self._inflight.values() if not a.over] + self._stopped
         return {
             "version": self.version,
@@ -296,7 +363,7 @@ class Scheduler:
         """Continue from `state_dict()`'s output: the attempts that were in flight go to the
         front of the queue with their attempt counts (counted `requeued`), the buffered
         trajectories back into the buffer, and each of `lost` (attempts the stop lost, see
-        `tiderl.system.ledger.cut_back`) is counted. Call before `run`."""
+        `tiderl.system.ledger.cut_back`) is counted. Call before `start`."""
         self.version = state["version"]
         self.ledger = Ledger(**state["ledger"], failures=list(state["failures"]))
         self._event("resume", step=self.version, counts=self.ledger.counts())
@@ -326,8 +393,9 @@ class Scheduler:
         return self.ledger.started - self.ledger.settled()
 
     def summary(self) -> dict[str, Any]:
-        """Run totals: the ledger, the staleness histogram, the slot changes."""
-        wall = time.monotonic() - self._t0
+        """Run totals: the ledger, the staleness histogram, the capacity changes, the backend's
+        report."""
+        wall = max(time.monotonic() - self._t0, 1e-9)
         return {
             "ledger": {**self.ledger.counts(), "unsettled": self.unsettled()},
             "failures": self.ledger.failures,
@@ -335,16 +403,17 @@ class Scheduler:
             "slot_events": self.slot_events,
             "worker_events": self.worker_events,
             "wall_s": wall,
-            "trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
-            "rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
-            "goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
-            "goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
-            "goodput_tokens_per_s_per_unit": self.trained_tokens / max(wall, 1e-9) / self.settings.resource_units,
-            "trained_sequence_tokens_per_s": self.trained_sequence_tokens / max(wall, 1e-9),
-            "generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
+            "trainer_idle_frac": self._idle.integral() / wall,
+            "rollout_idle_frac": self._rollout_idle(),
+            "goodput_trajectories_per_s": self.ledger.trained / wall,
+            "goodput_tokens_per_s": self.trained_tokens / wall,
+            "goodput_tokens_per_s_per_unit": self.trained_tokens / wall / self.settings.resource_units,
+            "trained_sequence_tokens_per_s": self.trained_sequence_tokens / wall,
+            "generated_tokens_per_s": self.generated_tokens / wall,
             "trained_action_tokens": self.trained_tokens,
             "trained_sequence_tokens": self.trained_sequence_tokens,
             "critic_lag_histogram": dict(sorted(self.critic_lag_histogram.items())),
+            "backend": self.backend.report(),
         }
 
     # ------------------------------------------------------------------ rollout side
@@ -361,13 +430,13 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self._active.set(len(self._inflight))
         free = len(self._inflight) < self.slots
-        self._blocked.set(float(free and not self.gate.may_start(self.version, self.rollout.version)))
+        self._blocked.set(float(free and not self.gate.may_start(self.version, self.backend.version)))
 
     async def _fill_loop(self) -> None:
         while True:
-            while len(self._inflight) < self.slots and self.gate.may_start(self.version, self.rollout.version):
+            while len(self._inflight) < self.slots and self.gate.may_start(self.version, self.backend.version):
                 attempt = self._next_attempt()
-                attempt.start_version = self.rollout.version
+                attempt.start_version = self.backend.version
                 self.gate.started()
                 self.ledger.started += 1
                 self._event("started", **attempt.record(), version=attempt.start_version)
@@ -380,7 +449,7 @@ class Scheduler:
 
     async def _play(self, attempt: _Attempt) -> None:
         try:
-            trajectory = await self.rollout.run_episode(attempt.task, attempt.group_id)
+            result = await self.backend.run_episode(attempt.task, attempt.group_id)
         except asyncio.CancelledError:
             raise
         except CapacityRemoved as exc:  # an elastic shrink removed its worker: queued again, no retry used
@@ -392,18 +461,25 @@ class Scheduler:
             self._fault(attempt, f"rollout worker: {exc!r}")
             return
         attempt.over = True
-        self.generated_tokens += trajectory.num_action_tokens
-        if trajectory.stop_reason == "error":
-            where = trajectory.env_info.get("error_in", "")
-            self._fault(attempt, f"environment{' ' + where if where else ''}: {trajectory.env_info.get('error', '?')}")
+        trajectories = result if isinstance(result, list) else [result]
+        self.generated_tokens += sum(t.num_action_tokens for t in trajectories)
+        problem = _attempt_problem(trajectories, self.settings.group_size)
+        if problem:
+            self._fault(attempt, problem)
             return
         self._failed_in_a_row = 0
-        try:
-            shaped = self.shape(trajectory)
-        except Exception as exc:  # noqa: BLE001 - a shaping bug must end the run with its cause, not a timeout
-            self.buffer.abort(RuntimeError(f"shaping the reward of task {attempt.task.task_id} failed: {exc}"))
-            raise
-        self.buffer.put(shaped)
+        for i, trajectory in enumerate(trajectories):
+            if i:  # each further trajectory of the attempt is accounted for as one more start
+                self.gate.started()
+                self.ledger.started += 1
+                self._event("started", **attempt.record(), version=attempt.start_version,
+                            reason=f"trajectory {i + 1} of {len(trajectories)} of the attempt")
+            try:
+                shaped = self.shape(trajectory)
+            except Exception as exc:  # noqa: BLE001 - a shaping bug must end the run with its cause, not a timeout
+                self.buffer.abort(RuntimeError(f"shaping the reward of task {attempt.task.task_id} failed: {exc}"))
+                raise
+            self.buffer.put(shaped)
 
     def _event(self, ev: str, **fields: Any) -> None:
         if self.ledger_log is not None:
@@ -417,21 +493,21 @@ class Scheduler:
             self._event("retried", **attempt.record(), reason=reason)
             self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt + 1))
             logger.warning("task %s attempt %d failed (%s); retrying", attempt.task.task_id, attempt.attempt, reason)
-        else:
-            self.ledger.failed += 1
-            self.ledger.failures.append({"task_id": attempt.task.task_id, "attempts": attempt.attempt + 1,
-                                         "reason": reason})
-            self._event("failed", **attempt.record(), reason=reason)
-            logger.error("task %s failed after %d attempts: %s", attempt.task.task_id, attempt.attempt + 1, reason)
-            self._failed_in_a_row += 1
-            if self._failed_in_a_row >= self.settings.batch_size:
-                env = f"env.name={self.settings.env_name}" if self.settings.env_name else "the environment"
-                self.buffer.abort(RuntimeError(
-                    f"{self._failed_in_a_row} tasks in a row failed after {attempt.attempt + 1} attempts each "
-                    f"(system.max_task_retries={self.settings.max_task_retries}) and no episode finished "
-                    f"cleanly in between: {env} keeps failing. Last: task {attempt.task.task_id}: {reason}. "
-                    "Fix: the environment's error above (run `tiderl check-env` on it)"))
-                self._changed.set()
+            return
+        self.ledger.failed += 1
+        self.ledger.failures.append({"task_id": attempt.task.task_id, "attempts": attempt.attempt + 1,
+                                     "reason": reason})
+        self._event("failed", **attempt.record(), reason=reason)
+        logger.error("task %s failed after %d attempts: %s", attempt.task.task_id, attempt.attempt + 1, reason)
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= self.settings.batch_size:
+            env = f"env.name={self.settings.env_name}" if self.settings.env_name else "the environment"
+            self.buffer.abort(RuntimeError(
+                f"{self._failed_in_a_row} tasks in a row failed after {attempt.attempt + 1} attempts each "
+                f"(system.max_task_retries={self.settings.max_task_retries}) and no episode finished "
+                f"cleanly in between: {env} keeps failing. Last: task {attempt.task.task_id}: {reason}. "
+                "Fix: the environment's error above (run `tiderl check-env` on it)"))
+            self._changed.set()
 
     def _requeue(self, attempt: _Attempt, reason: str) -> None:
         """Queue an attempt's task again with the same attempt count (counted `requeued`)."""
@@ -450,19 +526,26 @@ class Scheduler:
 
     def _episode_done(self, task: asyncio.Task[None]) -> None:
         attempt = self._inflight.pop(task, None)
-        if task.cancelled() and attempt is not None and not self._stopping:
+        if task.cancelled() and attempt is not None and not self._closing:
             self.gate.settled()
             self.ledger.restarted += 1
             self._event("restarted", **attempt.record(), reason=f"new weights (version {self.version})")
             self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt))
         self._changed.set()
 
-    # ------------------------------------------------------------------ training side
+    def _restart_older_than(self, version: int) -> None:
+        """Cancel the episodes that started on weights older than `version` (they are queued
+        again by `_episode_done`)."""
+        for task, attempt in list(self._inflight.items()):
+            if attempt.start_version < version:
+                task.cancel()
+
+    # ------------------------------------------------------------------ the trainer's side of a batch
 
     def _describe(self) -> str:
-        blocker = self.gate.blocker(self.version, self.rollout.version)
+        blocker = self.gate.blocker(self.version, self.backend.version)
         return (f"In flight {len(self._inflight)} of {self.slots} slots; trainer version {self.version}, "
-                f"engine version {self.rollout.version}"
+                f"engine version {self.backend.version}"
                 + (f"; the staleness gate holds new tasks: {blocker}" if blocker else ""))
 
     async def _take_fresh_batch(self) -> list[Trajectory]:
@@ -476,60 +559,15 @@ class Scheduler:
                 verdicts = [self.gate.is_fresh(t, self.version) for t in group]
                 if all(verdicts):
                     fresh.extend(group)
-                else:
-                    # A group's advantages depend on every member: a stale member spoils it.
-                    self.gate.dropped += verdicts.count(True)
-                    self.gate.settled(len(group))
-                    self.ledger.dropped_stale += len(group)
-                    for t in group:
-                        self._event("dropped_stale", task=t.task_id, group=t.group_id, version=self.version)
-                    self._changed.set()
+                    continue
+                # A group's advantages depend on every member: a stale member spoils it.
+                self.gate.dropped += verdicts.count(True)
+                self.gate.settled(len(group))
+                self.ledger.dropped_stale += len(group)
+                for t in group:
+                    self._event("dropped_stale", task=t.task_id, group=t.group_id, version=self.version)
+                self._changed.set()
         return fresh
-
-    async def _train_one(self) -> dict[str, float]:
-        loop = asyncio.get_running_loop()
-        timeout = self.settings.wait_timeout_s
-        t_wait = time.monotonic()
-        self._idle.set(1.0)
-        batch = await self._take_fresh_batch()
-        self._idle.set(0.0)
-        # Read before the step: the snapshot has been refreshed once per step since the start.
-        lags = critic_value_lags(batch, self.version - self._start_version)
-        t_train = time.monotonic()
-        metrics = dict(await loop.run_in_executor(self._trainer_exec, self.trainer.step, batch, self.version))
-        t_sync = time.monotonic()
-        self.train_busy.append((t_train, t_sync))
-        self.version += 1
-        state = self.trainer.state_dict()
-        try:
-            held = await asyncio.wait_for(self.rollout.update_weights(state, self.version), timeout)
-        except TimeoutError:
-            raise TimeoutError(f"weight sync to version {self.version} took longer than "
-                               f"system.wait_timeout_s={timeout}s") from None
-        sent = self.trainer.checksum(state)
-        if held != sent:
-            raise RuntimeError(f"weight sync to version {self.version} failed: the rollout side holds "
-                               f"checksum {held!r}, the trainer sent {sent!r}")
-        self.gate.settled(len(batch))
-        self.ledger.trained += len(batch)
-        for t in batch:
-            self._event("trained", task=t.task_id, group=t.group_id, version=self.version)
-        if not _skipped(metrics):
-            self.trained_tokens += sum(t.num_action_tokens for t in batch)
-            self.trained_sequence_tokens += sum(len(t.tokens) for t in batch)
-        for lag in lags:
-            self.critic_lag_histogram[lag] = self.critic_lag_histogram.get(lag, 0) + 1
-        # At max_staleness=0 an episode still running on the old weights could never train: restart
-        # it now (only an over-provisioned admission leaves any in flight there).
-        if self.settings.partial_rollout == "restart" or self.settings.max_staleness == 0:
-            self._restart_older_than(self.version)
-        self._changed.set()
-        t_end = time.monotonic()
-        metrics.update(self._step_metrics(batch, t_wait, t_train, t_sync, t_end))
-        metrics.update(lag_metrics(lags))
-        self._last_end = t_end
-        self.on_step(self.version, metrics, batch)
-        return metrics
 
     def _prep_seconds_since_last_step(self) -> float:
         """Seconds the buffer spent on preparations that finished since the previous step."""
@@ -538,58 +576,16 @@ class Scheduler:
         self._prep_seen = len(busy)
         return seconds
 
-    def _restart_older_than(self, version: int) -> None:
-        """Cancel the episodes that started on weights older than `version` (they are queued
-        again by `_episode_done`)."""
-        for task, attempt in list(self._inflight.items()):
-            if attempt.start_version < version:
-                task.cancel()
-
-    def _rollout_idle(self, slot_area: float, active_area: float) -> float:
+    def _rollout_idle(self) -> float:
+        slot_area, active_area = self._slots_tw.integral(), self._active.integral()
         return max(0.0, 1.0 - active_area / slot_area) if slot_area > 0 else 0.0
-
-    def _step_metrics(self, batch: list[Trajectory], t_wait: float, t_train: float, t_sync: float,
-                      t_end: float) -> dict[str, float]:
-        wall = t_end - self._t0
-        # The batch was trained from version - 1: the same measure the gate judged it by.
-        staleness = [trajectory_staleness(t.policy_version, self.version - 1) for t in batch]
-        return {
-            "policy_version": self.version,
-            "step_s": t_end - self._last_end,
-            "time/wait_batch_s": t_train - t_wait,
-            "time/train_s": t_sync - t_train,
-            "time/sync_s": t_end - t_sync,
-            "system/slots": self.slots,
-            "system/active_slots": len(self._inflight),
-            "system/queue_depth": self.buffer.ready_count,
-            "system/preparing": self.buffer.waiting_count,
-            "system/staleness_mean": sum(staleness) / len(staleness),
-            "system/staleness_max": max(staleness),
-            "system/dropped_stale": self.ledger.dropped_stale,
-            "system/retried": self.ledger.retried,
-            "system/failed": self.ledger.failed,
-            "system/restarted": self.ledger.restarted,
-            "system/filtered": self.ledger.filtered,
-            "system/trainer_idle_frac": self._idle.integral() / max(wall, 1e-9),
-            "system/rollout_idle_frac": self._rollout_idle(self._slots_tw.integral(), self._active.integral()),
-            "throughput/goodput_trajectories_per_s": self.ledger.trained / max(wall, 1e-9),
-            "throughput/goodput_tokens_per_s": self.trained_tokens / max(wall, 1e-9),
-            "throughput/goodput_tokens_per_s_per_unit":
-                self.trained_tokens / max(wall, 1e-9) / self.settings.resource_units,
-            "throughput/trained_sequence_tokens_per_s": self.trained_sequence_tokens / max(wall, 1e-9),
-            "throughput/generated_tokens_per_s": self.generated_tokens / max(wall, 1e-9),
-            "system/generated_tokens": self.generated_tokens,
-            "system/trained_action_tokens": self.trained_tokens,
-            "system/trained_sequence_tokens": self.trained_sequence_tokens,
-            "time/prep_s": self._prep_seconds_since_last_step(),
-        }
 
     # ------------------------------------------------------------------ elastic capacity
 
     def _worker_pool(self) -> Any:
-        """The rollout backend when it can add and remove workers over a range (min < max)."""
-        low, high = getattr(self.rollout, "worker_range", (1, 1))
-        return self.rollout if low < high else None
+        """The backend when it can add and remove workers over a range (min < max)."""
+        low, high = getattr(self.backend, "worker_range", (1, 1))
+        return self.backend if low < high else None
 
     def _attach_worker_pool(self) -> None:
         """With an elastic worker pool, the slots follow the live workers (each serves
@@ -652,6 +648,21 @@ class Scheduler:
         self.slots = slots
         self._slots_tw.set(float(slots))
         self._changed.set()
+
+
+def _attempt_problem(trajectories: list[Trajectory], group_size: int) -> str:
+    """Why an attempt's trajectories cannot train ('' when they can): an environment error, no
+    trajectory at all, or several for a group algorithm (whose groups need one per attempt)."""
+    if not trajectories:
+        return "the attempt gave no trajectory (an external agent that sent no request?)"
+    for t in trajectories:
+        if t.stop_reason == "error":
+            where = t.env_info.get("error_in", "")
+            return f"environment{' ' + where if where else ''}: {t.env_info.get('error', '?')}"
+    if group_size > 1 and len(trajectories) > 1:
+        return (f"the attempt gave {len(trajectories)} trajectories (a session with several segments); "
+                f"algo.group_size={group_size} compares one trajectory per attempt")
+    return ""
 
 
 # Trainer metrics that mean the step changed no weights: its trajectories are not goodput.

@@ -1,0 +1,107 @@
+"""The `agent` rollout backend: an agent written with any framework plays the run's tasks through
+the OpenAI API, and its recorded sessions train through the rollout pool like built-in episodes.
+
+    async def agent(base_url: str, task: tiderl.envs.protocol.Task) -> float:   # the reward
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+        ...
+
+`system.backend=agent` with `system.agent=mypkg.agents:solve` (the module must be importable), or
+from Python `tiderl.recipe.train(run, backend=AgentRollout(run, agent))`. The run's task stream,
+staleness bound, retries, checkpoints, metrics and ledger are the pool's, as for any backend.
+
+Each attempt opens one session (`tiderl.serve.session`) on an in-process server in front of the
+run's engine, lets the agent play the task at the session's base_url, and ends the session with
+the reward the agent returns; the session's segments are the attempt's trajectories (one when the
+agent keeps its history, as agents do). The server samples with the run's `rollout.temperature`
+and `top_p` whatever the agent asks for, so the recorded log-probs are those of the behaviour
+distribution the algorithm expects. An agent that raises, returns something that is not a finite
+number, or sends no request has failed the attempt: the pool retries the task
+(`system.max_task_retries`) and reports it, never trains a made-up reward. The environment of
+`env.name` gives only the tasks: the agent brings its own tools and scoring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from tiderl.envs.protocol import Task
+from tiderl.registry import load_object
+from tiderl.serve.server import BackgroundServer, ChatService, create_app
+from tiderl.serve.session import SessionStore
+from tiderl.types import Trajectory
+
+if TYPE_CHECKING:
+    from tiderl.run import Run
+
+# An external agent: plays `task` through the OpenAI API at `base_url`, returns its reward.
+Agent = Callable[[str, Task], Awaitable[float]]
+
+
+def service_for_run(run: "Run", store: SessionStore | None = None) -> ChatService:
+    """A `ChatService` in front of the run's engine with the run's sampling (`rollout.*`, always:
+    what the agent asks for does not change the behaviour distribution) and budgets."""
+    cfg = run.cfg
+    return ChatService(run.engine, run.tokenizer, model_name="tiderl-policy",
+                       max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.env.max_total_tokens,
+                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, override_sampling=True,
+                       store=store, max_batch_size=cfg.rollout.engine_batch_size)
+
+
+class AgentRollout:
+    """The RolloutBackend whose episodes are an external agent's sessions (module docstring)."""
+
+    def __init__(self, run: "Run", agent: Agent):
+        self.run = run
+        self.agent = agent
+        self.store = SessionStore()
+        self.service = service_for_run(run, self.store)
+        self.server: BackgroundServer | None = None
+        self.sessions = 0
+        self.requests = 0
+
+    @classmethod
+    def from_run(cls, run: "Run", preparations: list[Any], executor: Any = None) -> "AgentRollout":
+        """The agent `system.agent` names (the engine decodes on the server's own thread, so the
+        shared compute `executor` is not used)."""
+        name = run.cfg.system.agent
+        if not name:
+            raise ValueError("system.backend=agent plays an agent function, and system.agent is empty. Fix: set "
+                             "system.agent=mypkg.agents:solve, an `async def solve(base_url, task) -> reward`")
+        return cls(run, load_object(name, "system.agent"))
+
+    @property
+    def version(self) -> int:
+        return self.run.engine.version
+
+    async def start(self) -> None:
+        self.server = await asyncio.to_thread(BackgroundServer(create_app(self.service)).start)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+            self.server = None
+
+    async def run_episode(self, task: Task, group_id: str) -> list[Trajectory]:
+        if self.server is None:
+            raise RuntimeError("AgentRollout.start() was not called")
+        session = self.store.create(task_id=task.task_id, group_id=group_id)
+        self.sessions += 1
+        try:
+            reward = await self.agent(f"{self.server.url}/sessions/{session.session_id}/v1", task)
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise TypeError(f"the agent returned {reward!r}; it must return the reward as a finite number")
+            self.store.finish(session.session_id, float(reward))
+            self.requests += len(session.requests)
+            return session.trajectories()
+        finally:
+            self.store.delete(session.session_id)  # its trajectories are the pool's now
+
+    async def update_weights(self, weights: dict[str, Any], version: int) -> Any:
+        return await self.service.update_weights(weights, version)
+
+    def report(self) -> dict[str, Any]:
+        """The backend's part of the run summary."""
+        return {"sessions": self.sessions, "requests": self.requests}
