@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tiderl.algos.advantages import explained_variance, outcome_token_rewards, skip_observation_gae
+from tiderl.algos.advantages import discounted_returns, explained_variance, outcome_token_rewards
 from tiderl.algos.losses import value_loss
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import token_values
@@ -57,11 +57,7 @@ def load_trajectories(path: str | Path) -> list[Trajectory]:
 def monte_carlo_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """Per-token returns over model tokens: the outcome reward on each trajectory's last action
     token, discounted back over action tokens only (observation tokens are skipped)."""
-    token_rewards = outcome_token_rewards(rewards, action_mask)
-    zeros = torch.zeros_like(token_rewards)
-    # With lambda = 1 and V = 0 the GAE "returns" are exactly the discounted reward-to-go.
-    _, returns = skip_observation_gae(token_rewards, zeros, action_mask, gamma, 1.0)
-    return returns
+    return discounted_returns(outcome_token_rewards(rewards, action_mask), action_mask, gamma)
 
 
 @torch.no_grad()
