@@ -162,6 +162,8 @@ class SleepTrainer:
     def weights(self) -> dict[str, Any]:
         return self._weights
 
+    def close(self) -> None: ...
+
 
 def phase_of(version: int, phase_steps: int) -> str:
     """tools, long, tools, long, ... every `phase_steps` trainer steps."""
@@ -222,23 +224,22 @@ async def run_mode(mode: str, workers: int, seed: int, steps: int, phase_steps: 
     trained = [0]
     serial = [0]
     trainer = SleepTrainer(train_s)
+    clock: dict[str, float] = {}  # wall time and worker-seconds when the pool starts and at the last step
 
     def next_task() -> Task:
+        if not serial[0]:  # the fill loop's first call: the pool and its workers have just started
+            clock.update(t0=time.monotonic(), ws0=rollout.worker_seconds())
         serial[0] += 1
         return make_task(serial[0], phase_of(trainer.version, phase_steps), seed)
 
     def after_step(version: int, metrics: dict, batch: list[Trajectory]) -> bool:
         trained[0] += sum(t.num_action_tokens for t in batch)
+        clock.update(t1=time.monotonic(), ws1=rollout.worker_seconds())
         return False
 
     pool = RolloutPool(PoolSettings.from_config(cfg), next_task, rollout, ReadyBuffer([], 1))
-    await pool.start()
-    try:
-        t0, ws0 = time.monotonic(), rollout.worker_seconds()
-        await loop(pool, trainer, steps, after_step)
-        wall, worker_s = time.monotonic() - t0, rollout.worker_seconds() - ws0
-    finally:
-        await pool.close()
+    await loop(pool, trainer, steps, after_step)  # starts the pool (the workers) and closes it
+    wall, worker_s = clock["t1"] - clock["t0"], clock["ws1"] - clock["ws0"]
     summary = pool.summary()
     ledger = summary["ledger"]
     settled = sum(v for k, v in ledger.items() if k != "started")

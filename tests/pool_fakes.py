@@ -103,6 +103,8 @@ class FakeTrainer:
     def weights(self) -> dict[str, Any]:
         return {}
 
+    def close(self) -> None: ...
+
 
 def tasks() -> Callable[[], Task]:
     counter = itertools.count()
@@ -121,12 +123,7 @@ def run_pool(settings: PoolSettings, rollout: Any, trainer: Any, steps: int,
     each step's metrics."""
     async def main() -> tuple[RolloutPool, list[dict[str, float]]]:
         pool = RolloutPool(settings, next_task or tasks(), rollout, buffer or ReadyBuffer([], settings.group_size))
-        await pool.start()
-        try:
-            history = await loop(pool, trainer, steps, lambda *_: False)
-        finally:
-            await pool.close()
-        return pool, history
+        return pool, await loop(pool, trainer, steps, lambda *_: False)
 
     return asyncio.run(main())
 

@@ -78,11 +78,7 @@ def test_elastic_pool_grows_and_shrinks_with_the_load_and_loses_no_task(cluster)
                 phase["steps"] = len(live_seen)
             return phase["now"] == "trainer-bound" and rollout.live_workers == 2 and len(live_seen) > phase["steps"] + 2
 
-        await pool.start()
-        try:
-            await asyncio.wait_for(loop(pool, ShiftingTrainer(0.0), 400, after_step), TIMEOUT_S)
-        finally:
-            await pool.close()
+        await asyncio.wait_for(loop(pool, ShiftingTrainer(0.0), 400, after_step), TIMEOUT_S)
         return pool, rollout, live_seen
 
     t0 = time.monotonic()

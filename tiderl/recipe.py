@@ -41,16 +41,21 @@ Observer = Callable[[int, dict[str, float], list[Trajectory]], None]
 
 async def loop(pool: Any, trainer: Any, steps: int, after_step: AfterStep) -> list[dict[str, float]]:
     """The training loop: `steps` optimizer steps (fewer if `after_step` says stop); returns each
-    step's metrics. The pool must be started; it goes on running episodes while the trainer steps."""
+    step's metrics. The pool runs episodes all along, the trainer steps in between."""
+    await pool.start()
     history = []
-    for _ in range(steps):
-        batch = await pool.next_batch()                           # fresh within the staleness bound
-        metrics = await trainer.step(batch)                       # one optimizer step of the algorithm
-        await pool.publish(trainer.version, trainer.weights())    # rollout samples with them from now on
-        metrics.update(pool.step_metrics(batch, metrics))         # time, ledger, throughput
-        history.append(metrics)
-        if after_step(trainer.version, metrics, batch):           # log, checkpoint, maybe stop
-            break
+    try:
+        for _ in range(steps):
+            batch = await pool.next_batch()                           # fresh within the staleness bound
+            metrics = await trainer.step(batch)                       # one optimizer step of the algorithm
+            await pool.publish(trainer.version, trainer.weights())    # rollout samples with them from now on
+            metrics.update(pool.step_metrics(batch, metrics))         # time, ledger, throughput
+            history.append(metrics)
+            if after_step(trainer.version, metrics, batch):           # log, checkpoint, maybe stop
+                break
+    finally:
+        trainer.close()  # data-parallel ranks hand back their weights and stop
+        await pool.close()  # what is still in flight is cancelled and counted as unsettled
     return history
 
 
@@ -90,19 +95,11 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
 
-    async def session() -> list[dict[str, float]]:
-        await pool.start()
-        try:
-            return await loop(pool, trainer, steps, after_step)
-        finally:
-            trainer.close()  # data-parallel ranks hand back their weights and stop
-            await pool.close()
-
     if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.drift)
         run.setup.on_step(run.step)
     try:
         with pinned_thread(threads.plan.rollout):  # the event loop: episode bookkeeping, tool calls
-            history = asyncio.run(session())
+            history = asyncio.run(loop(pool, trainer, steps, after_step))
     finally:
         run.trainer = None
         logger.close()

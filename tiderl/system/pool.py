@@ -217,9 +217,9 @@ class RolloutPool:
         # Environments without `astep` step on the default executor: a thread per slot, so slow
         # tools do not queue behind each other.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(self.settings.most_slots() + 4))
-        self._t0 = self._last_end = time.monotonic()
-        self._start_version = self.version  # a resumed pool's version is set by now
         await self.backend.start()
+        self._t0 = self._last_end = time.monotonic()  # the run's clock starts once the backend is up
+        self._start_version = self.version  # a resumed pool's version is set by now
         self._attach_worker_pool()
         self.buffer.start()
         self._loops = [asyncio.create_task(self._fill_loop(), name="tiderl-fill"),
