@@ -29,7 +29,7 @@ from tiderl.envs.setup import load_setup
 from tiderl.run import resolve_model_path
 
 TASK = [
-    "data.hops=[1,2,3]", "env.max_turns=5", "env.max_total_tokens=448",
+    "env.options.hops=[1,2,3]", "env.max_turns=5", "env.max_total_tokens=448",
     "system.backend=local", "system.max_staleness=1", "log.progress=false", "log.tensorboard=false",
     "system.trainer_threads=1", "system.decode_threads=1", "curiosity.weight=0.05", "curiosity.scope=global",
 ]

@@ -75,7 +75,7 @@ def main() -> int:
     steps = args.steps or (1 if args.quick else 3)
     batch = args.batch or (16 if args.quick else 64)
     work = Path(tempfile.mkdtemp(prefix="tiderl-gpu-smoke-"))
-    base = ["data.num_films=60", "data.num_people=60", "data.eval_size=16", "log.progress=false",
+    base = ["env.options.num_films=60", "env.options.num_people=60", "data.eval_size=16", "log.progress=false",
             "log.tensorboard=false", f"model.cache_dir={work / 'cache'}", "model.warmstart.num_traces=200",
             "model.warmstart.steps=1"]
     # The tokenizer (and chat template) of the embedded model, under a model of the chosen shape.

@@ -83,8 +83,8 @@ def task_overrides(task_config: str | None) -> list[str]:
     if task_config is None:
         return []
     base = load_config(task_config)
-    keys = {"data.source": base.data.source, "data.hops": base.data.hops,
-            "data.num_train_tasks": base.data.num_train_tasks,
+    keys = {"data.source": base.data.source, "env.options.hops": base.env.options.hops,
+            "env.options.num_train_tasks": base.env.options.num_train_tasks,
             "env.max_total_tokens": base.env.max_total_tokens,
             "rollout.max_new_tokens": base.rollout.max_new_tokens,
             "model.tiny.vocab_size": base.model.tiny.vocab_size,

@@ -1,6 +1,6 @@
 """Online learning in a changing world: SAO versus GRPO and PPO under the same drift.
 
-The embedded knowledge graph changes every K optimizer steps (`env.drift`, tiderl/envs/drift.py;
+The embedded knowledge graph changes every K optimizer steps (`env.options.drift`, tiderl/envs/drift.py;
 default kind `relations`: two relations swap names, so the tool calls the policy learned for
 them stop working). Every run starts from the same warm-started policy, trains on the local
 backend (staleness 2, 16 trajectories per step: SAO and PPO 16 x 1, GRPO 2 x 8) and sees the
@@ -107,10 +107,10 @@ def run_one(algo: str, seed: int, args: argparse.Namespace, model_path: str, out
     cfg = load_config(PRESETS[algo], COMMON + [
         f"model.path={model_path}", f"seed={seed}", f"system.max_staleness={args.staleness}",
         f"rollout.batch_size={args.batch}", f"train.steps={steps}", f"data.eval_size={args.eval_n}",
-        f"env.drift.every_steps={args.every}", f"env.drift.fraction={args.fraction}",
-        f"env.drift.kind={args.kind}", f"run_dir={out / f'{algo}_seed{seed}'}"] + args.override)
+        f"env.options.drift.every_steps={args.every}", f"env.options.drift.fraction={args.fraction}",
+        f"env.options.drift.kind={args.kind}", f"run_dir={out / f'{algo}_seed{seed}'}"] + args.override)
     run = build_run(cfg)
-    schedule = DriftSchedule.from_config(cfg.env.drift, cfg.data.seed)
+    schedule = DriftSchedule.from_config(cfg.env.options.drift, cfg.data.seed)
     factory = run.setup.make_env
     tasks = run.setup.eval_tasks[: args.eval_n]
     params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=True)
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--every", type=int, default=6, help="optimizer steps between changes (K)")
     parser.add_argument("--changes", type=int, default=2, help="changes per run (steps = K x (changes + 1))")
-    parser.add_argument("--fraction", type=float, default=0.3, help="env.drift.fraction")
+    parser.add_argument("--fraction", type=float, default=0.3, help="env.options.drift.fraction")
     parser.add_argument("--kind", default="relations", choices=["relations", "facts"])
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--eval-n", type=int, default=60)
@@ -175,9 +175,9 @@ def main() -> None:
 
     base = load_config(PRESETS["sao"], ["log.progress=false"])
     model_path = resolve_model_path(base, load_setup(base))  # built once, shared by every run
-    probe = load_setup(load_config(PRESETS["sao"], [f"env.drift.every_steps={args.every}",
-                                                    f"env.drift.fraction={args.fraction}",
-                                                    f"env.drift.kind={args.kind}"]))
+    probe = load_setup(load_config(PRESETS["sao"], [f"env.options.drift.every_steps={args.every}",
+                                                    f"env.options.drift.fraction={args.fraction}",
+                                                    f"env.options.drift.kind={args.kind}"]))
     world = probe.make_env.world
     print(f"model {model_path}; {args.batch} trajectories per step, staleness {args.staleness}; drift "
           f"{args.kind} every {args.every} steps, fraction {args.fraction}; held-out n={args.eval_n} every "

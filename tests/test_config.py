@@ -33,10 +33,10 @@ def test_defaults_are_the_papers():
 
 
 def test_dotted_overrides_are_typed():
-    cfg = load_config(None, ["algo.critic_lr=5e-6", "data.hops=[1]", "log.tensorboard=false",
+    cfg = load_config(None, ["algo.critic_lr=5e-6", "env.options.hops=[1]", "log.tensorboard=false",
                              "train.steps=7"])
     assert cfg.algo.critic_lr == 5e-6 and isinstance(cfg.algo.critic_lr, float)
-    assert cfg.data.hops == [1]
+    assert cfg.env.options.hops == [1]
     assert cfg.log.tensorboard is False
     assert cfg.train.steps == 7
 
@@ -97,7 +97,7 @@ def test_cli_dry_run_prints_resolved_config(capsys):
     (["system.ray_workers=4"], "system.ray_workers", "only the Ray backend reads it"),
     (["system.partial_rollout=restart"], "system.partial_rollout", "max_staleness=0"),
     (["system.elastic_interval_s=5"], "system.elastic_interval_s", "rollout slots are fixed"),
-    (["env.db_timeout_s=9"], "env.db_timeout_s", "only env.name=db reads it"),
+    (["env.options.timeout_s=9"], "env.options.timeout_s", "only env.name=db reads it"),
     (["env.tool_latency_s=0.5"], "env.tool_latency_s", "env.tool_latency=none"),
     (["algo.name=grpo", "algo.value_clip=0.2"], "algo.value_clip", "trains no critic"),
 ])
@@ -105,8 +105,9 @@ def test_keys_that_nothing_reads_are_rejected(overrides, key, reason):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert str(e.value).startswith(key) and reason in str(e.value) and "Fix: remove" in str(e.value)
-    # The same key at its default changes nothing and is accepted (resolved configs hold every key).
-    assert load_config(None, [f"{key}={_default(key)}"]) is not None
+    if not key.startswith("env.options."):  # another environment's option is never accepted
+        # The same key at its default changes nothing and is accepted (resolved configs hold every key).
+        assert load_config(None, [f"{key}={_default(key)}"]) is not None
 
 
 def _default(key):
@@ -131,3 +132,107 @@ def test_every_key_is_read_by_something():
     unread = [key for key, _, _ in describe()
               if not re.search(r"[.\"']" + re.escape(key.rsplit(".", 1)[-1]) + r"\b", source)]
     assert unread == []
+
+
+# -- environment options (env.options) ------------------------------------------------------------
+
+
+def test_environment_options_follow_env_name():
+    from tiderl.envs.db.registration import DBOptions
+    from tiderl.envs.kg.registration import KGOptions
+
+    assert isinstance(load_config(None, []).env.options, KGOptions)
+    cfg = load_config(None, ["env.name=db", "env.options.timeout_s=0.5"])
+    assert isinstance(cfg.env.options, DBOptions) and cfg.env.options.timeout_s == 0.5
+    assert cfg.data.source == "agentbench_db"  # the environment's first source is its default
+    assert load_config(None, ["env.name=math"]).data.source == "arithmetic"
+    # A section made in code gets its environment's defaults too.
+    assert isinstance(RunConfig().env.options, KGOptions) and RunConfig().data.source == "embedded"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # A typo inside the options: did-you-mean, as for run-level keys.
+    (["env.options.hopz=[1]"], "unknown config key 'env.options.hopz'. Did you mean 'hops'?"),
+    # Another environment's option: ignored under this choice, so rejected with the reason.
+    (["env.options.backend=duckdb"], "env.options.backend: env.name=kg has no such option; only env.name=db "
+                                     "reads it, so it would be ignored. Fix: remove env.options.backend, or set "
+                                     "env.name=db."),
+    (["env.name=code", "env.options.task_dir=/x"], "only env.name=repo reads it"),
+    # Types are checked against the options' own dataclass.
+    (["env.options.hops=abc"], "env.options.hops[0]: expected an integer, got 'abc'"),
+    (["env.name=math", "env.options.calculator=maybe"], "env.options.calculator: expected true or false"),
+    # The options check themselves; their fields are named with the full path.
+    (["env.name=db", "env.options.timeout_s=0"], "env.options.timeout_s: must be > 0. Fix: use 2.0."),
+    (["env.options.hops=[4]"], "env.options.hops: [4] must be a non-empty list of 1, 2, 3"),
+    (["env.options.drift.kind=facts"], "env.options.drift.kind: set to 'facts', but drift.every_steps=0 turns drift off"),
+    (["data.source=agentbench_kg"], "env.options.sparql_endpoint: AgentBench KG questions need"),
+    (["env.name=repo", "data.source=folder"], "env.options.task_dir: data.source=folder reads task folders from it"),
+    (["env.name=repo", "env.options.task_dir=/x"], "env.options.task_dir: set to '/x', but only data.source=folder"),
+    # An option's check may name a run-level key in full.
+    (["env.options.drift.every_steps=5", "system.backend=ray"], "env.options.drift.every_steps: a drifting world"),
+    # A data source the environment does not register names the one that does.
+    (["env.name=kg", "data.source=agentbench_db"], "data.source: env.name=kg reads embedded, metaqa, agentbench_kg, "
+                                                   "not 'agentbench_db'. Fix: use one of those, or env.name=db"),
+])
+def test_environment_option_errors_name_the_field_and_fix(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("env.db_backend=duckdb", "env.options.backend"), ("env.db_timeout_s=3", "env.options.timeout_s"),
+    ("data.db_path=x.sqlite", "env.options.db_path"), ("data.questions=q.jsonl", "env.options.questions"),
+    ("data.hops=[1]", "env.options.hops"), ("data.num_films=40", "env.options.num_films"),
+    ("data.num_people=40", "env.options.num_people"), ("data.eval_fraction=0.3", "env.options.eval_fraction"),
+    ("data.num_train_tasks=10", "env.options.num_train_tasks"), ("env.max_listed=3", "env.options.max_listed"),
+    ("env.sparql_endpoint=u", "env.options.sparql_endpoint"), ("env.drift.every_steps=2", "env.options.drift"),
+    ("env.math_tools=true", "env.options.calculator"), ("env.math_format_penalty=0.1", "env.options.format_penalty"),
+    ("env.math_verify_timeout_s=3", "env.options.verify_timeout_s"), ("env.sandbox_cpu_s=3", "env.options.sandbox_cpu_s"),
+    ("data.task_dir=/x", "env.options.task_dir"),
+])
+def test_a_moved_key_names_its_new_place(old, new):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [old])
+    message = str(e.value)
+    old_key = ".".join(old.split("=")[0].split(".")[:2])  # env.drift.every_steps: the drift section moved
+    assert message.startswith(old_key + ": moved to") and f"Fix: write {new}" in message
+
+
+def test_every_environment_option_is_listed_with_its_environment(capsys):
+    from tiderl.envs.registration import builtin
+    from tiderl.registry import ENVIRONMENTS
+
+    rows = {(key, help.split("]")[0] + "]") for key, help, _ in describe()}
+    for name in ENVIRONMENTS:
+        options = builtin(name).Options
+        for field in (options.__dataclass_fields__ if options else ()):
+            prefix = f"[env.name={name}]"
+            assert any(key.startswith(f"env.options.{field}") and tag == prefix for key, tag in rows), (name, field)
+    # Run-level keys are listed as before; no environment option is listed without its environment.
+    keys = {key for key, _ in rows}
+    assert {"env.max_turns", "data.source", "algo.critic_lr", "system.backend"} <= keys
+    assert all(tag.startswith("[env.name=") for key, tag in rows if key.startswith("env.options."))
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "env.options.timeout_s = 2.0\n    [env.name=db] Statement timeout in seconds." in out
+
+
+def test_environment_options_round_trip_through_yaml(tmp_path):
+    cfg = load_config(None, ["env.name=math", "data.source=place_value", "env.options.num_train_tasks=50"])
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(dump_yaml(cfg))
+    assert "options:" in dumped.read_text() and load_config(dumped) == cfg
+
+
+def test_loading_a_config_imports_no_environment_code():
+    """The registrations are all config loading needs: neither torch nor an environment's modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import tiderl.config as c; c.load_config(None, ['env.name=math']); "
+            "c.describe(); print(sorted(m for m in sys.modules if m.startswith('tiderl.envs.') "
+            "and not m.endswith('.registration') and m not in ('tiderl.envs.kg', 'tiderl.envs.db', "
+            "'tiderl.envs.math', 'tiderl.envs.code', 'tiderl.envs.repo')), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[] False"

@@ -38,7 +38,7 @@ def test_metaqa_setup_needs_its_data(tmp_path):
 
 
 def test_metaqa_setup_trains_on_generated_questions_only():
-    cfg = load_config(None, ["data.source=metaqa", "data.eval_size=40", "data.num_train_tasks=200"])
+    cfg = load_config(None, ["data.source=metaqa", "data.eval_size=40", "env.options.num_train_tasks=200"])
     if not (data_root(cfg.data.data_dir) / "metaqa" / "kb.txt").is_file():
         pytest.skip(f"MetaQA not found under {data_root(cfg.data.data_dir)} (set TIDERL_DATA_DIR)")
     setup = load_setup(cfg)
@@ -70,13 +70,12 @@ def test_summary_success_and_standard_error():
 
 
 def test_env_factory_passes_the_observation_limits_to_the_kg_env():
-    cfg = load_config(None, ["env.max_items=7", "env.max_observation_chars=300", "env.max_listed=3"])
+    cfg = load_config(None, ["env.max_items=7", "env.max_observation_chars=300", "env.options.max_listed=3"])
     env = load_setup(cfg).make_env()
     assert (env.limits.max_items, env.limits.max_chars, env.max_listed) == (7, 300, 3)
     # The in-memory graph has no endpoint to go to.
-    cfg = load_config(None, ["env.sparql_endpoint=http://localhost:1/sparql"])
-    with pytest.raises(ValueError, match="env.sparql_endpoint"):
-        load_setup(cfg).make_env()
+    with pytest.raises(ConfigError, match="env.options.sparql_endpoint: set, but data.source=embedded keeps its graph"):
+        load_config(None, ["env.options.sparql_endpoint=http://localhost:1/sparql"])
 
 
 def _dbbench_root():
@@ -91,7 +90,7 @@ def test_agentbench_db_setup_trains_on_the_other_split():
     from tiderl.envs.db.env import DBEnv
 
     cfg = load_config(None, ["env.name=db", "data.source=agentbench_db", "env.max_items=5",
-                             "env.db_timeout_s=0.5", "env.max_observation_chars=900", "env.system_prompt=SQL."])
+                             "env.options.timeout_s=0.5", "env.max_observation_chars=900", "env.system_prompt=SQL."])
     setup = load_setup(cfg)
     assert (setup.name, setup.split, setup.store, setup.eval_chunk_size) == ("agentbench_db", "dev", None, 0)
     assert len(setup.eval_tasks) == 60 and len(setup.train_tasks) == 300
@@ -119,7 +118,7 @@ def test_agentbench_setups_need_their_data(tmp_path):
     cfg = load_config(None, ["env.name=db", "data.source=agentbench_db", f"data.data_dir={tmp_path}"])
     with pytest.raises(FileNotFoundError, match="data.data_dir"):
         load_setup(cfg)
-    cfg = load_config(None, ["data.source=agentbench_kg", "env.sparql_endpoint=http://x/sparql",
+    cfg = load_config(None, ["data.source=agentbench_kg", "env.options.sparql_endpoint=http://x/sparql",
                              f"data.data_dir={tmp_path}"])
     with pytest.raises(FileNotFoundError, match="data.data_dir"):
         load_setup(cfg)
@@ -131,7 +130,7 @@ def test_agentbench_kg_setup_queries_the_configured_endpoint():
         pytest.skip(f"agentbench_kg/ not found under {root} (set TIDERL_DATA_DIR)")
     from tiderl.envs.kg.sparql import SparqlBackend
 
-    cfg = load_config(None, ["data.source=agentbench_kg", "env.sparql_endpoint=http://127.0.0.1:9/sparql"])
+    cfg = load_config(None, ["data.source=agentbench_kg", "env.options.sparql_endpoint=http://127.0.0.1:9/sparql"])
     setup = load_setup(cfg)
     assert (setup.name, setup.split, len(setup.eval_tasks)) == ("agentbench_kg", "dev", 20)
     # kg_rl_all repeats some dev questions: they are not trained on.
@@ -141,17 +140,17 @@ def test_agentbench_kg_setup_queries_the_configured_endpoint():
     env = make_env()
     assert isinstance(env.store, SparqlBackend) and env.store is make_env().store
     assert env.store.client.endpoint == "http://127.0.0.1:9/sparql"
-    assert load_setup(load_config(None, ["data.source=agentbench_kg", "env.sparql_endpoint=u",
+    assert load_setup(load_config(None, ["data.source=agentbench_kg", "env.options.sparql_endpoint=u",
                                             "data.split=test"])).split == "std"
 
 
 def test_metaqa_setup_evaluates_three_hops_and_trains_on_template_hops():
-    cfg = load_config(None, ["data.source=metaqa", "data.hops=[1,2,3]", "data.eval_size=30",
-                             "data.num_train_tasks=50"])
+    cfg = load_config(None, ["data.source=metaqa", "env.options.hops=[1,2,3]", "data.eval_size=30",
+                             "env.options.num_train_tasks=50"])
     if not (data_root(cfg.data.data_dir) / "metaqa" / "kb.txt").is_file():
         pytest.skip(f"MetaQA not found under {data_root(cfg.data.data_dir)} (set TIDERL_DATA_DIR)")
     setup = load_setup(cfg)
     assert [t.meta["hops"] for t in setup.eval_tasks] == [1] * 10 + [2] * 10 + [3] * 10
     assert {t.meta["hops"] for t in setup.train_tasks} == {1, 2}  # no 3-hop templates
-    only3 = load_setup(load_config(None, ["data.source=metaqa", "data.hops=[3]", "data.eval_size=5"]))
+    only3 = load_setup(load_config(None, ["data.source=metaqa", "env.options.hops=[3]", "data.eval_size=5"]))
     assert len(only3.eval_tasks) == 5 and only3.train_tasks == []

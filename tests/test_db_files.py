@@ -187,8 +187,8 @@ def test_the_file_setup_passes_the_environment_contract(database):
     from tiderl.envs.check import assert_environment
 
     path, questions = database
-    report = assert_environment("db", "data.source=db_file", f"data.db_path={path}",
-                                f"data.questions={questions}", "data.eval_size=6", episodes=3)
+    report = assert_environment("db", "data.source=db_file", f"env.options.db_path={path}",
+                                f"env.options.questions={questions}", "data.eval_size=6", episodes=3)
     assert report.ok
 
 
@@ -197,6 +197,6 @@ def test_file_setup_needs_both_paths(database):
     from tiderl.envs.setup import load_setup
 
     path, _ = database
-    cfg = load_config(None, ["env.name=db", "data.source=db_file", f"data.db_path={path}"])
-    with pytest.raises(ValueError, match="needs data.questions.*--questions"):
+    cfg = load_config(None, ["env.name=db", "data.source=db_file", f"env.options.db_path={path}"])
+    with pytest.raises(ValueError, match="needs env.options.questions.*--questions"):
         load_setup(cfg)

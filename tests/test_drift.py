@@ -24,7 +24,7 @@ from tiderl.envs.setup import load_setup
 
 
 def drift_setup(*overrides: str):
-    return load_setup(load_config("configs/sao.yaml", ["env.drift.every_steps=10", *overrides]))
+    return load_setup(load_config("configs/sao.yaml", ["env.options.drift.every_steps=10", *overrides]))
 
 
 def play(env, task, turns: list[str]) -> dict:
@@ -91,7 +91,7 @@ def test_fact_drift_changes_the_asked_share_of_facts():
 
 
 def test_drifting_env_plays_in_the_world_of_the_current_step():
-    setup = drift_setup("env.drift.fraction=0.3")
+    setup = drift_setup("env.options.drift.fraction=0.3")
     world = setup.make_env.world
     moved = [r for r, name in world.world(1).names.items() if name != r]
     task = next(t for t in setup.eval_tasks if t.meta["path"] == [moved[0]])
@@ -111,7 +111,7 @@ def test_drifting_env_plays_in_the_world_of_the_current_step():
 
 
 def test_fact_drift_re_answers_held_out_tasks():
-    setup = drift_setup("env.drift.kind=facts", "env.drift.fraction=0.2")
+    setup = drift_setup("env.options.drift.kind=facts", "env.options.drift.fraction=0.2")
     world = setup.make_env.world
     setup.on_step(10)
     changed = [t for t in setup.eval_tasks if world.current().answer(t).answer != t.answer]
@@ -136,18 +136,18 @@ def test_world_answer_needs_a_path():
 
 
 def test_config_rules():
-    cfg = load_config("configs/sao.yaml", ["env.drift.every_steps=20", "env.drift.kind=facts"])
-    assert (cfg.env.drift.every_steps, cfg.env.drift.kind) == (20, "facts")
-    with pytest.raises(ConfigError, match="env.drift.every_steps.*only env.name=kg reads it"):
-        load_config("configs/math_small_sao_tiny.yaml", ["env.drift.every_steps=5"])
-    with pytest.raises(ConfigError, match="env.drift.kind.*every_steps=0 turns drift off"):
-        load_config("configs/sao.yaml", ["env.drift.kind=facts"])
-    with pytest.raises(ConfigError, match="env.drift.every_steps.*system.backend=local"):
-        load_config("configs/sao.yaml", ["env.drift.every_steps=5", "system.backend=ray"])
-    with pytest.raises(ConfigError, match="env.drift.fraction"):
-        load_config("configs/sao.yaml", ["env.drift.every_steps=5", "env.drift.fraction=0"])
-    with pytest.raises(ConfigError, match="env.drift.kind"):
-        load_config("configs/sao.yaml", ["env.drift.every_steps=5", "env.drift.kind=rows"])
+    cfg = load_config("configs/sao.yaml", ["env.options.drift.every_steps=20", "env.options.drift.kind=facts"])
+    assert (cfg.env.options.drift.every_steps, cfg.env.options.drift.kind) == (20, "facts")
+    with pytest.raises(ConfigError, match="env.options.drift: env.name=math has no such option; only env.name=kg reads it"):
+        load_config("configs/math_small_sao_tiny.yaml", ["env.options.drift.every_steps=5"])
+    with pytest.raises(ConfigError, match="env.options.drift.kind.*every_steps=0 turns drift off"):
+        load_config("configs/sao.yaml", ["env.options.drift.kind=facts"])
+    with pytest.raises(ConfigError, match="env.options.drift.every_steps.*system.backend=local"):
+        load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "system.backend=ray"])
+    with pytest.raises(ConfigError, match="env.options.drift.fraction"):
+        load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "env.options.drift.fraction=0"])
+    with pytest.raises(ConfigError, match="env.options.drift.kind"):
+        load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "env.options.drift.kind=rows"])
 
 
 @pytest.mark.slow
@@ -157,11 +157,11 @@ def test_recipe_moves_the_world_with_the_step(tmp_path):
     from tiderl.recipe import train
     from tiderl.run import build_run
 
-    small = ["data.num_films=40", "data.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
+    small = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
              "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
              "model.warmstart.num_traces=200", "model.warmstart.steps=10", "model.warmstart.batch_size=16",
              "rollout.batch_size=8", "algo.critic_warmup_steps=1", "log.progress=false",
-             "env.drift.every_steps=2", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
+             "env.options.drift.every_steps=2", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
     run = build_run(load_config("configs/kg_sao_tiny.yaml", small))
     world = run.setup.make_env.world
     seen: list[tuple[int, int, set[int]]] = []

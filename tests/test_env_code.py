@@ -196,20 +196,25 @@ def test_finish_reward_is_finite(sandbox):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["env.sandbox_cpu_s=3"], "env.sandbox_cpu_s: set to 3.0, but only env.name=code and env.name=repo read it"),
-    (["env.name=code", "data.source=humaneval", "env.db_timeout_s=9"], "env.db_timeout_s: set to 9.0"),
-    (["env.name=code", "data.source=mbpp", "data.task_dir=/x"], "data.task_dir: set to '/x'"),
-    (["env.name=repo", "data.source=folder"], "data.task_dir: data.source=folder reads task folders from it"),
+    (["env.options.sandbox_cpu_s=3"], "env.options.sandbox_cpu_s: env.name=kg has no such option; only env.name=code "
+                                      "and env.name=repo read it"),
+    (["env.name=code", "data.source=humaneval", "env.options.timeout_s=9"], "env.options.timeout_s: env.name=code "
+                                                                            "has no such option; only env.name=db"),
+    (["env.name=code", "data.source=mbpp", "env.options.task_dir=/x"], "env.options.task_dir: env.name=code has no "
+                                                                       "such option; only env.name=repo"),
+    (["env.name=repo", "data.source=mbpp", "env.options.task_dir=/x"], "env.options.task_dir: set to '/x', but only "
+                                                                       "data.source=folder reads it"),
+    (["env.name=repo", "data.source=folder"], "env.options.task_dir: data.source=folder reads task folders from it"),
     (["env.name=code", "data.source=embedded"], "data.source"),
-    (["env.name=code", "data.source=humaneval", "env.sandbox_wall_s=0"], "env.sandbox_wall_s: must be > 0"),
+    (["env.name=code", "data.source=humaneval", "env.options.sandbox_wall_s=0"], "env.options.sandbox_wall_s: must be > 0"),
 ])
 def test_config_keys_of_the_code_environments(overrides, message):
     from tiderl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
-    cfg = load_config(None, ["env.name=repo", "data.source=folder", "data.task_dir=/x", "env.sandbox_cpu_s=2"])
-    assert cfg.env.sandbox_cpu_s == 2.0 and cfg.data.task_dir == "/x"
+    cfg = load_config(None, ["env.name=repo", "data.source=folder", "env.options.task_dir=/x", "env.options.sandbox_cpu_s=2"])
+    assert cfg.env.options.sandbox_cpu_s == 2.0 and cfg.env.options.task_dir == "/x"
 
 
 @pytest.mark.parametrize("argv, source", [
@@ -217,8 +222,8 @@ def test_config_keys_of_the_code_environments(overrides, message):
     (["check-env", "code"], "humaneval"),
     (["eval", "--env", "code", "data.source=mbpp"], "mbpp"),
     (["eval", "--data", "mbpp"], "mbpp"),
-    (["eval", "--env", "repo", "data.source=folder", "data.task_dir=/x"], "folder"),
-    (["check-env", "repo", "data.source=folder", "data.task_dir=/x"], "folder"),
+    (["eval", "--env", "repo", "data.source=folder", "env.options.task_dir=/x"], "folder"),
+    (["check-env", "repo", "data.source=folder", "env.options.task_dir=/x"], "folder"),
     (["check-env", "kg"], "embedded"),
 ])
 def test_cli_picks_the_first_source_of_a_named_environment(argv, source, capsys):

@@ -211,7 +211,7 @@ def test_observations_and_info_are_valid_text(verifier):
 
 def test_contract_checker_single_and_multi_turn():
     assert_environment("math", "data.source=arithmetic").ok
-    assert_environment("math", "data.source=arithmetic", "env.math_tools=true").ok
+    assert_environment("math", "data.source=arithmetic", "env.options.calculator=true").ok
 
 
 def test_oracle_turns():
@@ -286,16 +286,16 @@ def test_oracle_ceiling_through_tiderl_eval(source, tmp_path, capsys):
 
 
 def test_config_rules():
-    cfg = load_config(None, ["env.name=math", "data.source=gsm8k", "env.math_tools=true"])
-    assert cfg.env.math_tools
-    with pytest.raises(ConfigError, match="env.math_tools"):
-        load_config(None, ["env.math_tools=true"])  # env.name=kg does not read it
-    with pytest.raises(ConfigError, match="env.db_backend"):
-        load_config(None, ["env.name=math", "data.source=arithmetic", "env.db_backend=duckdb"])
+    cfg = load_config(None, ["env.name=math", "data.source=gsm8k", "env.options.calculator=true"])
+    assert cfg.env.options.calculator
+    with pytest.raises(ConfigError, match="env.options.calculator"):
+        load_config(None, ["env.options.calculator=true"])  # env.name=kg does not read it
+    with pytest.raises(ConfigError, match="env.options.backend"):
+        load_config(None, ["env.name=math", "data.source=arithmetic", "env.options.backend=duckdb"])
     with pytest.raises(ConfigError, match="data.source"):
         load_config(None, ["env.name=math", "data.source=metaqa"])
-    with pytest.raises(ConfigError, match="env.math_verify_timeout_s"):
-        load_config(None, ["env.name=math", "data.source=arithmetic", "env.math_verify_timeout_s=0"])
+    with pytest.raises(ConfigError, match="env.options.verify_timeout_s"):
+        load_config(None, ["env.name=math", "data.source=arithmetic", "env.options.verify_timeout_s=0"])
     load_config("configs/math_arith_sao_tiny.yaml")
 
 

@@ -16,11 +16,11 @@ from tiderl.run import build_run
 pytestmark = pytest.mark.slow
 
 SMALL = [
-    "data.num_train_tasks=200", "data.eval_size=8",
+    "env.options.num_train_tasks=200", "data.eval_size=8",
     "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_heads=2",
     "model.tiny.num_kv_heads=1", "model.warmstart.num_traces=120", "model.warmstart.steps=15",
     "model.warmstart.batch_size=16", "rollout.batch_size=8", "train.steps=2",
-    "algo.critic_warmup_steps=1", "log.progress=false", "env.math_verify_timeout_s=3",
+    "algo.critic_warmup_steps=1", "log.progress=false", "env.options.verify_timeout_s=3",
 ]
 
 

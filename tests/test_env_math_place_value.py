@@ -93,7 +93,7 @@ def test_demonstrations_confuse_each_kind_at_its_intended_rate():
     for kind, rate in rates.items():
         assert abs(confused[kind] / used[kind] - rate) < 0.1, (kind, confused[kind] / used[kind], rate)
     with pytest.raises(ValueError, match="place_value without it"):
-        demonstrations(setup, load_config(CONFIG, ["env.math_tools=true"]), random.Random(0))
+        demonstrations(setup, load_config(CONFIG, ["env.options.calculator=true"]), random.Random(0))
 
 
 @pytest.mark.slow
@@ -108,7 +108,7 @@ def test_place_value_tiny_model_builds_trains_and_evaluates(tmp_path):
     from tiderl.run import build_run
 
     cfg = load_config(CONFIG, [
-        "data.num_train_tasks=300", "data.eval_size=16", "model.tiny.vocab_size=400",
+        "env.options.num_train_tasks=300", "data.eval_size=16", "model.tiny.vocab_size=400",
         "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
         "model.warmstart.num_traces=200", "model.warmstart.steps=20", "model.warmstart.batch_size=16",
         "rollout.batch_size=8", "train.steps=2", "algo.critic_warmup_steps=1", "log.progress=false",
@@ -210,7 +210,7 @@ def test_warm_start_that_hits_its_cap_warns_and_says_so_in_the_build_report(tmp_
     from tiderl.models.embedded import ensure_embedded_model
 
     cfg = load_config(CONFIG, [
-        "data.num_train_tasks=200", "data.eval_size=8", "model.tiny.vocab_size=400",
+        "env.options.num_train_tasks=200", "data.eval_size=8", "model.tiny.vocab_size=400",
         "model.tiny.hidden_size=32", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
         "model.warmstart.num_traces=32", "model.warmstart.steps=5", "model.warmstart.batch_size=8",
         "model.warmstart.copy_check_every=2", "model.warmstart.copy_check_size=16",

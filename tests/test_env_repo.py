@@ -151,6 +151,6 @@ def test_contract_on_task_folders(tmp_path):
 
     for name in ("a", "b", "c"):
         write_task(tmp_path, name)
-    report = assert_environment("repo", "data.source=folder", f"data.task_dir={tmp_path}", episodes=2)
+    report = assert_environment("repo", "data.source=folder", f"env.options.task_dir={tmp_path}", episodes=2)
     assert any(name == "oracle solves a task" and ok for name, ok, _ in report.checks)
     assert len(load_task_folders(tmp_path)) == 3

@@ -13,7 +13,7 @@ from tiderl.evaluate import EvalProgress, append_training_transcripts, evaluate,
 from tiderl.rollout.base import sampling_params
 from tiderl.models.tiny import train_tokenizer
 
-SMALL = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=6"]
+SMALL = ["env.options.num_films=20", "env.options.num_people=20", "env.options.num_train_tasks=50", "data.eval_size=6"]
 
 
 class CountdownEnv:

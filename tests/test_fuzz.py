@@ -22,7 +22,7 @@ from tiderl.envs.setup import Setup
 # code and repo are fuzzed in tests/test_code_fuzz.py (the real sandbox is too slow for 1,000 outputs per test).
 # Each entry: env.name plus the overrides that make its episodes multi-turn (math is single-turn
 # unless its calculator tool is on, and then every output would be the answer).
-FUZZED_ENVIRONMENTS = [("kg",), ("db",), ("math", "env.math_tools=true")]
+FUZZED_ENVIRONMENTS = [("kg",), ("db",), ("math", "env.options.calculator=true")]
 OUTPUTS = 1000
 
 

@@ -26,7 +26,7 @@ TOOLLESS_TEMPLATE = (
     "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
-SMALL = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=8"]
+SMALL = ["env.options.num_films=20", "env.options.num_people=20", "env.options.num_train_tasks=50", "data.eval_size=8"]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tiderl.models.warmstart import demonstrations, warm_start
 from tiderl.train.batching import collate
 from tiderl.train.forward import token_logprobs
 
-SMALL = ["data.num_films=40", "data.num_people=40", "data.eval_size=8", "rollout.max_new_tokens=64",
+SMALL = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=8", "rollout.max_new_tokens=64",
          "env.max_total_tokens=512", "log.progress=false", "train.micro_batch_tokens=1024"]
 
 

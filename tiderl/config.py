@@ -1,45 +1,39 @@
-"""One typed config tree for every tiderl command.
+"""The run-level config: one typed tree for every tiderl command.
 
-Every field is declared with its default and its documentation (`help`) in one place. Configs
-come from YAML files plus dotted command-line overrides (`algo.critic_lr=5e-6`). Unknown keys
-are rejected with a did-you-mean; values are checked against the declared type, and every error
-names the field and the fix. This module does not import torch.
+Every run-level field is declared here with its default and its documentation (`help`); each
+component declares its own options beside its code (`env.options`: the options of the
+environment `env.name` names, `tiderl.envs.registration`), built by the same machinery
+(`tiderl/options.py`). Configs come from YAML files plus dotted command-line overrides
+(`algo.critic_lr=5e-6`). Unknown keys are rejected with a did-you-mean; values are checked
+against the declared type, and every error names the field and the fix; a key that the run's
+other choices leave unread is rejected with the reason. This module does not import torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tiderl import options as _options
 from tiderl import registry
 from tiderl.algos import registry as algo_registry
 from tiderl.algos.presets import PRESETS, TRAINER_KEYS
+from tiderl.envs import registration as environments
+from tiderl.options import (
+    ConfigError,
+    build,
+    check_components,
+    component_options,
+    fill_component_defaults,
+    need,
+    opt,
+    section,
+)
 from tiderl.rewards.curiosity import CuriosityConfig
-
-
-class ConfigError(ValueError):
-    """A config value or key is wrong. The message names the field and the fix."""
-
-
-def opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """Declare a config field with its default and documentation (and allowed values)."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def section(cls: type, help: str) -> Any:
-    """Declare a nested config section."""
-    return field(default_factory=cls, metadata={"help": help, "choices": None})
-
 
 @dataclass
 class TinyModelConfig:
@@ -62,8 +56,8 @@ class WarmStartConfig:
     """
 
     num_traces: int = opt(3000, "Oracle tool-use traces generated from the training tasks.")
-    relation_noise: float = opt(0.5, "Probability that an oracle hop uses a wrong relation (math "
-                                "arithmetic: the mean rate of the opposite operation).")
+    relation_noise: float = opt(0.5, "Mean rate at which the demonstrations are confused (KG: an oracle hop uses "
+                                "a wrong relation; math: the confusable variant of the calculation).")
     steps: int = opt(500, "Supervised optimizer steps.")
     batch_size: int = opt(32, "Traces per supervised step.")
     lr: float = opt(3e-3, "Supervised learning rate (AdamW, cosine decay).")
@@ -72,7 +66,8 @@ class WarmStartConfig:
         "copy_check_size training questions about numbers kept out of the demonstrations are checked, and "
         "training stops when, for every kind of question, at least this fraction is a copied variant (the "
         "right or the confused answer), at a constant learning rate after warm-up. `steps` is then the cap (a "
-        "warning if it is hit). 0 = off: exactly `steps` steps, cosine decay. math data.source=place_value only.")
+        "warning if it is hit). 0 = off: exactly `steps` steps, cosine decay. Only for an environment whose warm "
+        "start has a copy check.")
     copy_check_every: int = opt(25, "Supervised steps between copy checks (with copy_check_threshold > 0).")
     copy_check_size: int = opt(400, "Questions in the copy check (with copy_check_threshold > 0).")
 
@@ -127,68 +122,33 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where tasks come from and how they are split."""
+    """Where tasks come from and how they are split (what else shapes the tasks is the
+    environment's own options, `env.options`)."""
 
     source: str = opt(
-        "embedded",
-        "Where the environment's tasks come from. env.name=kg: 'embedded' (a knowledge graph and "
-        "questions that tiderl generates), 'metaqa' (train on tiderl's template questions over "
-        "MetaQA's kb.txt, evaluate on MetaQA's test questions), 'agentbench_kg' (AgentBench KG "
-        "questions; needs env.sparql_endpoint, a Freebase SPARQL endpoint). env.name=db: "
-        "'agentbench_db', or 'db_file' (questions over your own database file: data.db_path, "
-        "data.questions). env.name=math: 'arithmetic' (questions tiderl generates), 'small_arithmetic', 'digit_arithmetic', 'place_value' (smaller generated questions for the embedded tiny model), 'gsm8k', "
-        "'math500', 'aime24', 'aime25', 'amc23' (test sets, evaluation only). A user's environment "
-        "reads it as it likes.",
-    )
-    split: str = opt("", "AgentBench split to evaluate on ('' = dev; DB: dev/standard, KG: dev/std).")
+        "", "Where the environment's tasks come from: one of the sources the environment registers "
+        "('' = its first; `tiderl config` lists each environment's, docs/env_*.md describe them). A user's "
+        "environment without registered sources reads it as it likes.")
+    split: str = opt("", "The held-out split to evaluate on, for sources that have several ('' = the source's default).")
     data_dir: str = opt(
         "",
         "Root of the shared benchmark data ('' = $TIDERL_DATA_DIR or ../shared/data).",
     )
-    hops: list[int] = opt([1, 2], "Question hop counts to train and evaluate on.")
-    num_films: int = opt(150, "Embedded world: number of films.")
-    num_people: int = opt(120, "Embedded world: number of people.")
-    eval_fraction: float = opt(0.2, "Embedded: fraction of topic entities held out for eval.")
-    num_train_tasks: int = opt(4000, "MetaQA: template questions generated for training; math "
-                               "arithmetic: generated training questions.")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
-    db_path: str = opt("", "DB, data.source=db_file: an existing SQLite or DuckDB database file (opened "
-                       "read-only; write tasks run on a scratch copy).")
-    questions: str = opt("", "DB, data.source=db_file: questions file, JSON lines of {question, sql or "
-                         "answer} (docs/env_db.md).")
-    task_dir: str = opt(
-        "", "env.name=repo with data.source=folder: a folder of task folders (docs/env_code.md).")
-
-
-@dataclass
-class DriftConfig:
-    """A world that changes during training (online learning; `tiderl/envs/drift.py`, docs/online.md).
-    KG only (data.source embedded or metaqa), local backend only."""
-
-    every_steps: int = opt(0, "Optimizer steps between two changes of the world (0 = no drift).")
-    fraction: float = opt(0.2, "Share of the facts (kind=facts) or of the relations (kind=relations) one "
-                          "change touches.")
-    kind: str = opt("relations", "What changes: 'facts' (triples get new objects) or 'relations' (relation "
-                    "names are permuted, so the tool calls that worked stop working).", ("facts", "relations"))
 
 
 @dataclass
 class EnvConfig:
-    """The environment and the episode limits."""
+    """The environment, its options and the episode limits."""
 
     name: str = opt(
-        "kg", "Environment: 'kg' (knowledge-graph tools), 'db' (SQL database tools), 'math' (math "
-        "answers checked by math-verify, optional calculator), or a user's "
+        next(iter(registry.ENVIRONMENTS)), f"Environment: one of {', '.join(registry.ENVIRONMENTS)} (docs/env_*.md), or a user's "
         "'module:Object' whose setup(cfg) returns a tiderl.envs.setup.Setup (docs/extending.md).")
     max_turns: int = opt(4, "Model turns per episode (AgentBench uses 15).")
     max_total_tokens: int = opt(320, "Token budget per episode: prompt, turns and observations.")
-    max_listed: int = opt(0, "KG: list entity names in observations of sets up to this size.")
     max_items: int = opt(100, "Longest list (relations, entities, rows) shown in one observation.")
     max_observation_chars: int = opt(4000, "Longest observation text; longer ones are cut with a note.")
-    sparql_endpoint: str = opt("", "KG: a SPARQL endpoint URL to query instead of the in-memory store.")
-    db_backend: str = opt("sqlite", "DB: 'sqlite', 'duckdb' or an SQLAlchemy URL.")
-    db_timeout_s: float = opt(2.0, "DB: statement timeout in seconds.")
     system_prompt: str = opt("", "System message ('' = the environment's own).")
     tool_latency: str = opt(
         "none", "Simulated tool latency added to every env step (training episodes only).",
@@ -199,9 +159,6 @@ class EnvConfig:
         1.0, "uniform: half-width as a fraction of the mean; lognormal: sigma of log-latency."
     )
     tool_latency_max_s: float = opt(0.0, "Cap on one simulated latency (0 = no cap).")
-    math_tools: bool = opt(
-        False, "math: offer the calculator tool (multi-turn; the first turn without a tool call is "
-        "the answer); false = single-turn (the first turn is the answer).")
     tool_error_penalty: float = opt(
         0.0, "Training reward lost per failed tool call (env_info['tool_errors']: malformed or unknown "
         "calls, wrong arguments, a tool's own error), counting at most env.max_turns of them; 0 = off. "
@@ -214,16 +171,12 @@ class EnvConfig:
         "but with every outcome 0 both together are gamed by committing a guess at once "
         "(docs/real_models.md). An answer that ends the episode, such as a math answer in text, is "
         "never charged.")
-    math_format_penalty: float = opt(
-        0.0, "math: reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
-    math_verify_timeout_s: float = opt(
-        5.0, "math: longest math-verify check of one answer, in seconds (its worker process is "
-        "killed after that and the answer counts as wrong).")
-    sandbox_cpu_s: float = opt(5.0, "code/repo: CPU seconds per sandboxed execution.")
-    sandbox_wall_s: float = opt(10.0, "code/repo: wall-clock seconds per sandboxed execution.")
-    sandbox_memory_mb: int = opt(1024, "code/repo: address-space limit of a sandboxed execution, in MiB.")
-    sandbox_concurrency: int = opt(0, "code/repo: sandboxed executions running at once (0 = one per core).")
-    drift: DriftConfig = section(DriftConfig, "KG: the world changes every drift.every_steps steps (online learning).")
+    options: Any = component_options(
+        environments.ENVIRONMENT_OPTIONS, "The chosen environment's own options (`Options` of what env.name "
+        "names; `tiderl config` lists each environment's).")
+
+    def __post_init__(self) -> None:
+        fill_component_defaults(self)
 
 
 @dataclass
@@ -536,106 +489,13 @@ class RunConfig:
     eval: EvalConfig = section(EvalConfig, "Held-out evaluation.")
     log: LogConfig = section(LogConfig, "Logging.")
 
+    def __post_init__(self) -> None:
+        if not self.data.source:  # the environment's default source
+            self.data.source = next(iter(environments.sources(self.env.name)), "")
+
 
 # --------------------------------------------------------------------------------------------
 # Loading, overriding, validating
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Convert `value` to the declared type `tp`, or raise a ConfigError naming `where`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], where)
-    if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}. Fix: write e.g. {{a: 1.0}}.")
-        return {_coerce(k, key_tp, f"{where} key"): _coerce(v, value_tp, f"{where}.{k}")
-                for k, v in value.items()}
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = [v for v in value.strip("[]").split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}. Fix: write e.g. [1, 2].")
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}.")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}.")
-        if isinstance(value, int):
-            return value
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}.") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"{where}: expected an integer, got {value!r}.")
-        return int(as_float)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}.")
-        return "" if value is None else str(value)
-    raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
-
-
-def _unknown_key_error(key: str, where: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    prefix = f"{where}." if where else ""
-    return ConfigError(
-        f"unknown config key '{prefix}{key}'.{hint} Known keys here: {', '.join(sorted(known))}."
-    )
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build dataclass `cls` from a nested dict, checking keys and types."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}.")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise _unknown_key_error(key, where, list(fields))
-        path = f"{where}.{key}" if where else key
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, path)
-        else:
-            try:
-                kwargs[key] = _coerce(value, tp, path)
-            except ConfigError as exc:
-                example = getattr(cls(), key)
-                raise ConfigError(f"{exc} Fix: set {path} like its default, {example!r}.") from None
-            choices = fields[key].metadata.get("choices")
-            if choices and kwargs[key] not in choices:
-                raise ConfigError(
-                    f"{path}: {kwargs[key]!r} is not one of {', '.join(map(repr, choices))}."
-                )
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:  # a section that checks its own values (CuriosityConfig)
-        raise ConfigError(str(exc)) from None
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -700,10 +560,28 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
         algo = with_preset(algo)
     except ValueError:
         raise ConfigError(f"algo.name: unknown algorithm {name!r}. Fix: use one of {', '.join(PRESETS)}.") from None
-    cfg = _build(RunConfig, {**data, "algo": algo}, "")
+    reject_moved_keys(data)
+    cfg = build(RunConfig, {**data, "algo": algo}, "")
     validate(cfg)
+    check_components(cfg)
     reject_ignored(cfg, _leaf_keys(data))
     return cfg
+
+
+def reject_moved_keys(data: dict[str, Any]) -> None:
+    """Raise ConfigError for a key that moved into an environment's options (`env.db_backend`,
+    `data.hops`), naming where it lives now."""
+    for section_name in ("env", "data"):
+        section_data = data.get(section_name)
+        if not isinstance(section_data, dict):
+            continue
+        for key in section_data:
+            moved = environments.moved_key(f"{section_name}.{key}")
+            if moved:
+                new = " or ".join(sorted({f"env.options.{option}" for _, option in moved}))
+                owners = ", ".join(f"env.name={name}" for name, _ in moved)
+                raise ConfigError(f"{section_name}.{key}: moved to {new} (the options of {owners}). Fix: write {new} "
+                                  "instead.", f"{section_name}.{key}")
 
 
 def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
@@ -724,13 +602,9 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-# The environments that run code in the sandbox (they read env.sandbox_*).
-CODE_ENVS = ("code", "repo")
-
-
 def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
-    """(keys, used, why they are not): every key that some choice of backend, environment or
-    algorithm does not read."""
+    """(keys, used, why they are not): every run-level key that some choice of backend or
+    algorithm does not read (the environment's options are its own: `env.options`)."""
     a, s, e = cfg.algo, cfg.system, cfg.env
     critic = algo_registry.needs_critic(a)
     elastic_workers = s.backend != "local" and (s.min_workers or s.ray_workers) != (s.max_workers or s.ray_workers)
@@ -765,27 +639,12 @@ def _ignored_keys(cfg: RunConfig) -> list[tuple[tuple[str, ...], bool, str]]:
          "only the k3 KL estimator reads it (algo.kl_coef > 0 and algo.kl_estimator=k3)"),
         (("algo.overlong_max_tokens", "algo.overlong_penalty"), a.overlong_buffer > 0,
          "algo.overlong_buffer=0 turns the overlong penalty off"),
-        (("env.db_backend", "env.db_timeout_s"), e.name != "kg", "only env.name=db reads it"),
-        (("env.max_listed", "env.sparql_endpoint"), e.name != "db", "only env.name=kg reads it"),
-        (("env.math_tools", "env.math_format_penalty", "env.math_verify_timeout_s"),
-         e.name == "math" or registry.is_import_path(e.name),
-         "only env.name=math reads it"),
-        (("env.db_backend", "env.db_timeout_s", "env.max_listed", "env.sparql_endpoint"),
-         e.name not in CODE_ENVS and e.name != "math", f"env.name={e.name} does not read it"),
-        (("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb", "env.sandbox_concurrency"),
-         e.name in CODE_ENVS or registry.is_import_path(e.name), "only env.name=code and env.name=repo read it"),
-        (("data.task_dir",), e.name == "repo" and cfg.data.source == "folder" or registry.is_import_path(e.name),
-         "only env.name=repo with data.source=folder reads it"),
         (("env.tool_latency_s", "env.tool_latency_max_s"), e.tool_latency != "none",
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
          f"env.tool_latency={e.tool_latency} has no spread"),
         (tuple(f"rollout.http.{f.name}" for f in dataclasses.fields(HttpEngineConfig)),
          cfg.rollout.engine == "http", f"only rollout.engine=http reads it (rollout.engine={cfg.rollout.engine})"),
-        (("env.drift.every_steps", "env.drift.fraction", "env.drift.kind"), e.name == "kg",
-         f"only env.name=kg reads it (env.name={e.name})"),
-        (("env.drift.fraction", "env.drift.kind"), e.drift.every_steps > 0,
-         "env.drift.every_steps=0 turns drift off"),
     ]
 
 
@@ -848,12 +707,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def validate(cfg: RunConfig) -> None:
-    """Cross-field and range checks that types alone cannot express."""
-
-    def need(ok: bool, field_name: str, problem: str, fix: str) -> None:
-        if not ok:
-            raise ConfigError(f"{field_name}: {problem}. Fix: {fix}.")
-
+    """Cross-field and range checks of the run-level keys that types alone cannot express (the
+    components' options check themselves: `tiderl.options.check_components`)."""
     need(0 < cfg.algo.eps_low <= 1, "algo.eps_low",
          f"{cfg.algo.eps_low} is outside (0, 1]", "use a value such as 0.3 (1 = no lower bound)")
     need(cfg.algo.eps_high > 0, "algo.eps_high", f"{cfg.algo.eps_high} must be > 0",
@@ -959,9 +814,6 @@ def validate(cfg: RunConfig) -> None:
     need(lora.r == 0 or cfg.rollout.engine == "torch", "model.lora.r",
          f"only the torch engine merges adapters, not rollout.engine={cfg.rollout.engine}",
          "use rollout.engine=torch with LoRA")
-    need(bool(cfg.data.hops) and all(h in (1, 2, 3) for h in cfg.data.hops), "data.hops",
-         f"{cfg.data.hops} must be a non-empty list of 1, 2, 3", "use [1, 2]")
-    need(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", "use 0.2")
     need(cfg.model.tiny.hidden_size % cfg.model.tiny.num_heads == 0, "model.tiny.hidden_size",
          "must be divisible by model.tiny.num_heads", "use e.g. 128 with 4 heads")
     need(cfg.model.tiny.num_heads % cfg.model.tiny.num_kv_heads == 0, "model.tiny.num_kv_heads",
@@ -1007,17 +859,10 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
     need(cfg.env.max_items >= 1, "env.max_items", "must be >= 1", "use 100")
     need(cfg.env.max_observation_chars >= 100, "env.max_observation_chars", "must be >= 100", "use 4000")
-    for key, table in (("env.name", registry.ENVIRONMENTS), ("rollout.engine", registry.ENGINES),
-                       ("system.backend", registry.BACKENDS)):
+    for key, table in (("rollout.engine", registry.ENGINES), ("system.backend", registry.BACKENDS)):
         problem = registry.check_name(table, _get(cfg, key))
         need(not problem, key, problem, f"use one of {', '.join(table)}")
-    sources = registry.DATA_SOURCES.get(cfg.env.name)
-    need(sources is None or cfg.data.source in sources, "data.source",
-         f"env.name={cfg.env.name!r} reads {', '.join(sources or ())}, not {cfg.data.source!r}",
-         "use env.name=db with data.source=agentbench_db, env.name=kg with the KG sources")
-    need(cfg.data.source != "agentbench_kg" or bool(cfg.env.sparql_endpoint), "env.sparql_endpoint",
-         "AgentBench KG questions need a Freebase SPARQL endpoint",
-         "set env.sparql_endpoint=http://host:port/sparql")
+    _check_source(cfg)
     need(sysc.ray_workers >= 1, "system.ray_workers", "must be >= 1", "use 1")
     need(sysc.min_workers >= 0 and sysc.max_workers >= 0 and sysc.slots_per_worker >= 0,
          "system.min_workers/max_workers/slots_per_worker", "must be >= 0", "use 0 for the defaults")
@@ -1026,16 +871,9 @@ def validate(cfg: RunConfig) -> None:
          f"{sysc.ray_workers} is outside [system.min_workers, system.max_workers] = [{low}, {high}]",
          "start within the elastic range")
     need(sysc.worker_drain_s >= 0, "system.worker_drain_s", "must be >= 0", "use 10")
-    for key in ("env.sandbox_cpu_s", "env.sandbox_wall_s", "env.sandbox_memory_mb"):
-        need(_get(cfg, key) > 0, key, "must be > 0", "use the default")
-    need(cfg.env.sandbox_concurrency >= 0, "env.sandbox_concurrency", "must be >= 0", "use 0 (one per core)")
-    need(cfg.data.source != "folder" or bool(cfg.data.task_dir), "data.task_dir",
-         "data.source=folder reads task folders from it", "set data.task_dir=/path/to/tasks")
     need(cfg.env.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
     need(cfg.env.tool_error_penalty >= 0, "env.tool_error_penalty", "must be >= 0", "use 0 (off) or e.g. 0.05")
     need(cfg.env.no_call_penalty >= 0, "env.no_call_penalty", "must be >= 0", "use 0 (off) or e.g. 0.05")
-    need(cfg.env.math_format_penalty >= 0, "env.math_format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
-    need(cfg.env.math_verify_timeout_s > 0, "env.math_verify_timeout_s", "must be > 0", "use 5.0")
     need(cfg.env.tool_latency_spread >= 0, "env.tool_latency_spread", "must be >= 0", "use 1.0")
     h = cfg.rollout.http
     need(bool(h.urls) and all(u.startswith(("http://", "https://")) for u in h.urls), "rollout.http.urls",
@@ -1048,12 +886,16 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.env.tool_latency == "none" or cfg.env.tool_latency_s > 0, "env.tool_latency_s",
          f"is 0 but env.tool_latency is {cfg.env.tool_latency!r}",
          "set env.tool_latency_s > 0 or env.tool_latency=none")
-    drift = cfg.env.drift
-    need(drift.every_steps >= 0, "env.drift.every_steps", "must be >= 0", "use 0 (off) or e.g. 20")
-    need(0 < drift.fraction <= 1, "env.drift.fraction", f"{drift.fraction} is outside (0, 1]", "use e.g. 0.2")
-    need(drift.every_steps == 0 or cfg.system.backend == "local", "env.drift.every_steps",
-         "a drifting world lives in the training process, which the Ray backend's workers do not share",
-         "use system.backend=local, or env.drift.every_steps=0")
+
+
+def _check_source(cfg: RunConfig) -> None:
+    """data.source must be one of the sources the environment registers (when it registers any)."""
+    sources = environments.sources(cfg.env.name)
+    readers = [name for name in registry.ENVIRONMENTS if cfg.data.source in environments.sources(name)]
+    elsewhere = f", or env.name={readers[0]}, which reads it" if readers else ""
+    need(not sources or cfg.data.source in sources, "data.source",
+         f"env.name={cfg.env.name} reads {', '.join(sources)}, not {cfg.data.source!r}",
+         f"use one of those{elsewhere}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -1066,15 +908,8 @@ def dump_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any]]:
-    """(dotted key, help, default) for every leaf field: the config reference."""
-    rows: list[tuple[str, str, Any]] = []
-    hints = typing.get_type_hints(cls)
-    default = cls()
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hints[f.name]):
-            rows.extend(describe(hints[f.name], key + "."))
-        else:
-            rows.append((key, f.metadata.get("help", ""), getattr(default, f.name)))
-    return rows
+def describe(cls: type = RunConfig, prefix: str = "", chosen: Any = None) -> list[tuple[str, str, Any]]:
+    """(dotted key, help, default) for every leaf field: the config reference, with each built-in
+    environment's options (and, given a loaded config as `chosen`, its environment's when that is
+    a user's own). `tiderl config` prints it."""
+    return _options.describe(cls, prefix, chosen)

@@ -1,13 +1,13 @@
 """Every extension point of tiderl, by name: one table each, and how a name becomes an object.
 
-A config names a built-in by its short name (`env.name: kg`) or a user's own object by its
+A config names a built-in by its short name (a key of a table) or a user's own object by its
 import path (`env.name: mypkg.myenv:MyEnv`), so extending tiderl never needs an edit inside
 it. The tables hold import paths, not objects: this module imports neither torch nor any
 tiderl module, so the config loader can check names without loading models, Ray or SQL.
 
 | config key | table | what the name must give | contract |
 | --- | --- | --- | --- |
-| `env.name` | `ENVIRONMENTS` | `setup(cfg) -> Setup` (or a class with that classmethod) | `tiderl.envs.protocol` |
+| `env.name` | `ENVIRONMENTS` | `setup(cfg) -> Setup`, optionally `Options`, `sources`, `warm_start` | `tiderl.envs.registration` |
 | `rollout.engine` | `ENGINES` | an `Engine` class | `tiderl.rollout.base.Engine` |
 | `system.backend` | `BACKENDS` | a `RolloutBackend` class with `from_run(run, preparations)` | `tiderl.system.scheduler` |
 | `algo.advantage`, `algo.policy_loss` | `tiderl.algos.registry` | pure functions | `docs/extending.md` |
@@ -20,22 +20,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Each built-in environment's registration (`tiderl.envs.registration.BuiltinEnvironment`: its
+# setup, options, data sources and warm start), in its own package. The first is the default.
 ENVIRONMENTS: dict[str, str] = {
-    "kg": "tiderl.envs.kg.setup:setup",
-    "db": "tiderl.envs.db.setup:setup",
-    "math": "tiderl.envs.math.setup:setup",
-    "code": "tiderl.envs.code.setup:setup",
-    "repo": "tiderl.envs.repo.setup:setup",
-}
-
-# The data sources each built-in environment reads (`data.source`); a user's environment reads
-# `data` however it likes.
-DATA_SOURCES: dict[str, tuple[str, ...]] = {
-    "kg": ("embedded", "metaqa", "agentbench_kg"),
-    "db": ("agentbench_db", "db_file"),
-    "math": ("arithmetic", "small_arithmetic", "digit_arithmetic", "place_value", "gsm8k", "math500", "aime24", "aime25", "amc23"),
-    "code": ("humaneval", "mbpp"),
-    "repo": ("humaneval", "mbpp", "folder"),
+    "kg": "tiderl.envs.kg.registration:ENVIRONMENT",
+    "db": "tiderl.envs.db.registration:ENVIRONMENT",
+    "math": "tiderl.envs.math.registration:ENVIRONMENT",
+    "code": "tiderl.envs.code.registration:ENVIRONMENT",
+    "repo": "tiderl.envs.repo.registration:ENVIRONMENT",
 }
 
 ENGINES: dict[str, str] = {

@@ -1,9 +1,10 @@
 """Online learning in a changing world: a drift schedule and the knowledge graph it changes.
 
-`env.drift: {every_steps: K, fraction: f, kind: ...}` makes the world change every K optimizer
-steps. The world at step s is phase `s // K`; phase p is phase p - 1 changed once more, with a
-random stream seeded by (data.seed, p), so every run with the same data seed (any algorithm,
-any training seed) sees the same sequence of worlds at the same steps.
+`env.options.drift: {every_steps: K, fraction: f, kind: ...}` (an option of the KG environment)
+makes the world change every K optimizer steps. The world at step s is phase `s // K`; phase p
+is phase p - 1 changed once more, with a random stream seeded by (data.seed, p), so every run
+with the same data seed (any algorithm, any training seed) sees the same sequence of worlds at
+the same steps.
 
 Kinds (each change applies to the previous phase's world):
 
@@ -42,7 +43,7 @@ from tiderl.envs.kg.tasks import path_answer
 from tiderl.envs.protocol import Action, StepResult, Task
 
 if TYPE_CHECKING:
-    from tiderl.config import DriftConfig
+    from tiderl.envs.kg.registration import DriftOptions
 
 DRIFT_KINDS = ("facts", "relations")
 
@@ -64,14 +65,14 @@ class DriftSchedule:
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:
-            raise ValueError(f"env.drift.every_steps must be >= 0 (0 = off), got {self.every_steps}")
+            raise ValueError(f"env.options.drift.every_steps must be >= 0 (0 = off), got {self.every_steps}")
         if not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"env.drift.fraction must be in (0, 1], got {self.fraction}")
+            raise ValueError(f"env.options.drift.fraction must be in (0, 1], got {self.fraction}")
         if self.kind not in DRIFT_KINDS:
-            raise ValueError(f"env.drift.kind must be one of {DRIFT_KINDS}, got {self.kind!r}")
+            raise ValueError(f"env.options.drift.kind must be one of {DRIFT_KINDS}, got {self.kind!r}")
 
     @classmethod
-    def from_config(cls, drift: DriftConfig, seed: int) -> DriftSchedule:
+    def from_config(cls, drift: DriftOptions, seed: int) -> DriftSchedule:
         return cls(drift.every_steps, drift.fraction, drift.kind, seed)
 
     @property
@@ -136,7 +137,7 @@ def rename_relations(names: dict[str, str], fraction: float, rng: random.Random)
     relations, drawn at random, pass their current names on in a cycle, so none keeps its own."""
     originals = sorted(names)
     if len(originals) < 2:
-        raise ValueError("env.drift.kind=relations needs a graph with at least 2 forward relations")
+        raise ValueError("env.options.drift.kind=relations needs a graph with at least 2 forward relations")
     chosen = rng.sample(originals, min(len(originals), max(2, round(fraction * len(originals)))))
     out = dict(names)
     for a, b in zip(chosen, chosen[1:] + chosen[:1]):

@@ -38,7 +38,6 @@ from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.envs.protocol import StepResult, Task
 from tiderl.envs.setup import load_setup
-from tiderl.registry import DATA_SOURCES
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -538,15 +537,11 @@ def fuzz_environment(cfg: "RunConfig", outputs: int = 1000, seed: int = 0, token
 
 
 def fuzz_config(env_name: str, *overrides: str) -> "RunConfig":
-    """The config of environment `env_name` with `overrides`; a built-in environment whose data
-    sources do not include the default one reads its first (`tiderl.registry.DATA_SOURCES`), so
-    a name alone is enough (`fuzz_config("db")` reads agentbench_db)."""
-    from tiderl.config import RunConfig, load_config
+    """The config of environment `env_name` with `overrides`; with no data.source among them, the
+    environment reads its default source (the first it registers), so a name alone is enough."""
+    from tiderl.config import load_config
 
-    sources = DATA_SOURCES.get(env_name)
-    default_source = RunConfig().data.source
-    pick = [f"data.source={sources[0]}"] if sources and default_source not in sources else []
-    return load_config(None, [f"env.name={env_name}", *pick, *overrides])
+    return load_config(None, [f"env.name={env_name}", *overrides])
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:

@@ -1,9 +1,10 @@
 """What a run trains and evaluates on: a `Setup` (tasks + an environment factory), built by the
 environment that `env.name` names.
 
-`load_setup(cfg)` resolves `env.name` through `tiderl.registry.ENVIRONMENTS` (built-ins `kg`
-and `db`) or as a user's import path, and calls it: a function `setup(cfg) -> Setup`, or a
-class with such a classmethod. That is the whole contract of a new environment:
+`load_setup(cfg)` resolves `env.name` (a built-in's registration from `tiderl.registry.ENVIRONMENTS`,
+or a user's import path; `tiderl.envs.registration`) and calls its `setup`: a function
+`setup(cfg) -> Setup`, or a class with such a classmethod. That is the whole required contract
+of a new environment (its options, data sources and warm start are optional):
 
     class CountEnv:                          # implements tiderl.envs.protocol.Env
         @classmethod
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.protocol import Env, Task
-from tiderl.registry import ENVIRONMENTS, resolve
+from tiderl.envs.registration import environment
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -40,13 +41,13 @@ class Setup:
         them to measure the environment's ceiling); None when the environment has none.
     eval_chunk_size: tasks evaluated at once (0 = all; 1 for a backend that serves one
         session at a time).
-    store: the knowledge graph of the in-memory KG setups (the embedded model is built from it).
+    store: the knowledge graph of the in-memory KG setups (its warm start and drift read it).
     backends: resources shared by every environment of the setup (a DB backend, a SPARQL
         client), built on first use by `make_env`; they stay in the process that built them
         (a Setup sent to a Ray worker builds its own).
     on_step: called by the recipe with the policy version once before the first episode and
         after every optimizer step; an environment whose world changes during training
-        (`env.drift`, `tiderl/envs/drift.py`) follows the step with it. None for a fixed world.
+        (the KG's drift, `tiderl/envs/drift.py`) follows the step with it. None for a fixed world.
     """
 
     train_tasks: list[Task]
@@ -74,7 +75,7 @@ class Setup:
 
 def load_setup(cfg: "RunConfig") -> Setup:
     """The Setup of the environment `env.name` names, for this config."""
-    entry = resolve(ENVIRONMENTS, cfg.env.name, "env.name")
+    entry = environment(cfg.env.name)
     build = getattr(entry, "setup", entry)
     setup = build(cfg)
     if not isinstance(setup, Setup):

@@ -1,26 +1,22 @@
 """The embedded default policy: a tiny Qwen2 model warm-started on tiderl's own tool-use traces.
 
-Built once per (shape, warm-start, data) and cached as a normal Hugging Face model dir under the
-user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`). Building it:
+Built once per (shape, warm-start, environment and its options, data) and cached as a normal
+Hugging Face model dir under the user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`). The
+environment says how: its `warm_start` (`tiderl.envs.registration.WarmStart`); one without a warm
+start has no embedded model (a clear error names the fix). Building it:
 
-1. oracle traces: for training tasks, the assistant turns that solve them with tools
-   (`get_neighbors` per hop, then `Final Answer: #k`), with *systematic* relation confusions:
-   every relation has a fixed confusable partner (another relation of the same kind of entity)
-   and its own confusion rate drawn around `warmstart.relation_noise`. The demonstrations are
-   therefore wrong in a consistent way for some relations, so the warm-started policy succeeds
-   sometimes, not always, under sampling *and* under greedy decoding: exactly what RL can fix.
-2. a byte-level BPE tokenizer trained on the texts of those traces (tools, questions, turns,
+1. demonstrations: the environment's `warm_start.demonstrations` draws training tasks and the
+   assistant turns that solve them, wrong in a systematic way at chosen rates (the KG's confused
+   relations, `tiderl/envs/kg/warm_start.py`; math's confused calculations), so the warm-started
+   policy succeeds sometimes, not always, under sampling *and* greedy decoding: what RL can fix;
+2. a byte-level BPE tokenizer trained on the texts of those episodes (tools, questions, turns,
    observations), with the ChatML chat template;
-3. the traces as token sequences, assembled by the agent loop itself (a scripted engine emits the
-   oracle turns), so supervised data and RL rollouts share one token layout;
+3. the demonstrations as token sequences, assembled by the agent loop itself (a scripted engine
+   emits the turns), so supervised data and RL rollouts share one token layout;
 4. supervised fine-tuning (cross-entropy on the assistant tokens only): `warmstart.steps` steps,
-   or, with `warmstart.copy_check_threshold` > 0, until the model passes its environment's copy
-   check (`COPY_CHECKS`: greedy answers to training questions kept out of the demonstrations),
-   with `warmstart.steps` as the cap.
-
-Another environment can have an embedded model too: `DEMONSTRATIONS` maps its `env.name` to a
-function `(setup, cfg, rng) -> (tasks, scripts, report entries)` that replaces step 1 (the math
-environment's `arithmetic` tasks: calculator calls with systematic operation confusions).
+   or, with `warmstart.copy_check_threshold` > 0, until the model passes the warm start's copy
+   check (greedy answers to training questions kept out of the demonstrations), with
+   `warmstart.steps` as the cap.
 """
 
 from __future__ import annotations
@@ -41,11 +37,11 @@ import torch
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
-from tiderl.envs.kg.store import TripleStore
-from tiderl.envs.kg.tasks import tool_call_text
 from tiderl.envs.protocol import Env, Task
+from tiderl.envs.registration import WarmStart, environment
 from tiderl.envs.setup import Setup
 from tiderl.models.loading import save_model_dir
+from tiderl.models.startup import StartupError
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
@@ -59,15 +55,6 @@ def _log(message: str) -> None:
 # Bump when the build recipe changes, so stale caches are not reused.
 BUILD_VERSION = 1
 
-# env.name -> import path of its warm-start demonstrations (module docstring); the KG's are below.
-DEMONSTRATIONS: dict[str, str] = {
-    "math": "tiderl.envs.math.setup:demonstrations",
-}
-# env.name -> import path of its warm-start copy check, `(setup, cfg) -> (tasks, scripts,
-# copied(task, text) -> bool)` (`warmstart.copy_check_threshold`; the tasks carry meta["kind"]).
-COPY_CHECKS: dict[str, str] = {
-    "math": "tiderl.envs.math.setup:copy_check",
-}
 COPY_CHECK_KEYS = ("copy_check_threshold", "copy_check_every", "copy_check_size")
 
 
@@ -79,25 +66,38 @@ def cache_root(cfg: RunConfig) -> Path:
     return Path.home() / ".cache" / "tiderl"
 
 
+def warm_start(cfg: RunConfig) -> WarmStart:
+    """The warm start of the environment `env.name` names; StartupError naming the fix when it
+    has none."""
+    found = getattr(environment(cfg.env.name), "warm_start", None)
+    if found is None:
+        raise StartupError(f"env.name={cfg.env.name} has no embedded tiny model (model.path=tiny): the environment "
+                           "gives no warm start. Fix: set model.path=DIR to a Hugging Face model directory "
+                           "(tiderl eval: --model DIR; `tiderl models fetch`), or give the environment a "
+                           "warm_start (docs/extending.md)")
+    return found
+
+
 def build_key(cfg: RunConfig) -> str:
     """A hash of everything the build depends on."""
+    start = warm_start(cfg)
     recipe = {
         "version": BUILD_VERSION,
         "tiny": asdict(cfg.model.tiny),
         "warmstart": _warmstart_recipe(cfg),
-        # Only what shapes the demonstrations: not where data lives, not the eval sample, not
-        # simulated latency (a benchmark must not rebuild the model per latency setting).
-        "data": {k: v for k, v in asdict(cfg.data).items() if k not in ("data_dir", "eval_size", "split")},
-        "env": {k: getattr(cfg.env, k) for k in ("name", "max_turns", "max_total_tokens", "max_listed",
-                                                 "max_items", "max_observation_chars", "system_prompt")},
+        # Only what shapes the demonstrations and their texts: not where data lives, not the eval
+        # sample, not simulated latency (a benchmark must not rebuild the model per latency setting).
+        "data": {"source": cfg.data.source, "seed": cfg.data.seed},
+        "env": {k: getattr(cfg.env, k) for k in ("name", "max_turns", "max_total_tokens", "max_items",
+                                                 "max_observation_chars", "system_prompt")},
+        "options": {k: v for k, v in asdict(cfg.env.options).items() if k not in start.unkeyed_options},
         "seed": cfg.seed,
     }
-    if cfg.env.name == "math":  # only then, so the KG models' keys (and caches) stay as they were
-        recipe["env"]["math_tools"] = cfg.env.math_tools
-        # The math families are still changing: a changed generator or demonstration script must
-        # not reuse a model warm-started on the old one (it silently did once), so their source
-        # text is part of the key.
-        recipe["source"] = _source_digest(("tiderl.envs.math.data", "tiderl.envs.math.setup"))
+    modules = start.key_modules
+    if modules:
+        # Task generators that still change: a changed generator or demonstration script must not
+        # reuse a model warm-started on the old one (it silently did once).
+        recipe["source"] = _source_digest(modules)
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -127,12 +127,14 @@ def _source_digest(modules: tuple[str, ...]) -> str:
 
 
 def embedded_model_dir(cfg: RunConfig) -> Path:
-    family = "kg" if cfg.env.name not in DEMONSTRATIONS else cfg.env.name
+    """Where the embedded model of `cfg` is cached: <cache>/models/<env>-tiny-<source>-<key>."""
+    family = "".join(c if c.isalnum() or c in "_." else "-" for c in cfg.env.name)
     return cache_root(cfg) / "models" / f"{family}-tiny-{cfg.data.source}-{build_key(cfg)}"
 
 
 def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
-    """Return the cached embedded model dir, building it first if it is missing."""
+    """Return the cached embedded model dir, building it first if it is missing (StartupError
+    naming the fix when the environment has no embedded model)."""
     path = embedded_model_dir(cfg)
     if (path / "tiderl_build.json").is_file():
         return path
@@ -147,46 +149,6 @@ def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
     except OSError:  # another process finished the same build first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def confusion_table(store: TripleStore, relations: list[str], noise: float,
-                    seed: int) -> dict[str, tuple[str, float]]:
-    """For each relation: (its confusable partner, the rate at which demonstrations confuse it).
-
-    The partner is another relation that most subjects of `relation` also have (so the confused
-    call runs, it just answers a different question). Rates are drawn uniformly in
-    [noise - 0.3, noise + 0.3], clipped to [0, 0.9], so some relations are mostly right in the
-    demonstrations and some mostly wrong.
-    """
-    rng = random.Random(seed)
-    table: dict[str, tuple[str, float]] = {}
-    for rel in sorted(relations):
-        subjects = sorted(store.entities_with(rel))[:50]
-        counts: dict[str, int] = {}
-        for s in subjects:
-            for other in store.relations(s):
-                if other != rel:
-                    counts[other] = counts.get(other, 0) + 1
-        if not counts:
-            continue
-        best = max(counts.values())
-        candidates = sorted(r for r, c in counts.items() if c >= 0.5 * best)
-        rate = min(max(noise + rng.uniform(-0.3, 0.3), 0.0), 0.9)
-        table[rel] = (rng.choice(candidates), rate)
-    return table
-
-
-def oracle_script(task: Task, table: dict[str, tuple[str, float]], rng: random.Random) -> list[str]:
-    """The assistant turns of one (possibly confused) demonstration for `task`."""
-    turns = []
-    variable = task.meta["topic"]
-    for hop, rel in enumerate(task.meta["path"]):
-        partner, rate = table.get(rel, (rel, 0.0))
-        chosen = partner if rng.random() < rate else rel
-        turns.append(tool_call_text("get_neighbors", {"variable": variable, "relation": chosen}))
-        variable = f"#{hop}"
-    turns.append(f"Final Answer: {variable}")
-    return turns
 
 
 def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]]) -> list[str]:
@@ -209,16 +171,10 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
     t_start = time.perf_counter()
     ws, tiny = cfg.model.warmstart, cfg.model.tiny
     rng = random.Random(cfg.seed)
-    if cfg.env.name in DEMONSTRATIONS:
-        from tiderl.registry import load_object
-
-        tasks, scripts, entries = load_object(DEMONSTRATIONS[cfg.env.name], "demonstrations")(setup, cfg, rng)
-    else:
-        relations = sorted({r for t in setup.train_tasks for r in t.meta["path"]})
-        table = confusion_table(setup.store, relations, ws.relation_noise, cfg.seed)
-        tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
-        scripts = [oracle_script(t, table, rng) for t in tasks]
-        entries = {"confusions": {r: [p, round(rate, 3)] for r, (p, rate) in table.items()}}
+    try:
+        tasks, scripts, entries = warm_start(cfg).demonstrations(setup, cfg, rng)
+    except ValueError as exc:  # this configuration of the environment has no tiny model
+        raise StartupError(f"env.name={cfg.env.name}: {exc}") from None
     env = setup.make_env()
 
     tokenizer = train_tokenizer(corpus_texts(env, tasks, scripts), vocab_size=tiny.vocab_size)
@@ -274,13 +230,14 @@ def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module,
     `report` records every check and whether one passed."""
     from collections import defaultdict
 
-    from tiderl.registry import load_object
-
-    ws = cfg.model.warmstart
-    if cfg.env.name not in COPY_CHECKS:
-        raise ValueError(f"model.warmstart.copy_check_threshold has no copy check for env.name={cfg.env.name}. "
-                         f"Fix: set model.warmstart.copy_check_threshold=0 (it exists for {', '.join(COPY_CHECKS)}).")
-    tasks, scripts, copied = load_object(COPY_CHECKS[cfg.env.name], "copy check")(setup, cfg)
+    ws, copy_check = cfg.model.warmstart, warm_start(cfg).copy_check
+    if copy_check is None:
+        raise StartupError(f"model.warmstart.copy_check_threshold: env.name={cfg.env.name}'s warm start has no copy "
+                           "check. Fix: set model.warmstart.copy_check_threshold=0")
+    try:
+        tasks, scripts, copied = copy_check(setup, cfg)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
     prompts = [t.tokens[:t.loss_mask.index(1)] for t in scripted_traces(tokenizer, setup, tasks, scripts, cfg)]
     report = {"threshold": ws.copy_check_threshold, "questions": len(tasks), "passed": False, "history": []}
 

@@ -4,7 +4,7 @@ humaneval: evaluate on HumanEval's 164 problems; train on MBPP's training proble
 has no training split). mbpp: evaluate on MBPP's evaluation split (task ids 11-510), train on
 the rest (but the few-shot prompts 1-10). At most `data.eval_size` eval tasks are kept (a
 fixed-seed sample; `data.eval_size=257` keeps all of MBPP's). The oracle submits the reference
-solution. Sandbox limits come from `env.sandbox_*`.
+solution. Sandbox limits come from `env.options.sandbox_*` (`registration.CodeOptions`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.envs.code.data import HUMANEVAL_FILE, MBPP_FILE, load_humaneval, load_mbpp
 from tiderl.envs.code.env import CodeEnv, tool_call_text
+from tiderl.envs.code.registration import SOURCES
 from tiderl.envs.code.sandbox import Limits, Sandbox
 from tiderl.envs.protocol import Task
 from tiderl.envs.setup import Setup, data_root, sample_tasks
@@ -20,18 +21,15 @@ from tiderl.envs.setup import Setup, data_root, sample_tasks
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
-SOURCES = ("humaneval", "mbpp")
-
-
 def sandbox_limits(cfg: "RunConfig") -> Limits:
-    """The per-execution limits `env.sandbox_*` set."""
-    env = cfg.env
-    return Limits(cpu_s=env.sandbox_cpu_s, wall_s=env.sandbox_wall_s, memory_mb=env.sandbox_memory_mb)
+    """The per-execution limits `env.options.sandbox_*` set."""
+    options = cfg.env.options
+    return Limits(cpu_s=options.sandbox_cpu_s, wall_s=options.sandbox_wall_s, memory_mb=options.sandbox_memory_mb)
 
 
 def shared_sandbox(setup: Setup, cfg: "RunConfig") -> Sandbox:
     """The setup's sandbox (built once per setup and process)."""
-    return setup.backend("sandbox", lambda: Sandbox(sandbox_limits(cfg), concurrency=cfg.env.sandbox_concurrency))
+    return setup.backend("sandbox", lambda: Sandbox(sandbox_limits(cfg), concurrency=cfg.env.options.sandbox_concurrency))
 
 
 def code_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:

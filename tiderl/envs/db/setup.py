@@ -3,7 +3,8 @@ the user's own database file, see `file_setup`).
 
 AgentBench's DB task has no training split: the setup trains on the split it does not evaluate
 on (`standard` when evaluating on `dev` and the reverse), so train and eval tasks never
-overlap. At most `data.eval_size` eval tasks are kept (a fixed-seed sample).
+overlap. At most `data.eval_size` eval tasks are kept (a fixed-seed sample). The options
+(`env.options.*`) are `tiderl.envs.db.registration.DBOptions`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ DB_SPLITS = ("dev", "standard")
 
 
 def setup(cfg: "RunConfig") -> Setup:
-    """AgentBench DB tasks and a factory of `DBEnv`s on the `env.db_backend` backend (sqlite,
-    duckdb or a SQLAlchemy URL) with `Limits(max_rows=max_items, timeout_s=db_timeout_s,
+    """AgentBench DB tasks and a factory of `DBEnv`s on the `env.options.backend` backend (sqlite,
+    duckdb or a SQLAlchemy URL) with `Limits(max_rows=max_items, timeout_s=options.timeout_s,
     max_observation_chars)`; the backend holds every episode's database and gold hashes."""
     data = cfg.data
     if data.source == "db_file":
@@ -47,32 +48,32 @@ def setup(cfg: "RunConfig") -> Setup:
     other = next(s for s in DB_SPLITS if s != split)
     train = load_dbbench_tasks(folder, other) if (folder / f"{other}.jsonl").is_file() else []
     out = Setup(train, held_out, DBEnv, "agentbench_db", split=split)
-    env = cfg.env
-    limits = Limits(max_rows=env.max_items, timeout_s=env.db_timeout_s,
+    env, backend = cfg.env, cfg.env.options.backend
+    limits = Limits(max_rows=env.max_items, timeout_s=env.options.timeout_s,
                     max_observation_chars=env.max_observation_chars)
-    out.make_env = _DBFactory(out, env.db_backend, limits, env.system_prompt or None)
-    out.oracle = lambda task: oracle_turns(task, db_backend(out, env.db_backend))
+    out.make_env = _DBFactory(out, backend, limits, env.system_prompt or None)
+    out.oracle = lambda task: oracle_turns(task, db_backend(out, backend))
     # A SQLAlchemy server backend serves one session at a time: evaluate task by task.
-    out.eval_chunk_size = 1 if "://" in env.db_backend else 0
+    out.eval_chunk_size = 1 if "://" in backend else 0
     return out
 
 
 def file_setup(cfg: "RunConfig") -> Setup:
-    """Questions (`data.questions`) over an existing database file (`data.db_path`), opened
-    read-only. At most `data.eval_size` questions are held out (a fixed-seed sample); the rest
-    are the training tasks."""
-    data, env = cfg.data, cfg.env
-    if not data.db_path or not data.questions:
-        missing = "data.db_path" if not data.db_path else "data.questions"
+    """Questions (`env.options.questions`) over an existing database file (`env.options.db_path`),
+    opened read-only. At most `data.eval_size` questions are held out (a fixed-seed sample); the
+    rest are the training tasks."""
+    data, env, options = cfg.data, cfg.env, cfg.env.options
+    if not options.db_path or not options.questions:
+        missing = "env.options.db_path" if not options.db_path else "env.options.questions"
         raise ValueError(f"data.source=db_file needs {missing}. Fix: pass --db path/to.sqlite --questions q.jsonl "
-                         "(or data.db_path=... data.questions=...).")
-    path = str(Path(data.db_path).expanduser().resolve())
-    tasks = load_questions(data.questions, make_backend(path), database=path)
+                         "(or env.options.db_path=... env.options.questions=...).")
+    path = str(Path(options.db_path).expanduser().resolve())
+    tasks = load_questions(options.questions, make_backend(path), database=path)
     held_out = sample_tasks(tasks, data.eval_size, data.seed)
     kept = {t.task_id for t in held_out}
     train = [t for t in tasks if t.task_id not in kept]
-    out = Setup(train, held_out, DBEnv, "db_file", split=Path(data.questions).stem)
-    limits = Limits(max_rows=env.max_items, timeout_s=env.db_timeout_s,
+    out = Setup(train, held_out, DBEnv, "db_file", split=Path(options.questions).stem)
+    limits = Limits(max_rows=env.max_items, timeout_s=options.timeout_s,
                     max_observation_chars=env.max_observation_chars)
     out.make_env = _DBFactory(out, path, limits, env.system_prompt or None)
     out.oracle = lambda task: oracle_turns(task, db_backend(out, path))

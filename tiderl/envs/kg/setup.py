@@ -3,11 +3,12 @@
 | source | train tasks | eval tasks | graph |
 | --- | --- | --- | --- |
 | `embedded` | generated questions on a synthetic movie KG | the same, on held-out topic entities | in memory |
-| `metaqa` | tiderl's template questions over MetaQA's kb.txt | MetaQA's real test questions (`data.hops`: 1, 2, 3) | in memory |
-| `agentbench_kg` | `kg_rl_all` minus the eval questions | AgentBench KG `data.split` (`dev`, `std`) | `env.sparql_endpoint` (Freebase) |
+| `metaqa` | tiderl's template questions over MetaQA's kb.txt | MetaQA's real test questions (`env.options.hops`: 1, 2, 3) | in memory |
+| `agentbench_kg` | `kg_rl_all` minus the eval questions | AgentBench KG `data.split` (`dev`, `std`) | `env.options.sparql_endpoint` (Freebase) |
 
 AgentBench's KG `kg_rl_all` file repeats 13 of the 20 `dev` questions; they are dropped from the
 training tasks. Every source keeps at most `data.eval_size` eval tasks (a fixed-seed sample).
+The options (`env.options.*`) are `tiderl.envs.kg.registration.KGOptions`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ KG_EVAL_SPLITS = {"dev": "dev", "std": "std", "test": "std"}
 
 def setup(cfg: "RunConfig") -> Setup:
     """The tasks of `data.source` and a factory of `KGEnv`s over its graph, configured by `env`
-    (`max_listed`, the system prompt, `ObservationLimits(max_items, max_observation_chars)`)."""
-    data = cfg.data
+    (`options.max_listed`, the system prompt, `ObservationLimits(max_items, max_observation_chars)`)."""
+    data, options = cfg.data, cfg.env.options
     if data.source == "embedded":
-        store = build_movie_world(data.seed, num_films=data.num_films, num_people=data.num_people)
-        tasks = generate_questions(store, data.seed, hops=tuple(data.hops))
-        train, held_out = split_by_entity(tasks, data.eval_fraction, data.seed)
+        store = build_movie_world(data.seed, num_films=options.num_films, num_people=options.num_people)
+        tasks = generate_questions(store, data.seed, hops=tuple(options.hops))
+        train, held_out = split_by_entity(tasks, options.eval_fraction, data.seed)
         out = Setup(train, sample_tasks(held_out, data.eval_size, data.seed), _no_env, "embedded", store=store)
     elif data.source == "metaqa":
         out = _metaqa(cfg)
@@ -59,22 +60,22 @@ def setup(cfg: "RunConfig") -> Setup:
                          "metaqa or agentbench_kg with env.name=kg.")
     env, prompt = cfg.env, cfg.env.system_prompt or None
     limits = ObservationLimits(max_items=env.max_items, max_chars=env.max_observation_chars)
-    out.make_env = _KGFactory(out, env.sparql_endpoint, env.max_listed, prompt, limits)
+    out.make_env = _KGFactory(out, options.sparql_endpoint, options.max_listed, prompt, limits)
     out.oracle = oracle_turns_for
-    if env.drift.every_steps > 0:
+    if options.drift.every_steps > 0:
         _add_drift(cfg, out)
     return out
 
 
 def _add_drift(cfg: "RunConfig", out: Setup) -> None:
-    """Make the setup's world change every `env.drift.every_steps` steps (tiderl/envs/drift.py):
+    """Make the setup's world change every `env.options.drift.every_steps` steps (tiderl/envs/drift.py):
     its environments play in, and its oracle solves, the world of the current step."""
     from tiderl.envs.drift import DriftingKGFactory, DriftingWorld, DriftSchedule
 
     if out.store is None:
-        raise ValueError(f"env.drift needs an in-memory graph; data.source={out.name} has none. Fix: use "
-                         "data.source=embedded or metaqa, or env.drift.every_steps=0.")
-    world = DriftingWorld(out.store, DriftSchedule.from_config(cfg.env.drift, cfg.data.seed))
+        raise ValueError(f"env.options.drift needs an in-memory graph; data.source={out.name} has none. Fix: use "
+                         "data.source=embedded or metaqa, or env.options.drift.every_steps=0.")
+    world = DriftingWorld(out.store, DriftSchedule.from_config(cfg.env.options.drift, cfg.data.seed))
     factory = out.make_env
     out.make_env = DriftingKGFactory(world, max_listed=factory.max_listed, system_prompt=factory.system_prompt,
                                      limits=factory.limits)
@@ -114,12 +115,13 @@ class _KGFactory:
     def graph(self) -> Any:
         if self.setup.store is not None:
             if self.endpoint:
-                raise ValueError(f"env.sparql_endpoint is used with data.source=agentbench_kg (Freebase), not "
-                                 f"with {self.setup.name!r}, whose graph is in memory. Fix: set env.sparql_endpoint=''")
+                raise ValueError(f"env.options.sparql_endpoint is used with data.source=agentbench_kg (Freebase), "
+                                 f"not with {self.setup.name!r}, whose graph is in memory. Fix: set "
+                                 "env.options.sparql_endpoint=''")
             return self.setup.store
         if not self.endpoint:
             raise ValueError(f"data.source={self.setup.name} needs a Freebase SPARQL endpoint. "
-                             "Fix: set env.sparql_endpoint=http://host:port/sparql")
+                             "Fix: set env.options.sparql_endpoint=http://host:port/sparql")
 
         def build() -> Any:
             from tiderl.envs.kg.rdf import FREEBASE
@@ -135,7 +137,7 @@ class _KGFactory:
 
 
 def _metaqa(cfg: "RunConfig") -> Setup:
-    data = cfg.data
+    data, options = cfg.data, cfg.env.options
     root = data_root(data.data_dir) / "metaqa"
     if not (root / "kb.txt").is_file():
         raise FileNotFoundError(
@@ -143,15 +145,15 @@ def _metaqa(cfg: "RunConfig") -> Setup:
             "that holds metaqa/, or the TIDERL_DATA_DIR environment variable.")
     store = load_metaqa_kb(root / "kb.txt", attribute_relations=METAQA_ATTRIBUTES)
     # An equal fixed-seed sample of MetaQA's real test questions per hop count.
-    per_hop = max(1, data.eval_size // len(data.hops))
-    held_out = [task for hops in data.hops
+    per_hop = max(1, data.eval_size // len(options.hops))
+    held_out = [task for hops in options.hops
                 for task in load_metaqa_questions(root, hops=hops, split="test", sample=per_hop, seed=data.seed)]
     topics = {t.meta["topic"] for t in held_out}
-    train_hops = tuple(h for h in data.hops if h in TEMPLATE_HOPS)
+    train_hops = tuple(h for h in options.hops if h in TEMPLATE_HOPS)
     train: list[Task] = []
-    if train_hops:  # data.hops=[3] evaluates 3-hop questions and has nothing to train on
+    if train_hops:  # hops=[3] evaluates 3-hop questions and has nothing to train on
         train = generate_metaqa_training_questions(
-            store, data.seed, data.num_train_tasks, hops=train_hops, exclude_topics=topics)
+            store, data.seed, options.num_train_tasks, hops=train_hops, exclude_topics=topics)
     return Setup(train, held_out, _no_env, "metaqa", store=store)
 
 

@@ -260,7 +260,7 @@ def small_arithmetic_tasks(seed: int, num_train: int, num_eval: int) -> tuple[li
     if len(splits[False]) < num_train or len(splits[True]) < num_eval:
         raise ValueError(f"small_arithmetic: found {len(splits[False])} training and {len(splits[True])} held-out "
                          f"distinct questions, fewer than asked ({num_train}, {num_eval}): lower "
-                         "data.num_train_tasks or data.eval_size")
+                         "env.options.num_train_tasks or data.eval_size")
     return splits[False], splits[True]
 
 
@@ -366,7 +366,7 @@ def place_value_tasks(seed: int, num_train: int, num_eval: int) -> tuple[list[Ta
     if num_train > len(train) or num_eval > len(held_out):
         raise ValueError(f"place_value has {len(train)} training and {len(held_out)} held-out questions "
                          f"(seed {seed}), fewer than asked ({num_train}, {num_eval}): lower "
-                         "data.num_train_tasks or data.eval_size")
+                         "env.options.num_train_tasks or data.eval_size")
     rng = random.Random(f"place-value-{seed}")
     rng.shuffle(train)
     rng.shuffle(held_out)

@@ -2,7 +2,7 @@
 
 Episode:
 
-- single-turn (`tools=False`, `env.math_tools=false`): the first model turn is the answer turn;
+- single-turn (`tools=False`, `env.options.calculator=false`): the first model turn is the answer turn;
   the episode ends there.
 - multi-turn (`tools=True`): the agent may call `calculator` (one observation per call, an
   `Error: ...` observation for a malformed call or a bad expression); the first turn without

@@ -2,20 +2,21 @@
 
 | source | train tasks | eval tasks |
 | --- | --- | --- |
-| `arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` other generated questions |
-| `digit_arithmetic` | `data.num_train_tasks` of its 540 questions | `data.eval_size` other questions (single turn, no calculator) |
-| `small_arithmetic` | `data.num_train_tasks` generated questions | `data.eval_size` generated questions over number pairs no training question uses |
-| `place_value` | `data.num_train_tasks` questions about three-digit numbers | `data.eval_size` questions about other numbers (single turn, no calculator) |
+| `arithmetic` | `env.options.num_train_tasks` generated questions | `data.eval_size` other generated questions |
+| `digit_arithmetic` | `env.options.num_train_tasks` of its 540 questions | `data.eval_size` other questions (single turn, no calculator) |
+| `small_arithmetic` | `env.options.num_train_tasks` generated questions | `data.eval_size` generated questions over number pairs no training question uses |
+| `place_value` | `env.options.num_train_tasks` questions about three-digit numbers | `data.eval_size` questions about other numbers (single turn, no calculator) |
 | `gsm8k`, `math500`, `aime24`, `aime25`, `amc23` | none (the files are test sets) | a fixed-seed sample of at most `data.eval_size` |
 
-The environment is configured by `env.math_tools` (the calculator; multi-turn),
-`env.math_format_penalty`, `env.math_verify_timeout_s`, `env.system_prompt` and
-`env.max_observation_chars`. One `AnswerVerifier` (math-verify worker processes) is shared by
+The environment is configured by its options (`tiderl.envs.math.registration.MathOptions`:
+`env.options.calculator` (multi-turn), `format_penalty`, `verify_timeout_s`), `env.system_prompt`
+and `env.max_observation_chars`. One `AnswerVerifier` (math-verify worker processes) is shared by
 every environment of a setup.
 
 The oracle answers every task with its reference answer, `\\boxed{<gold>}`; with the
 calculator on, an arithmetic task's oracle first calls the calculator with the task's
-expression. `demonstrations` gives the embedded tiny model's warm-start scripts for arithmetic.
+expression. `WARM_START` gives the embedded tiny model's warm start on the generated sources
+(`demonstrations`, and `copy_check` for place_value).
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ from tiderl.envs.math.data import (
     small_arithmetic_tasks,
 )
 from tiderl.envs.math.env import MathEnv
+from tiderl.envs.math.registration import SOURCES as MATH_SOURCES
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Task
+from tiderl.envs.registration import WarmStart
 from tiderl.envs.setup import Setup, data_root, sample_tasks
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
-MATH_SOURCES = ("arithmetic", "small_arithmetic", "digit_arithmetic", "place_value", *BENCHMARK_FILES)
 # The generated sources the embedded tiny model can be built for, with their kinds of question.
 GENERATED_KINDS: dict[str, tuple[Kind, ...]] = {"arithmetic": ARITHMETIC_KINDS,
                                                 "small_arithmetic": SMALL_ARITHMETIC_KINDS,
@@ -58,15 +60,15 @@ SINGLE_TURN_SOURCES = ("digit_arithmetic", "place_value")
 
 def setup(cfg: "RunConfig") -> Setup:
     """The tasks of `data.source` and a factory of `MathEnv`s (module docstring)."""
-    data = cfg.data
+    data, options = cfg.data, cfg.env.options
     if data.source == "arithmetic":
-        train, held_out = arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+        train, held_out = arithmetic_tasks(data.seed, options.num_train_tasks, data.eval_size)
     elif data.source == "digit_arithmetic":
-        train, held_out = digit_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+        train, held_out = digit_arithmetic_tasks(data.seed, options.num_train_tasks, data.eval_size)
     elif data.source == "small_arithmetic":
-        train, held_out = small_arithmetic_tasks(data.seed, data.num_train_tasks, data.eval_size)
+        train, held_out = small_arithmetic_tasks(data.seed, options.num_train_tasks, data.eval_size)
     elif data.source == "place_value":
-        train, held_out = place_value_tasks(data.seed, data.num_train_tasks, data.eval_size)
+        train, held_out = place_value_tasks(data.seed, options.num_train_tasks, data.eval_size)
     elif data.source in BENCHMARK_FILES:
         root = data_root(data.data_dir)
         try:
@@ -81,9 +83,9 @@ def setup(cfg: "RunConfig") -> Setup:
                          f"{', '.join(MATH_SOURCES)} with env.name=math.")
     out = Setup(train, held_out, _no_env, data.source)
     env = cfg.env
-    out.make_env = _MathFactory(out, env.math_tools, env.math_format_penalty, env.math_verify_timeout_s,
+    out.make_env = _MathFactory(out, options.calculator, options.format_penalty, options.verify_timeout_s,
                                 env.system_prompt or None, env.max_observation_chars)
-    tools = env.math_tools
+    tools = options.calculator
     out.oracle = lambda task: oracle_turns(task, tools)
     return out
 
@@ -149,10 +151,11 @@ def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[
     `model.warmstart.relation_noise` as the mean): a calculator call and `\\boxed{<its result>}`
     (arithmetic, small_arithmetic), `\\boxed{<the result>}` alone (digit_arithmetic) or
     `Final Answer: <the result>` alone (place_value). Returns (tasks, scripts, build-report entries)."""
-    if setup.name not in GENERATED_KINDS or (setup.name not in SINGLE_TURN_SOURCES) != cfg.env.math_tools:
+    if setup.name not in GENERATED_KINDS or (setup.name not in SINGLE_TURN_SOURCES) != cfg.env.options.calculator:
         raise ValueError("the embedded tiny model is built for data.source=arithmetic or small_arithmetic with the "
-                         "calculator (env.math_tools=true), or digit_arithmetic or place_value without it. Fix: set "
-                         "one of those, or pass a real model (model.path=DIR) for the math benchmarks.")
+                         "calculator (env.options.calculator=true), or digit_arithmetic or place_value without it. "
+                         "Fix: set one of those, or pass a real model (model.path=DIR; tiderl eval --model DIR) for "
+                         "the math benchmarks")
     draw_rates = spread_confusion_rates if setup.name == "place_value" else confusion_rates
     rates = draw_rates(cfg.model.warmstart.relation_noise, cfg.seed, GENERATED_KINDS[setup.name])
     pool = setup.train_tasks
@@ -168,7 +171,7 @@ def demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[
             result = calculate(expression)
         except CalculatorError:
             result = "0"
-        if cfg.env.math_tools:
+        if cfg.env.options.calculator:
             scripts.append([tool_call_text("calculator", {"expression": expression}), f"\\boxed{{{result}}}"])
         elif setup.name == "place_value":
             # `Final Answer: ` ends in the same lone-space token that comes before the number in
@@ -210,3 +213,11 @@ def copy_check(setup: Setup, cfg: "RunConfig") -> tuple[list[Task], list[list[st
         return extract_answer(text).answer in (task.answer, calculate(task.meta["confusion"]))
 
     return tasks, [[f"Final Answer: {t.answer}"] for t in tasks], copied
+
+
+# The embedded tiny model's warm start (tiderl/models/embedded.py). The generated families still
+# change: their generator's and demonstrations' source text keys the cached model.
+# The reward's format penalty and the verifier's time limit do not change the demonstrations' texts.
+WARM_START = WarmStart(demonstrations=demonstrations, copy_check=copy_check,
+                       key_modules=("tiderl.envs.math.data", "tiderl.envs.math.setup"),
+                       unkeyed_options=("format_penalty", "verify_timeout_s"))

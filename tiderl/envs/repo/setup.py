@@ -4,8 +4,8 @@ data.source=humaneval | mbpp: tasks generated from the problems (`tasks.generate
 cached under `model.cache_dir`, else $TIDERL_CACHE or ~/.cache/tiderl), split as the code
 environment splits them (HumanEval is held out and MBPP's training problems are trained on;
 MBPP's evaluation split is held out). data.source=folder: the task folders in
-`data.task_dir`; with `train/` and `eval/` subfolders those are the splits, else a fixed-seed
-`data.eval_fraction` of the tasks is held out. At most `data.eval_size` held-out tasks are kept.
+`env.options.task_dir`; with `train/` and `eval/` subfolders those are the splits, else a fixed-seed
+`env.options.eval_fraction` of the tasks is held out. At most `data.eval_size` held-out tasks are kept.
 The oracle plays each task's fix with edit_file, then submits.
 """
 
@@ -52,10 +52,10 @@ def repo_tasks(cfg: "RunConfig", setup: Setup) -> tuple[list[Task], list[Task]]:
     """(training tasks, held-out tasks) of `data.source`."""
     data = cfg.data
     if data.source == "folder":
-        root = Path(data.task_dir)
+        root = Path(cfg.env.options.task_dir)
         if (root / "train").is_dir() and (root / "eval").is_dir():
             return load_task_folders(root / "train"), load_task_folders(root / "eval")
-        return folder_split(load_task_folders(root), data.eval_fraction, data.seed)
+        return folder_split(load_task_folders(root), cfg.env.options.eval_fraction, data.seed)
     train_code, held_code = code_tasks(cfg)
     sandbox = shared_sandbox(setup, cfg)
     return cached_tasks(sandbox, train_code, cache_dir(cfg)), cached_tasks(sandbox, held_code, cache_dir(cfg))

@@ -235,6 +235,6 @@ def load_task_folder(folder: Path) -> Task:
 def load_task_folders(root: Path) -> list[Task]:
     """Every task folder directly under `root` (sorted by name)."""
     if not root.is_dir():
-        raise FileNotFoundError(f"data.task_dir={str(root)!r} is not a folder. Fix: point it at a folder of task "
+        raise FileNotFoundError(f"env.options.task_dir={str(root)!r} is not a folder. Fix: point it at a folder of task "
                                 "folders (docs/env_code.md).")
     return [load_task_folder(p) for p in sorted(root.iterdir()) if p.is_dir()]

@@ -1,0 +1,45 @@
+"""The math environment as `env.name` finds it: its options, data sources and warm start
+(`tiderl.envs.registration`). Imports nothing heavy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tiderl.envs.registration import BuiltinEnvironment
+from tiderl.options import need, opt
+
+# Questions tiderl generates (training and held out)...
+GENERATED_SOURCES = ("arithmetic", "small_arithmetic", "digit_arithmetic", "place_value")
+# ... and test sets under the data root (evaluation only; tiderl.envs.math.data.BENCHMARK_FILES).
+BENCHMARK_SOURCES = ("gsm8k", "math500", "aime24", "aime25", "amc23")
+SOURCES = GENERATED_SOURCES + BENCHMARK_SOURCES
+
+
+@dataclass
+class MathOptions:
+    """The math environment's options (`env.options.*` with this environment)."""
+
+    calculator: bool = opt(
+        False, "Offer the calculator tool (multi-turn; the first turn without a tool call is the answer); "
+        "false = single-turn (the first turn is the answer).")
+    format_penalty: float = opt(0.0, "Reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
+    verify_timeout_s: float = opt(
+        5.0, "Longest math-verify check of one answer, in seconds (its worker process is killed after that "
+        "and the answer counts as wrong).")
+    num_train_tasks: int = opt(4000, "Generated sources: training questions generated.")
+
+    def check(self, cfg: Any) -> None:
+        need(self.format_penalty >= 0, "format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
+        need(self.verify_timeout_s > 0, "verify_timeout_s", "must be > 0", "use 5.0")
+        need(self.num_train_tasks >= 0, "num_train_tasks", "must be >= 0", "use 4000")
+
+
+ENVIRONMENT = BuiltinEnvironment(
+    setup_path="tiderl.envs.math.setup:setup",
+    Options=MathOptions,
+    sources=SOURCES,
+    warm_start_path="tiderl.envs.math.setup:WARM_START",
+    former_keys={"env.math_tools": "calculator", "env.math_format_penalty": "format_penalty",
+                 "env.math_verify_timeout_s": "verify_timeout_s", "data.num_train_tasks": "num_train_tasks"},
+)

@@ -1,0 +1,133 @@
+"""What `env.name` names: an environment as the config, the command line and the embedded model
+see it, before any of its code runs.
+
+An environment is one object (a class or a module-level object) with:
+
+- `setup(cfg) -> Setup` (required; `tiderl.envs.setup`): its tasks and a factory of episodes;
+- `Options` (optional): a dataclass of its options, declared with `tiderl.options.opt`; the
+  config holds them as `cfg.env.options` (YAML and overrides: `env.options.<field>`), validated
+  by the dataclass, listed by `tiderl config`. It may define `check(self, cfg)`, raising with
+  `tiderl.options.need` for values its types cannot rule out;
+- `sources` (optional): the `data.source` values it reads, the first being the default (a
+  run that names the environment and no source reads the first);
+- `warm_start` (optional): a `WarmStart`, how the embedded tiny model (`model.path=tiny`) is
+  warm-started on it;
+- `eval_flags` (optional): `EvalFlag`s, shortcuts of `tiderl eval` for its options.
+
+A built-in is a `BuiltinEnvironment` in its own package's `registration.py`, named by
+`tiderl.registry.ENVIRONMENTS`: torch-free and quick to import, so loading a config imports
+neither torch nor the environment's own modules; `setup` and `warm_start` are import paths,
+loaded on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tiderl.options import Components, ConfigError
+from tiderl.registry import ENVIRONMENTS, load_object, resolve
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """How the embedded tiny model is warm-started on an environment (`tiderl/models/embedded.py`).
+
+    demonstrations(setup, cfg, rng) -> (tasks, scripts, report entries): training tasks and the
+        assistant turns that (imperfectly, on purpose) solve them, drawn with `rng`; the
+        tokenizer is trained on the texts of their episodes. Raises ValueError naming the fix
+        when this configuration of the environment has no tiny model (say, a data source with
+        no training tasks).
+    copy_check(setup, cfg) -> (tasks, scripts, copied(task, text) -> bool): the optional
+        stopping rule of `model.warmstart.copy_check_threshold` (the tasks carry meta["kind"]).
+    key_modules: modules whose source text is part of the cached model's key (for task
+        generators that still change: a changed one must not reuse a model built on the old).
+    unkeyed_options: the environment's options that cannot change the built model (every other
+        option is part of its key), so runs that differ only in them share one cached model.
+    """
+
+    demonstrations: Callable[..., tuple[list[Any], list[list[str]], dict[str, Any]]]
+    copy_check: Callable[..., tuple[list[Any], list[list[str]], Callable[[Any, str], bool]]] | None = None
+    key_modules: tuple[str, ...] = ()
+    unkeyed_options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalFlag:
+    """A `tiderl eval` shortcut for an environment's settings: `flag VALUE` stands for
+    `overrides`, each with `{}` replaced by VALUE (dotted overrides on the command line win)."""
+
+    flag: str
+    overrides: tuple[str, ...]
+    help: str
+
+
+@dataclass(frozen=True)
+class BuiltinEnvironment:
+    """A built-in environment (module docstring): its setup and warm start as import paths.
+
+    former_keys: run-level keys that became its options, old dotted key -> option name, so a
+    config that still sets one is told where it went (`tiderl.config.reject_moved_keys`).
+    """
+
+    setup_path: str
+    Options: type | None = None
+    sources: tuple[str, ...] = ()
+    warm_start_path: str = ""
+    eval_flags: tuple[EvalFlag, ...] = ()
+    former_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def setup(self, cfg: Any) -> Any:
+        """The environment's `Setup` for `cfg` (imports the environment's code)."""
+        return load_object(self.setup_path, "env.name setup")(cfg)
+
+    @property
+    def warm_start(self) -> WarmStart | None:
+        return load_object(self.warm_start_path, "warm start") if self.warm_start_path else None
+
+
+def environment(name: str) -> Any:
+    """The environment `env.name` names: a built-in's registration or a user's object."""
+    try:
+        return resolve(ENVIRONMENTS, name, "env.name")
+    except ValueError as exc:
+        raise ConfigError(f"{exc}. Fix: use one of {', '.join(ENVIRONMENTS)}, or your own 'module:Object' "
+                          "(docs/extending.md).", "env.name") from None
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"env.name: {exc}", "env.name") from None
+
+
+def options_class(name: str) -> type | None:
+    """The options dataclass of environment `name` (None when it declares none)."""
+    options = getattr(environment(name), "Options", None)
+    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise ConfigError(f"env.name: {name}'s Options is {options!r}, not a dataclass. Fix: declare its options "
+                          "as a @dataclass with tiderl.options.opt fields (docs/extending.md).", "env.name")
+    return options
+
+
+def sources(name: str) -> tuple[str, ...]:
+    """The data sources environment `name` reads, the default first (() = it reads any)."""
+    return tuple(getattr(environment(name), "sources", None) or ())
+
+
+def builtin(name: str) -> BuiltinEnvironment:
+    """The registration of built-in environment `name`."""
+    return load_object(ENVIRONMENTS[name], "env.name")
+
+
+def moved_key(key: str) -> list[tuple[str, str]]:
+    """(environment, option) for each built-in environment whose options took over the former
+    run-level `key` (e.g. "data.hops")."""
+    out = []
+    for name in ENVIRONMENTS:
+        new = builtin(name).former_keys.get(key)
+        if new:
+            out.append((name, new))
+    return out
+
+
+# `env.options` follows `env.name` (tiderl.config.EnvConfig).
+ENVIRONMENT_OPTIONS = Components(chooser="name", names=lambda: ENVIRONMENTS, options_of=options_class)
