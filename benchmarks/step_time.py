@@ -4,9 +4,9 @@ core taken by another process.
 
 The baseline (`lockstep`) is what a synchronous RL loop is at its plainest and fastest here: play
 a batch of episodes (`play_episodes`: every turn of every episode decoded in one batch, in the
-calling thread), one `train_step`, hand the weights to the engine, repeat; no scheduler, no
+calling thread), one `train_step`, hand the weights to the engine, repeat; no rollout pool, no
 buffer, all torch work in one thread with one thread per core, as in tiderl's former lock-step
-loop. The one path (`scheduler`) is `tiderl.recipe.train` with its rollout slots, readiness
+loop. The one path (`recipe`) is `tiderl.recipe.train` with its rollout pool's slots, readiness
 buffer and verified weight sync, its torch threads chosen by `system.trainer_threads` (default:
 the cores other processes leave free). Same model, tasks, algorithm and seed; interleaved
 repeats.
@@ -15,7 +15,7 @@ repeats.
     .venv/bin/python benchmarks/step_time.py --quick    # 6 steps, 1 repeat (a smoke test)
     .venv/bin/python benchmarks/step_time.py --prep     # time saved by pipelining the preparations
 
-Last line: scheduler / lockstep seconds per step, idle and loaded (below 1.0 = the one path is
+Last line: recipe / lockstep seconds per step, idle and loaded (below 1.0 = the one path is
 faster). What it does not show: asynchronous speed-ups (staleness > 0; see async_vs_sync.py).
 
 `--prep` measures what ref/critic pipelining saves: the same asynchronous run (staleness 1, 16
@@ -75,7 +75,7 @@ def lockstep(cfg, steps: int) -> list[float]:
     return times
 
 
-def scheduler(cfg, steps: int) -> list[float]:
+def recipe(cfg, steps: int) -> list[float]:
     """`tiderl.recipe.train` at max_staleness 0; returns the seconds of each step."""
     history, _ = train(build_run(cfg), steps)
     return [h["step_s"] for h in history]
@@ -157,7 +157,7 @@ def main() -> None:
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             for _ in range(args.repeats):
-                for name, fn in (("lockstep", lockstep), ("scheduler", scheduler)):
+                for name, fn in (("lockstep", lockstep), ("recipe", recipe)):
                     times = fn(cfg, args.steps)[2:]  # the first steps warm caches and allocators
                     rows.setdefault((name, load), []).extend(times)
                     print(f"{load:6s} {name:9s} median {statistics.median(times):.3f} s/step", flush=True)
@@ -169,9 +169,9 @@ def main() -> None:
     for (name, load), times in rows.items():
         q = statistics.quantiles(times, n=10) if len(times) >= 2 else times * 9
         print(f"| {name} | {load} | {statistics.median(times):.3f} | {q[0]:.3f}-{q[-1]:.3f} | {len(times)} |")
-    ratio = {load: statistics.median(rows[("scheduler", load)]) / statistics.median(rows[("lockstep", load)])
+    ratio = {load: statistics.median(rows[("recipe", load)]) / statistics.median(rows[("lockstep", load)])
              for load in ("idle", "loaded")}
-    print(f"\nscheduler/lockstep s/step: idle {ratio['idle']:.2f}x, one core busy {ratio['loaded']:.2f}x")
+    print(f"\nrecipe/lockstep s/step: idle {ratio['idle']:.2f}x, one core busy {ratio['loaded']:.2f}x")
 
 
 if __name__ == "__main__":

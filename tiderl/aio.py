@@ -1,4 +1,4 @@
-"""Concurrency helpers shared by the background loops (engine client, buffer, scheduler)."""
+"""Concurrency helpers shared by the background loops (engine client, buffer, rollout pool)."""
 
 from __future__ import annotations
 

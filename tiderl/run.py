@@ -313,7 +313,7 @@ def save_run_checkpoint(run: Run, path: Path) -> Path:
     rng = getattr(run.engine, "rng_state", None)
     state = {"tasks": run.tasks.state_dict(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
              "engine_rng": rng() if rng is not None else None, "run_dir": str(Path(run.cfg.run_dir).resolve())}
-    if run.pool is not None:
+    if run.pool is not None:  # the key keeps its first name, so earlier checkpoints still resume
         state["scheduler"] = run.pool.state_dict()
     elif run.resume_state is not None and "scheduler" in run.resume_state:
         state["scheduler"] = run.resume_state["scheduler"]  # resumed, not trained since

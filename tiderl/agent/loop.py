@@ -249,7 +249,7 @@ async def play_episode(
     - an exception in `make_env` or any environment method, or an answer that cannot be
       rendered (observations that are not a list of str), ends only that episode:
       stop_reason "error", reward 0, env_info["error"] = repr(exception) (and "error_in"),
-      logged as a warning; its tokens so far are kept (the scheduler retries such a task or
+      logged as a warning; its tokens so far are kept (the rollout pool retries such a task or
       counts it as failed). Engine and template (`TemplateError`) errors propagate;
     - a prompt that leaves no room for a turn (fewer than 2 tokens of budget) ends the episode
       at once through `env.finish("max_tokens")`: stop_reason "max_tokens", no tokens at all,

@@ -3,7 +3,7 @@
 A disaggregated deployment gives the trainer and the rollout engines devices of their own, so
 an asynchronous run overlaps two workloads that never compete. On one machine the threads that
 do the torch work (`tiderl.aio`: the decode thread, the trainer thread, the preparation thread)
-otherwise share every core and the scheduler decides nothing about it. `system.cores` makes the
+otherwise share every core and nothing decides about it. `system.cores` makes the
 split explicit:
 
 - `shared` (default): no pinning; thread counts come from `system.*_threads` as before.

@@ -1,6 +1,6 @@
 """The Ray backend: rollout workers are Ray actors, the trainer stays in the driver.
 
-The asynchronous `Scheduler` is the same one the local backend uses; only its `RolloutBackend`
+The rollout pool and the loop are the ones the local backend uses; only the `RolloutBackend`
 changes. `RayRollout` owns a pool of `RolloutWorker` actors, each with its own `TorchEngine`
 behind a `BatchingEngine`, its own environments and its own sampler seed, so the episodes routed
 to one worker are decoded together. What travels through the object store: once per run a

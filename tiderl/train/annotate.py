@@ -48,7 +48,7 @@ class CriticSnapshot:
     values therefore lag the live critic by the steps between their computation and the
     trajectory's training step. To measure that lag, every trajectory it annotates also gets
     `annotations["values_version"]`: the number of refreshes the snapshot had when it computed the
-    values (one entry per token, all equal); the scheduler turns it into `critic/lag_*`."""
+    values (one entry per token, all equal); the rollout pool turns it into `critic/lag_*`."""
 
     key = "values"
 

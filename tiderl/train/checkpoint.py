@@ -5,7 +5,7 @@ Layout of a checkpoint directory:
     actor/                 loadable by `AutoModelForCausalLM.from_pretrained` (and `tiderl eval`)
     critic/                `ValueModel.save` (backbone dir + value head), when the algorithm has one
     trainer_state.pt       both optimizers' states, the step, and the caller's `state` (RNGs,
-                           task stream, scheduler, ...)
+                           task stream, rollout pool, ...)
     curiosity.json         the curiosity counts (when given)
     tiderl_checkpoint.json the completion marker, written last
 
