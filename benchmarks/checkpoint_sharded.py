@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from tiderl.lab.ranks import spawn_ranks  # noqa: E402
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
 from tiderl.train.checkpoint import load_checkpoint, load_sharded, save_checkpoint, save_sharded  # noqa: E402
 from tiderl.train.critic import ValueModel, freeze_matching  # noqa: E402
 from tiderl.train.learner import Learner  # noqa: E402
-from tiderl.train.parallel import spawn_ranks  # noqa: E402
 
 SHAPES = {
     "tiny": {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},

@@ -10,11 +10,12 @@ import torch
 
 from tiderl.algos.registry import needs_critic, needs_ref
 from tiderl.config import AlgoConfig, preset_defaults
+from tiderl.lab.ranks import spawn_ranks
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.forward import token_logprobs
 from tiderl.train.learner import Learner
-from tiderl.train.parallel import assign_micro_batches, spawn_ranks
+from tiderl.train.parallel import assign_micro_batches
 from tiderl.train.step import train_step
 from tiderl.types import NO_VERSION, Trajectory
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_parallel import CASES, CLIP, build, snapshot, trajectories
 
+from tiderl.lab.ranks import spawn_ranks
 from tiderl.train.checkpoint import (
     SHARDED,
     latest_checkpoint,
@@ -22,7 +23,6 @@ from tiderl.train.checkpoint import (
     save_sharded,
 )
 from tiderl.train.learner import Learner
-from tiderl.train.parallel import spawn_ranks
 from tiderl.train.step import train_step
 
 CFG, MICRO = CASES["sao"]  # actor and critic (frozen attention), two critic updates
