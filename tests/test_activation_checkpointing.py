@@ -100,7 +100,7 @@ def test_config_turns_it_on_for_the_actor_and_the_critic_not_the_engine(tmp_path
     from tiderl.run import build_run
 
     cfg = load_config("configs/kg_sao_tiny.yaml", [
-        "data.num_films=40", "data.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
+        "env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
         "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
         "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
         "log.progress=false", "log.tensorboard=false", "train.activation_checkpointing=true",

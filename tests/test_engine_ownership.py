@@ -86,7 +86,7 @@ class PlainEngine:
 
 def _small_eval_model(tmp_path):
     """Overrides for a 4-task embedded evaluation, and a 1-layer model directory fit for it."""
-    small = ["data.num_films=20", "data.num_people=20", "data.num_train_tasks=50", "data.eval_size=4",
+    small = ["env.options.num_films=20", "env.options.num_people=20", "env.options.num_train_tasks=50", "data.eval_size=4",
              "eval.sampled=false", "env.max_turns=1", "rollout.max_new_tokens=4", "env.max_total_tokens=4096",
              "train.micro_batch_tokens=4096", "model.tiny.max_positions=4096", f"run_dir={tmp_path / 'run'}"]
     setup = load_setup(load_config(None, small))

@@ -227,12 +227,12 @@ def test_eval_shortcut_flags_map_onto_the_config(capsys):
     assert (cfg["env"]["name"], cfg["data"]["source"], cfg["data"]["split"], cfg["eval"]["pass_k"]) == (
         "db", "agentbench_db", "standard", 4)
     cfg = _dry_run(capsys, "--env", "kg", "--data", "metaqa", "--hops", "1,2,3")
-    assert (cfg["env"]["name"], cfg["data"]["source"], cfg["data"]["hops"]) == ("kg", "metaqa", [1, 2, 3])
+    assert (cfg["env"]["name"], cfg["data"]["source"], cfg["env"]["options"]["hops"]) == ("kg", "metaqa", [1, 2, 3])
     # --data alone picks its environment, --env db alone its data source.
     assert _dry_run(capsys, "--data", "agentbench_db")["env"]["name"] == "db"
     assert _dry_run(capsys, "--env", "db")["data"]["source"] == "agentbench_db"
     # Dotted overrides win over the shortcuts.
-    assert _dry_run(capsys, "--hops", "1,2,3", "data.hops=[2]")["data"]["hops"] == [2]
+    assert _dry_run(capsys, "--hops", "1,2,3", "env.options.hops=[2]")["env"]["options"]["hops"] == [2]
     # A mismatch is a config error, not a crash.
     assert main(["eval", "--env", "kg", "--data", "agentbench_db"]) == 2
     assert "env.name" in capsys.readouterr().err
@@ -270,7 +270,7 @@ def test_oracle_reaches_the_metaqa_ceilings(tmp_path, capsys):
     _data_or_skip("metaqa", "kb.txt")
     out = tmp_path / "metaqa.json"
     assert main(["eval", "--env", "kg", "--data", "metaqa", "--hops", "1,2,3", "--oracle",
-                 "data.eval_size=900", "data.num_train_tasks=10", "--json", str(out)]) == 0
+                 "data.eval_size=900", "env.options.num_train_tasks=10", "--json", str(out)]) == 0
     greedy = json.loads(out.read_text())["greedy"]
     by_hops = greedy["by_hops"]
     assert {h: r["n"] for h, r in by_hops.items()} == {"1": 300, "2": 300, "3": 300}
@@ -302,10 +302,10 @@ def test_oracle_on_agentbench_kg_over_a_sparql_endpoint(tmp_path):
 
     _data_or_skip("agentbench_kg", "dev.json")
     overrides = ["data.eval_size=1", "data.seed=3"]
-    (task,) = load_setup(load_config(None, ["data.source=agentbench_kg", "env.sparql_endpoint=x", *overrides])).eval_tasks
+    (task,) = load_setup(load_config(None, ["data.source=agentbench_kg", "env.options.sparql_endpoint=x", *overrides])).eval_tasks
     out = tmp_path / "kg.json"
     with sparql_server(to_ntriples(trace_graph(task), FREEBASE)) as (url, _):
-        assert main(["eval", "--data", "agentbench_kg", "--oracle", f"env.sparql_endpoint={url}", *overrides,
+        assert main(["eval", "--data", "agentbench_kg", "--oracle", f"env.options.sparql_endpoint={url}", *overrides,
                      "--json", str(out)]) == 0
     greedy = json.loads(out.read_text())["greedy"]
     assert greedy["n"] == 1 and greedy["success"] == 1.0 and greedy["tool_errors"] == 0

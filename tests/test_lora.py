@@ -93,7 +93,7 @@ def test_a_lora_run_trains_and_syncs_adapters(tmp_path):
     from tiderl.run import build_run
 
     cfg = load_config("configs/kg_sao_tiny.yaml", [
-        "data.num_films=40", "data.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
+        "env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
         "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
         "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
         "rollout.batch_size=4", "env.max_turns=2", "rollout.max_new_tokens=24", "algo.critic_warmup_steps=0",

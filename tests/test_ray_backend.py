@@ -23,7 +23,7 @@ from tiderl.train.annotate import CriticSnapshot  # noqa: E402
 from tiderl.types import NO_VERSION  # noqa: E402
 
 SMALL = [
-    "data.num_films=40", "data.num_people=40", "data.eval_size=16",
+    "env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16",
     "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
     "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
     "model.warmstart.num_traces=200", "model.warmstart.steps=20", "model.warmstart.batch_size=16",
