@@ -130,3 +130,61 @@ def test_config_loading_imports_no_torch():
     code = "import sys; import tiderl.config as c; c.load_config('configs/kg_sao_tiny.yaml'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _environment_names() -> set[str]:
+    """Every built-in environment name and every data source a built-in registers."""
+    from tiderl.envs.registration import builtin
+    from tiderl.registry import ENVIRONMENTS
+
+    return set(ENVIRONMENTS) | {source for name in ENVIRONMENTS for source in builtin(name).sources}
+
+
+# OpenAI's error body has a field named "code", which is not the code environment.
+NAME_NOT_AN_ENVIRONMENT = {("serve/server.py", "code"), ("serve/wire.py", "code")}
+
+
+def environment_names_outside_envs(root: Path = ROOT) -> list[str]:
+    """'file:line: text' for each string in tiderl/ outside tiderl/envs/ that is an environment
+    name or a data source, or spells one as a setting (`env.name=kg`, `data.source: metaqa`,
+    `--data metaqa`, `'kg'` inside a message); the registry's ENVIRONMENTS table is where the names
+    belong."""
+    import re
+
+    names = _environment_names()
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    spelled = re.compile(rf"(?:env\.name|data\.source|--env|--data)\s*[=: ]\s*['\"`]?(?:{alternatives})\b"
+                         rf"|'(?:{alternatives})'")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where.startswith("envs/"):
+            continue
+        tree = ast.parse(path.read_text())
+        table_keys = set()
+        if where == "registry.py":  # the name table itself
+            for node in ast.walk(tree):
+                if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "ENVIRONMENTS":
+                    table_keys = {id(key) for key in node.value.keys}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in table_keys:
+                continue
+            text = node.value
+            if (text in names and (where, text) not in NAME_NOT_AN_ENVIRONMENT) or spelled.search(text):
+                found.append(f"{where}:{node.lineno}: {text[:80]!r}")
+    return found
+
+
+def test_environment_names_stay_in_the_environments():
+    """No built-in environment name or data source outside tiderl/envs/ (the registry's name table
+    aside): code that knows them branches on an environment, where the environment's registration
+    (tiderl/envs/*/registration.py) should say what it needs."""
+    assert environment_names_outside_envs() == []
+
+
+def test_the_names_check_finds_names(tmp_path):
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "kg.py").write_text('SOURCE = "metaqa"\n')  # inside envs: fine
+    (tmp_path / "run.py").write_text('if cfg.env.name == "kg":\n    HELP = "use env.name=db, or --data metaqa"\n'
+                                     'OK = "the embedded default model"\n')
+    assert [line.split(":")[:2] for line in environment_names_outside_envs(tmp_path)] == [["run.py", "1"], ["run.py", "2"]]
