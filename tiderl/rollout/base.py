@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +110,16 @@ class Engine(Protocol):
     # Optional (checkpoints): an engine with `rng_state() -> Any` and `set_rng_state(state)` has
     # its sampler's random state saved and restored, so a resumed run draws what the original
     # would have. Without them a resume re-seeds nothing and draws a different stream.
+
+
+def token_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """Ids to text with special tokens kept, as an engine checks stop strings after every token:
+    the raw `tokenizers` decoder where the tokenizer has one (about 10x cheaper per call than
+    `tokenizer.decode`), else `tokenizer.decode` without clean-up."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=False)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def check_request(prompt: list[int], params: SamplingParams, i: int, vocab_size: int,

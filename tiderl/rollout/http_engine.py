@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_seed
+from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_seed, token_decoder
 from tiderl.rollout.weights import weights_checksum
 
 if TYPE_CHECKING:
@@ -176,10 +176,7 @@ class HttpEngine:
         # Requests submitted and not yet finished (continuous interface), guarded by `_done`.
         self._pending = 0
         self._done = threading.Condition()
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode: Callable[[list[int]], str] = (
-            (lambda ids: backend.decode(ids, skip_special_tokens=False)) if backend is not None
-            else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)))
+        self._decode = token_decoder(tokenizer)
         # The engine's event loop, on its own thread: callers may be threads of any kind,
         # including one that runs another event loop (synchronous training decodes inline).
         self._loop = asyncio.new_event_loop()

@@ -52,7 +52,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_uniform
+from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_uniform, token_decoder
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
 from tiderl.rollout.weights import weights_checksum
 
@@ -199,16 +199,7 @@ class TorchEngine:
         # head (benchmarks/engine_memory.py), against a few MB for a contiguous copy. So the
         # engine's model (its own copy, or the one it was given) hands its head a contiguous input.
         self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
-        # The raw `tokenizers` decoder is ~10x cheaper per call than `tokenizer.decode`, which
-        # matters because stop strings are checked after every token of every row.
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode: Callable[[list[int]], str]
-        if backend is not None:
-            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
-        else:
-            self._decode = lambda ids: tokenizer.decode(
-                ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
+        self._decode = token_decoder(tokenizer)  # stop strings are checked after every token of every row
 
     # ------------------------------------------------------------------ the batch interface
 
