@@ -4,6 +4,7 @@ means logged at every training step (docs/metrics.md, docs/evaluation.md)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "tool_errors": sum(tool_errors) / n,
         "tool_errors_stderr": _stderr(tool_errors),
         "no_call_turns": sum(float(t.env_info.get("no_call_turns", 0)) for t in trajectories) / n,
-        "stop_reasons": _counts(t.stop_reason for t in trajectories),
+        "stop_reasons": dict(Counter(t.stop_reason for t in trajectories)),
     }
     return out
 
@@ -106,10 +107,3 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     for reason, count in s["stop_reasons"].items():
         out[f"episode/stop_{reason}"] = count / s["n"]
     return out
-
-
-def _counts(items: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts
