@@ -15,7 +15,7 @@ from tiderl.train.learner import Learner
 from tiderl.train.memory import enable_activation_checkpointing
 from tiderl.train.step import train_step
 
-from test_parallel import trajectories  # noqa: E402  (9 trajectories of the same tiny shape)
+from support import nine_trajectories  # noqa: E402  (9 trajectories of the same tiny shape)
 
 MODEL_CFG = tiny_qwen2_config(50, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                               max_position_embeddings=64)
@@ -62,7 +62,7 @@ def sao_step(checkpointing: bool, lora: bool = False, copied: bool = False) -> t
     critic_mlp.act_fn = CountedActivation(critic_mlp.act_fn, "critic")
     cfg = AlgoConfig(**{**preset_defaults("sao"), "critic_updates": 1, "entropy_coef": 0.0})
     actor, critic_learner = Learner(policy, lr=1e-2), Learner(critic, lr=1e-2)
-    train_step(trajectories(), actor, critic_learner, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
+    train_step(nine_trajectories(), actor, critic_learner, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
     weights = {f"policy.{k}": v.detach().clone() for k, v in policy.state_dict().items()}
     weights.update({f"critic.{k}": v.detach().clone() for k, v in critic.state_dict().items()})
     return weights, calls

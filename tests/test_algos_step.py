@@ -1,5 +1,5 @@
 """`train_step` with a tiny model: invariances, SAO as a preset, user-defined estimators and
-losses, errors, filters."""
+losses, errors, filters. The fixture `trajectories` is conftest.py's (support.step_trajectories)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from support import STEP_MODEL_CFG, flat_grads, step_algo, step_critic, step_grads
 from tiderl.algos.advantages import (
     decoupled_policy_lambda,
     masked_whiten,
@@ -18,96 +19,33 @@ from tiderl.algos.losses import PolicyLossInputs, dis_token_loss, value_loss
 from tiderl.config import preset_defaults
 from tiderl.algos.registry import group_size, needs_critic, needs_ref
 from tiderl.config import AlgoConfig
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.models.tiny import init_tiny_model
 from tiderl.train.batching import collate
 from tiderl.train.critic import ValueModel
 from tiderl.train.forward import token_logprobs, token_values
 from tiderl.train.learner import Learner
 from tiderl.train.step import train_step
-from tiderl.types import NO_VERSION, Trajectory
-
-MODEL_CFG = tiny_qwen2_config(50, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                              max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def trajectories() -> list[Trajectory]:
-    """8 trajectories in 2 groups of 4 with prompt, two turns and an observation between them.
-
-    Behaviour log-probs are the seed-0 model's own plus noise (std 0.3), so ratios differ from 1
-    and every clip/band is exercised the way a stale or mismatched engine would exercise it.
-    """
-    g = torch.Generator().manual_seed(0)
-    model = init_tiny_model(MODEL_CFG, seed=0)
-    out = []
-    for i in range(8):
-        turn1, obs, turn2 = (int(torch.randint(2, 6, (1,), generator=g)) for _ in range(3))
-        mask = [0, 0, 0] + [1] * turn1 + [0] * obs + [1] * turn2
-        tokens = torch.randint(3, 50, (len(mask),), generator=g).tolist()
-        with torch.no_grad():
-            ids = torch.tensor([tokens])
-            lp, _ = token_logprobs(model, ids, torch.ones_like(ids))
-        noise = torch.randn(len(mask), generator=g) * 0.3
-        behavior = [float(lp[0, t] + noise[t]) if m else 0.0 for t, m in enumerate(mask)]
-        out.append(Trajectory(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
-                              policy_version=[0 if m else NO_VERSION for m in mask],
-                              reward=float(i in (0, 3, 5, 6)) + 0.1 * i, group_id=f"q{i // 4}"))
-    return out
-
-
-def _critic(actor: Learner) -> Learner:
-    """A critic from the actor with a seeded, non-zero head (so values and their targets vary)."""
-    value_model = ValueModel.from_policy(actor.model)
-    with torch.no_grad():
-        value_model.head.weight.copy_(
-            torch.randn(value_model.head.weight.shape, generator=torch.Generator().manual_seed(7))
-            * 0.1)
-    return Learner(value_model, lr=0.0, grad_clip=0.0)
-
-
-def _algo(name: str, **overrides) -> AlgoConfig:
-    d = preset_defaults(name)
-    d["group_size"] = min(d["group_size"], 4)
-    d.update(overrides)
-    return AlgoConfig(**d)
-
-
-def _grads(cfg: AlgoConfig, trajs: list[Trajectory], micro_batch_tokens: int
-           ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-    """Run one step with lr = 0 and no clipping; return the accumulated actor/critic gradients."""
-    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=0.0, grad_clip=0.0)
-    critic = _critic(actor) if needs_critic(cfg) else None
-    ref = init_tiny_model(MODEL_CFG, seed=1) if needs_ref(cfg) else None
-    metrics = train_step(trajs, actor, critic, ref, cfg, pad_id=0,
-                         micro_batch_tokens=micro_batch_tokens, train_actor=True)
-
-    return _flat(actor), (_flat(critic) if critic is not None else None), metrics
-
-
-def _flat(learner: Learner) -> torch.Tensor:
-    """All accumulated gradients of a learner as one vector."""
-    return torch.cat([p.grad.flatten() for p in learner.params if p.grad is not None])
-
+from tiderl.types import Trajectory
 
 # Each preset, plus the options that no preset turns on by default.
 CASES = {
-    "sao": _algo("sao"),
-    "sao_whitened": _algo("sao", normalize_advantages=True),
-    "ppo": _algo("ppo"),
-    "grpo": _algo("grpo"),
-    "dr_grpo": _algo("dr_grpo"),
-    "dapo": _algo("dapo"),
-    "gspo": _algo("gspo", eps_low=0.05, eps_high=0.05),
-    "rloo": _algo("rloo"),
-    "reinforce_pp": _algo("reinforce_pp"),
-    "decoupled_ppo": _algo("decoupled_ppo", dual_clip_c=3.0),
-    "cispo": _algo("cispo"),
-    "grpo_k2_entropy_norm": _algo("grpo", kl_estimator="k2", entropy_coef=0.01,
-                                  loss_agg="seq-mean-token-sum-norm", loss_agg_length=16,
-                                  old_logprobs="recompute"),
-    "ppo_after_clip_k1reward": _algo("ppo", advantage_values="after", value_clip=0.2,
-                                     kl_coef=0.05, kl_in_reward=True, kl_estimator="k1",
-                                     actor_updates=2),
+    "sao": step_algo("sao"),
+    "sao_whitened": step_algo("sao", normalize_advantages=True),
+    "ppo": step_algo("ppo"),
+    "grpo": step_algo("grpo"),
+    "dr_grpo": step_algo("dr_grpo"),
+    "dapo": step_algo("dapo"),
+    "gspo": step_algo("gspo", eps_low=0.05, eps_high=0.05),
+    "rloo": step_algo("rloo"),
+    "reinforce_pp": step_algo("reinforce_pp"),
+    "decoupled_ppo": step_algo("decoupled_ppo", dual_clip_c=3.0),
+    "cispo": step_algo("cispo"),
+    "grpo_k2_entropy_norm": step_algo("grpo", kl_estimator="k2", entropy_coef=0.01,
+                                      loss_agg="seq-mean-token-sum-norm", loss_agg_length=16,
+                                      old_logprobs="recompute"),
+    "ppo_after_clip_k1reward": step_algo("ppo", advantage_values="after", value_clip=0.2,
+                                         kl_coef=0.05, kl_in_reward=True, kl_estimator="k1",
+                                         actor_updates=2),
 }
 
 
@@ -117,8 +55,8 @@ def test_micro_batching_does_not_change_the_gradient(case, trajectories) -> None
     # losses are normalised over the whole step, so the accumulated gradients must agree
     # within 1e-6.
     cfg = CASES[case]
-    actor_one, critic_one, m_one = _grads(cfg, trajectories, 10_000)
-    actor_mb, critic_mb, m_mb = _grads(cfg, trajectories, 40)
+    actor_one, critic_one, m_one = step_grads(cfg, trajectories, 10_000)
+    actor_mb, critic_mb, m_mb = step_grads(cfg, trajectories, 40)
     assert m_one["micro_batches"] == 1 and m_mb["micro_batches"] > 2
     assert actor_one.abs().max() > 0
     assert torch.allclose(actor_one, actor_mb, atol=1e-6)
@@ -129,10 +67,10 @@ def test_micro_batching_does_not_change_the_gradient(case, trajectories) -> None
 
 
 def _sao_grads(trajs, fn) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=0.0, grad_clip=0.0)
-    critic = _critic(actor)
+    actor = Learner(init_tiny_model(STEP_MODEL_CFG, seed=0), lr=0.0, grad_clip=0.0)
+    critic = step_critic(actor)
     metrics = fn(actor, critic)
-    return _flat(actor), _flat(critic), metrics
+    return flat_grads(actor), flat_grads(critic), metrics
 
 
 def test_the_name_is_only_a_preset(trajectories) -> None:
@@ -199,8 +137,8 @@ def test_sao_preset_is_sao_by_hand(trajectories, whiten) -> None:
 
 def test_sao_step_trains_both_and_precomputed_values_change_nothing(trajectories) -> None:
     sao = AlgoConfig(**preset_defaults("sao"))
-    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1e-3)
-    critic = _critic(actor)
+    actor = Learner(init_tiny_model(STEP_MODEL_CFG, seed=0), lr=1e-3)
+    critic = step_critic(actor)
     critic.optimizer.param_groups[0]["lr"] = 1e-3
     before = [[p.detach().clone() for p in x.params] for x in (actor, critic)]
     train_step(trajectories, actor, critic, None, sao, 0, 40, True)
@@ -208,7 +146,7 @@ def test_sao_step_trains_both_and_precomputed_values_change_nothing(trajectories
         assert any(not torch.equal(p, q) for p, q in zip(learner.params, old))
     # Values computed ahead (the buffer's), equal to the live critic's, one float per token:
     # the same step (compared on the gradients, at lr 0).
-    critic = _critic(Learner(init_tiny_model(MODEL_CFG, seed=0), lr=0.0))
+    critic = step_critic(Learner(init_tiny_model(STEP_MODEL_CFG, seed=0), lr=0.0))
     annotated = []
     for t in trajectories:
         ids = torch.tensor([t.tokens])
@@ -242,19 +180,19 @@ def logprob_sum_loss(inp: PolicyLossInputs, cfg) -> tuple[torch.Tensor, dict[str
 def test_user_estimator_and_loss_by_import_path(trajectories) -> None:
     # An estimator that returns zeros: a ppo loss then has value and gradient 0, only the
     # entropy bonus moves the actor.
-    cfg = _algo("reinforce_pp", kl_coef=0.0, advantage=f"{__name__}:zero_advantages")
-    actor, _, m = _grads(cfg, trajectories, 40)
+    cfg = step_algo("reinforce_pp", kl_coef=0.0, advantage=f"{__name__}:zero_advantages")
+    actor, _, m = step_grads(cfg, trajectories, 40)
     assert m["policy/advantage_abs_mean"] == 0.0 and m["policy/loss"] == 0.0
     assert actor.abs().max() == 0
     ent_cfg = dataclasses.replace(cfg, entropy_coef=0.1)
-    actor_ent, _, _ = _grads(ent_cfg, trajectories, 40)
+    actor_ent, _, _ = step_grads(ent_cfg, trajectories, 40)
     assert actor_ent.abs().max() > 0
     # A loss of one's own: it is the one that runs (its metrics are logged, bare names under
     # policy/), and its gradient is that of -sum log pi / N.
-    cfg = _algo("reinforce_pp", kl_coef=0.0, policy_loss=f"{__name__}:logprob_sum_loss")
-    actor_mine, _, m = _grads(cfg, trajectories, 40)
+    cfg = step_algo("reinforce_pp", kl_coef=0.0, policy_loss=f"{__name__}:logprob_sum_loss")
+    actor_mine, _, m = step_grads(cfg, trajectories, 40)
     assert m["policy/my_metric"] == 1.0 and m["mine/other"] == 2.0
-    model = init_tiny_model(MODEL_CFG, seed=0)
+    model = init_tiny_model(STEP_MODEL_CFG, seed=0)
     b = collate(trajectories, 0)
     lp, _ = token_logprobs(model, b.input_ids, b.attention_mask)
     (-(lp * b.action_mask).sum() / b.action_mask.sum()).backward()
@@ -276,14 +214,14 @@ def test_needs_and_group_size_per_preset() -> None:
 
 
 def test_missing_parts_and_group_ids_are_explained(trajectories) -> None:
-    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=0.0)
+    actor = Learner(init_tiny_model(STEP_MODEL_CFG, seed=0), lr=0.0)
     with pytest.raises(ValueError, match="needs a critic"):
-        train_step(trajectories, actor, None, None, _algo("ppo"), 0, 100, True)
+        train_step(trajectories, actor, None, None, step_algo("ppo"), 0, 100, True)
     with pytest.raises(ValueError, match="needs a reference model"):
-        train_step(trajectories, actor, None, None, _algo("grpo"), 0, 100, True)
+        train_step(trajectories, actor, None, None, step_algo("grpo"), 0, 100, True)
     ungrouped = [dataclasses.replace(t, group_id="") for t in trajectories]
     with pytest.raises(ValueError, match="group_id"):
-        train_step(ungrouped, actor, None, None, _algo("dr_grpo"), 0, 100, True)
+        train_step(ungrouped, actor, None, None, step_algo("dr_grpo"), 0, 100, True)
 
 
 def test_dynamic_sampling_and_overlong_penalty_in_the_step(trajectories) -> None:
@@ -291,20 +229,20 @@ def test_dynamic_sampling_and_overlong_penalty_in_the_step(trajectories) -> None
     # (0, 3, 5, 6)] + 0.1 i). Make q1 uninformative (all 1.0): dynamic sampling keeps 4 of 8.
     trajs = [dataclasses.replace(t, reward=1.0) if t.group_id == "q1" else t
              for t in trajectories]
-    cfg = _algo("dapo")
-    _, _, m = _grads(cfg, trajs, 10_000)
+    cfg = step_algo("dapo")
+    _, _, m = step_grads(cfg, trajs, 10_000)
     assert m["sampling/kept_frac"] == 0.5
     # All groups uninformative: nothing to train on, the step says so and leaves the model alone.
     flat = [dataclasses.replace(t, reward=1.0) for t in trajectories]
-    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1.0)
+    actor = Learner(init_tiny_model(STEP_MODEL_CFG, seed=0), lr=1.0)
     before = [p.clone() for p in actor.params]
     m = train_step(flat, actor, None, None, cfg, 0, 100, True)
     assert m["skipped_no_signal"] == 1.0 and m["sampling/kept_frac"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, actor.params))
     # Overlong: L_max 8, buffer 4 -> zone from 4 action tokens. A trajectory with l action
     # tokens loses (4 - l) / 4 for 4 < l <= 8 and 1 beyond.
-    cfg = _algo("dr_grpo", overlong_buffer=4, overlong_max_tokens=8)
-    _, _, m = _grads(cfg, trajectories, 10_000)
+    cfg = step_algo("dr_grpo", overlong_buffer=4, overlong_max_tokens=8)
+    _, _, m = step_grads(cfg, trajectories, 10_000)
     lengths = [t.num_action_tokens for t in trajectories]
     pen = [0.0 if n <= 4 else (4 - n) / 4 if n <= 8 else -1.0 for n in lengths]
     assert m["reward/overlong_penalty_mean"] == pytest.approx(sum(pen) / 8, abs=1e-6)
@@ -313,8 +251,8 @@ def test_dynamic_sampling_and_overlong_penalty_in_the_step(trajectories) -> None
 
 
 def test_warmup_trains_only_the_critic(trajectories) -> None:
-    cfg = _algo("ppo")
-    actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=0.0, grad_clip=0.0)
+    cfg = step_algo("ppo")
+    actor = Learner(init_tiny_model(STEP_MODEL_CFG, seed=0), lr=0.0, grad_clip=0.0)
     critic = Learner(ValueModel.from_policy(actor.model), lr=0.0, grad_clip=0.0)
     m = train_step(trajectories, actor, critic, None, cfg, 0, 100, train_actor=False)
     assert "value/loss" in m and "policy/loss" not in m

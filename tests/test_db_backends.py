@@ -9,31 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.envs.db.backend import SQLError, TableSpec, database_hash, rows_hash
+from support import SCHOOLS, STORED_ROWS, T
+from tiderl.envs.db.backend import SQLError, database_hash, rows_hash
 from tiderl.envs.db.sqlite_backend import SQLiteBackend
-
-SCHOOLS = TableSpec(
-    name="School Location Table",
-    columns=(("School", "TEXT"), ("Location", "TEXT"), ("Date moved", "YEAR"), ("Students", "INT")),
-    rows=(
-        ("Burroughs High School", "Ridgecrest", "1960", "1200"),
-        ("Clovis High School", "Clovis", "1969", "2500"),
-        ("Madison High School", "San Diego", "1980", "900"),
-        ("Lincoln High School", "San Diego", "1955", "1500"),
-        ("Central High School", "Fresno", "1969", None),
-    ),
-)
-T = '"School Location Table"'
-
-# Every backend stores these values: YEAR and INT cells become integers (SQLite by column
-# affinity, the others by portable column types), text stays text.
-STORED_ROWS = [
-    ("Burroughs High School", "Ridgecrest", 1960, 1200),
-    ("Clovis High School", "Clovis", 1969, 2500),
-    ("Madison High School", "San Diego", 1980, 900),
-    ("Lincoln High School", "San Diego", 1955, 1500),
-    ("Central High School", "Fresno", 1969, None),
-]
 
 # An endless recursive query: only the time limit stops it.
 ENDLESS = "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_db_backends import SCHOOLS, STORED_ROWS, T
+from support import SCHOOLS, STORED_ROWS, T
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.envs.db.backend import rows_hash
 from tiderl.envs.db.env import DBEnv, is_write_task

@@ -5,10 +5,8 @@ import json
 import pytest
 import torch
 
-from tiderl.agent.loop import play_episodes
-from tiderl.config import load_config
+from support import SMALL, rollout, small_config
 from tiderl.recipe import train
-from tiderl.rollout.base import sampling_params
 from tiderl.run import build_run
 from tiderl.train.batching import collate
 from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
@@ -16,35 +14,6 @@ from tiderl.train.forward import token_logprobs
 from tiderl.types import NO_VERSION
 
 pytestmark = pytest.mark.slow
-
-SMALL = [
-    "data.num_films=40", "data.num_people=40", "data.eval_size=16",
-    "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
-    "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-    "model.warmstart.num_traces=200", "model.warmstart.steps=20", "model.warmstart.batch_size=16",
-    "rollout.batch_size=8", "train.steps=3", "algo.critic_warmup_steps=1",
-    "algo.actor_lr=1e-3", "algo.critic_lr=1e-3", "log.progress=false",
-    # A 20-step warm-start rarely solves a task; without whitening, a critic that predicts 0.5
-    # (set below) gives every sampled token a non-zero advantage, so the actor must move.
-    "algo.normalize_advantages=false",
-]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-def small_config(cache, run_dir, *more):
-    return load_config("configs/kg_sao_tiny.yaml",
-                       SMALL + [f"model.cache_dir={cache}", f"run_dir={run_dir}", *more])
-
-
-def rollout(run, tasks):
-    """One sampled episode per task with the run's engine."""
-    params = sampling_params(run.cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
-    return play_episodes(run.engine, run.tokenizer, run.make_env, tasks, params, run.cfg.env.max_turns,
-                         run.cfg.env.max_total_tokens)
 
 
 def params_of(module):

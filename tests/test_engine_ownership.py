@@ -240,11 +240,10 @@ def test_trimmed_heap_runs_the_real_malloc_trim_where_there_is_one():
 
 def test_the_http_engine_takes_the_model_as_its_reference_when_handed_over(tmp_path):
     pytest.importorskip("httpx")
-    from tests.test_http_engine import CORPUS as HTTP_CORPUS
-    from tests.test_http_engine import StubServer, _peaky_model
+    from support import CORPUS, StubServer, peaky_model
 
-    tok = train_tokenizer(HTTP_CORPUS, vocab_size=320)
-    model = _peaky_model(len(tok), seed=0)
+    tok = train_tokenizer(CORPUS, vocab_size=320)
+    model = peaky_model(len(tok), seed=0)
     server = StubServer(model, tok)
     try:
         cfg = load_config(None, ["rollout.engine=http", f"rollout.http.urls=[{server.url}]", f"run_dir={tmp_path}"])

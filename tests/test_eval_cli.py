@@ -295,7 +295,7 @@ def test_oracle_on_agentbench_kg_over_a_sparql_endpoint(tmp_path):
     """An AgentBench KG question through `tiderl eval` against a loopback SPARQL endpoint that
     serves the question's synthetic trace graph (no Freebase here): the gold trace solves it."""
     pytest.importorskip("pyoxigraph", reason="pyoxigraph serves the loopback SPARQL endpoint")
-    from test_kg_backends import sparql_server
+    from support import sparql_server
     from tiderl.envs.setup import load_setup
     from tiderl.envs.kg.agentbench import trace_graph
     from tiderl.envs.kg.rdf import FREEBASE, to_ntriples

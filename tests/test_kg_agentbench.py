@@ -8,13 +8,12 @@ match the in-memory ones. What this cannot check: that Freebase holds what the t
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from test_kg_backends import sparql_server
+from support import data_roots, sparql_server
 from tiderl.envs.kg.agentbench import (
     created_variables,
     gold_calls,
@@ -29,8 +28,6 @@ from tiderl.envs.kg.rdf import FREEBASE, XSD, parse_rdf, to_ntriples
 from tiderl.envs.kg.sparql import HttpSparqlClient, OxigraphClient, SparqlBackend
 from tiderl.envs.kg.tools import TOOL_ARGUMENTS
 from tiderl.envs.protocol import Task, ToolCall
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The example of the data README: "how many mac models used motorola 68040 processors?"
 MAC_ACTIONS = [
@@ -47,11 +44,8 @@ def mac_task() -> Task:
 
 
 def agentbench_dir() -> Path:
-    """The AgentBench KG folder, or skip: $TIDERL_DATA_DIR, else /work/shared/data, else ../shared/data."""
-    if os.environ.get("TIDERL_DATA_DIR"):
-        roots = [Path(os.environ["TIDERL_DATA_DIR"])]
-    else:
-        roots = [Path("/work/shared/data"), REPO_ROOT.parent / "shared" / "data"]
+    """The AgentBench KG folder, or skip (where: support.data_roots)."""
+    roots = data_roots()
     for root in roots:
         if (root / "agentbench_kg" / "dev.json").is_file():
             return root / "agentbench_kg"

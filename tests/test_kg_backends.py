@@ -2,20 +2,14 @@
 
 The central test plays one tool-call sequence through KGEnv on five backends loaded with the
 same triples and asserts identical observations, final info and knowledge units, all equal to
-values derived by hand from the small graph of test_kg_store_tools.
+values derived by hand from the small graph of support.py (TRIPLES).
 """
 
 from __future__ import annotations
 
-import threading
-import urllib.parse
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
-
 import pytest
 
-from test_kg_store_tools import TRIPLES, small_store
+from support import EX, LABELS, SCHEMA, small_graph, small_store, sparql_server
 from tiderl.envs.kg.backend import KGBackend, numeric_value
 from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.rdf import (
@@ -23,7 +17,6 @@ from tiderl.envs.kg.rdf import (
     FREEBASE_NS,
     WIKIDATA,
     XSD,
-    GraphSpec,
     RdfSchema,
     Term,
     id_of_iri,
@@ -47,73 +40,6 @@ from tiderl.envs.kg.tools import ObservationLimits
 from tiderl.envs.protocol import Action, Task, ToolCall
 
 pyoxigraph = pytest.importorskip("pyoxigraph", reason="pyoxigraph is needed for RDF parsing and SPARQL")
-
-EX = "http://example.org/kg/"
-SCHEMA = RdfSchema(namespaces=((EX, ""),))  # attributes inferred from datatypes
-
-
-# -- a SPARQL 1.1 protocol server on loopback, answering from a pyoxigraph store ---------------
-
-
-class _SparqlHandler(BaseHTTPRequestHandler):
-    """GET ?query=..., POST form-encoded or application/sparql-query; JSON results."""
-
-    def do_GET(self) -> None:
-        self._answer(urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query).get("query", [""])[0])
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode("utf-8")
-        if self.headers.get("Content-Type", "").startswith("application/sparql-query"):
-            self._answer(body)
-        else:
-            self._answer(urllib.parse.parse_qs(body).get("query", [""])[0])
-
-    def _answer(self, query: str) -> None:
-        self.server.methods.append(self.command)
-        try:
-            result = self.server.store.query(query)
-            status, body = 200, result.serialize(format=pyoxigraph.QueryResultsFormat.JSON)
-            kind = "application/sparql-results+json"
-        except (SyntaxError, ValueError) as e:
-            status, body, kind = 400, f"bad query: {e}".encode(), "text/plain"
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:  # keep test output clean
-        pass
-
-
-@contextmanager
-def sparql_server(ntriples: str) -> Iterator[tuple[str, list[str]]]:
-    """Serve `ntriples` at http://127.0.0.1:<free port>/sparql; yields (url, HTTP methods seen)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SparqlHandler)
-    server.store = OxigraphClient.from_rdf(ntriples, "nt").store
-    server.methods = []
-    # A short poll interval: shutdown() waits up to one interval.
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/sparql", server.methods
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-# -- the small graph as RDF ------------------------------------------------------------------
-
-LABELS = {"F1": "First Film", "A2": "Bo Chen"}
-
-
-def small_graph() -> GraphSpec:
-    """TRIPLES with release years as xsd:integer literals, and two labels."""
-    return GraphSpec(
-        edges=[t for t in TRIPLES if t[1] != "release_year"],
-        values=[(s, r, o, XSD + "integer") for s, r, o in TRIPLES if r == "release_year"],
-        labels=dict(LABELS),
-    )
 
 
 def labelled_small_store() -> TripleStore:

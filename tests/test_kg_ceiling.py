@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from test_kg_store_tools import metaqa_dir
+from support import metaqa_dir
 from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.oracle import compare_sets, metaqa_ceiling, replay_turns
 from tiderl.envs.kg.rdf import GraphSpec, RdfSchema, to_ntriples

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from test_kg_store_tools import metaqa_dir, small_store
+from support import metaqa_dir, small_store
 from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.store import load_metaqa_kb
 from tiderl.envs.kg.tasks import (

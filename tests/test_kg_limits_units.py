@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_kg_store_tools import small_store
+from support import small_store
 from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.store import TripleStore
 from tiderl.envs.kg.tools import KGToolbox, ObservationLimits, bounded_list, knowledge_units

@@ -1,48 +1,13 @@
-"""TripleStore and KGToolbox on a hand-written graph (expected values derived in comments)."""
+"""TripleStore and KGToolbox on the hand-written graph of support.py (TRIPLES, drawn there);
+expected values derived in comments."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
+from support import metaqa_dir, small_store
 from tiderl.envs.kg.store import TripleStore, inverse, load_metaqa_kb, load_tsv_triples
 from tiderl.envs.kg.tools import KGToolbox
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def metaqa_dir() -> Path:
-    """The MetaQA folder, or skip: $TIDERL_DATA_DIR, else /work/shared/data, else ../shared/data."""
-    if os.environ.get("TIDERL_DATA_DIR"):
-        roots = [Path(os.environ["TIDERL_DATA_DIR"])]
-    else:
-        roots = [Path("/work/shared/data"), REPO_ROOT.parent / "shared" / "data"]
-    for root in roots:
-        if (root / "metaqa" / "kb.txt").is_file():
-            return root / "metaqa"
-    pytest.skip(f"MetaQA data not found under {', '.join(map(str, roots))}: set TIDERL_DATA_DIR to the "
-                "folder that holds metaqa/")
-
-
-# The graph:            F1 --directed_by--> D1 <--directed_by-- F2      F3 --directed_by--> D2
-# starred_actors: F1 -> Ann Lee, F1 -> A2, F2 -> A2, F3 -> Ann Lee
-# release_year:   F1 -> 1990, F2 -> 2001, F3 -> 2001      has_genre: F1 -> Drama, F3 -> Drama
-TRIPLES = [
-    ("F1", "directed_by", "D1"), ("F2", "directed_by", "D1"), ("F3", "directed_by", "D2"),
-    ("F1", "starred_actors", "Ann Lee"), ("F1", "starred_actors", "A2"),
-    ("F2", "starred_actors", "A2"), ("F3", "starred_actors", "Ann Lee"),
-    ("F1", "release_year", "1990"), ("F2", "release_year", "2001"), ("F3", "release_year", "2001"),
-    ("F1", "has_genre", "Drama"), ("F3", "has_genre", "Drama"),
-]
-
-
-def small_store() -> TripleStore:
-    store = TripleStore(attribute_relations={"release_year"})
-    for s, r, o in TRIPLES:
-        store.add(s, r, o)
-    return store
 
 
 # -- store -----------------------------------------------------------------------------------

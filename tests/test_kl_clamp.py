@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from test_algos_step import _algo, _grads, trajectories  # noqa: F401 - trajectories is a fixture
+from support import step_algo, step_grads
 from tiderl.algos.regularizers import K3_CLAMP, k3_clamped, kl_estimate, kl_reward_penalty
 from tiderl.config import ConfigError, load_config
 
@@ -79,6 +79,6 @@ def test_the_config_field_is_validated_and_only_read_with_k3():
 def test_train_step_reads_the_clamp(trajectories):
     # The same step with the default clamp and with a tiny one: the KL term the loss sees is
     # capped at the configured value, through AlgoConfig into train_step.
-    free = _grads(_algo("grpo"), trajectories, 10_000)[2]["kl/ref_kl_mean"]
-    capped = _grads(_algo("grpo", kl_k3_clamp=1e-3), trajectories, 10_000)[2]["kl/ref_kl_mean"]
+    free = step_grads(step_algo("grpo"), trajectories, 10_000)[2]["kl/ref_kl_mean"]
+    capped = step_grads(step_algo("grpo", kl_k3_clamp=1e-3), trajectories, 10_000)[2]["kl/ref_kl_mean"]
     assert free > 1e-3 >= capped > 0

@@ -19,7 +19,7 @@ from tiderl.train.learner import Learner  # noqa: E402
 from tiderl.train.lora import adapter_state, apply_lora, merged_copy, policy_state  # noqa: E402
 from tiderl.train.step import train_step  # noqa: E402
 
-from test_parallel import trajectories  # noqa: E402  (9 trajectories of the same tiny shape)
+from support import nine_trajectories  # noqa: E402  (9 trajectories of the same tiny shape)
 
 MODEL_CFG = tiny_qwen2_config(50, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                               max_position_embeddings=64)
@@ -46,7 +46,7 @@ def test_only_adapters_train_and_sync_and_the_engine_matches_the_merged_model():
     torch.testing.assert_close(logits(engine.model, ids), logits(policy, ids), atol=1e-6, rtol=0)
 
     cfg = AlgoConfig(**{**preset_defaults("sao"), "entropy_coef": 0.01})
-    train_step(trajectories(), actor, critic, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
+    train_step(nine_trajectories(), actor, critic, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
 
     after = policy.state_dict()
     assert all(torch.equal(after[k], v) for k, v in frozen_before.items())  # base weights untouched
@@ -133,7 +133,7 @@ def test_a_lora_checkpoint_resumes_and_exports_merged_weights(tmp_path):
     policy = apply_lora(load_model(base_dir), r=4, alpha=8.0, target_modules=TARGETS)
     actor = Learner(policy, lr=1e-2)
     cfg = AlgoConfig(**{**preset_defaults("grpo"), "entropy_coef": 0.01, "kl_coef": 0.0, "group_size": 3})
-    train_step(trajectories(), actor, None, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
+    train_step(nine_trajectories(), actor, None, None, cfg, pad_id=0, micro_batch_tokens=64, train_actor=True)
     ckpt = save_checkpoint(tmp_path / "ckpt" / "step_1", 1, actor, None, tokenizer)
     assert (ckpt / "actor" / "adapter_config.json").is_file()
 
@@ -181,7 +181,7 @@ def test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints(tmp_path):
     critic = Learner(critic_model, lr=1e-2)
     actor = Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1e-3)
     cfg = AlgoConfig(**{**preset_defaults("sao"), "group_size": 3, "critic_updates": 1})
-    losses = [train_step(trajectories(), actor, critic, None, cfg, pad_id=0, micro_batch_tokens=64,
+    losses = [train_step(nine_trajectories(), actor, critic, None, cfg, pad_id=0, micro_batch_tokens=64,
                          train_actor=False)["value/loss"] for _ in range(8)]
     assert losses[-1] < 0.5 * losses[0], losses
     after = critic_model.state_dict()

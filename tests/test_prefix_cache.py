@@ -9,34 +9,16 @@ import random
 import pytest
 import torch
 
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from support import peaky_model
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.client import BatchingEngine
 from tiderl.rollout.torch_engine import TorchEngine
 
-CORPUS = [
-    f"<|im_start|>user\nWho directed film_{i:03d}? It stars person_{i % 17}.<|im_end|>\n"
-    f"<|im_start|>assistant\nperson_{(i * 7) % 23} directed film_{i:03d}.<|im_end|>\n"
-    for i in range(60)
-]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(CORPUS, vocab_size=320)
-
-
-def _peaky_model(vocab_size: int, seed: int):
-    """A random tiny model with far-from-uniform next-token distributions (see test_torch_engine)."""
-    model = init_tiny_model(tiny_qwen2_config(vocab_size, max_position_embeddings=1024), seed=seed)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(8.0)
-    return model
-
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    return _peaky_model(len(tokenizer), seed=0)
+    """conftest.py's peaky model with room for 1,024 positions (multi-turn episodes grow long)."""
+    return peaky_model(len(tokenizer), seed=0, max_positions=1024)
 
 
 def _full_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -109,7 +91,7 @@ def test_sampled_logprobs_with_reuse_match_a_full_re_encode(model, tokenizer):
 
 
 def test_a_weight_update_drops_kept_caches_and_later_turns_match_the_new_weights(model, tokenizer):
-    new_model = _peaky_model(len(tokenizer), seed=3)
+    new_model = peaky_model(len(tokenizer), seed=3, max_positions=1024)
     engine = TorchEngine(model, tokenizer, max_batch_size=2)
     turns = _play(engine, episodes=4, turns=3, sessions=True, update_after=(5, new_model.state_dict()))
     assert engine.version == 1

@@ -44,11 +44,6 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 def small_config(cache, run_dir, *more):
     return load_config("configs/kg_sao_tiny.yaml", SMALL + [f"model.cache_dir={cache}", f"run_dir={run_dir}", *more])
 
@@ -253,7 +248,7 @@ def test_worker_pool_routes_syncs_and_replaces(slow_tool_run):
 def test_remote_critic_matches_the_local_critic(slow_tool_run):
     run = slow_tool_run
     cfg = run.cfg
-    from tests.test_e2e_sao import rollout as play
+    from support import rollout as play
 
     # Short episodes with the driver's engine (no tool latency there: only training episodes wait).
     trajectories = play(run, run.tasks.take(3))

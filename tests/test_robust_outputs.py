@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_kg_store_tools import small_store
+from support import SCHEMA, small_graph, small_store
 from tiderl.agent.chat import chat_format
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.text import shown, valid_text
@@ -259,7 +259,7 @@ def test_kg_answers_at_most_max_calls_per_turn():
 def test_kg_on_sparql_reads_a_surrogate_argument_as_an_unknown_entity():
     # The SPARQL backend builds IRIs from arguments (UTF-8 percent-encoding): a lone surrogate
     # raised UnicodeEncodeError there. Arguments are valid text before any backend sees them.
-    from test_kg_backends import SCHEMA, small_graph
+    pytest.importorskip("pyoxigraph", reason="pyoxigraph is the in-process SPARQL store")
     from tiderl.envs.kg.rdf import to_ntriples
     from tiderl.envs.kg.sparql import OxigraphClient, SparqlBackend
 

@@ -4,18 +4,13 @@ as the engine's behaviour log-probs are, so SAO's ratio is 1 on fresh data inste
 import pytest
 import torch
 
+from support import rollout, small_config
 from tiderl.recipe import train
 from tiderl.run import build_run
 from tiderl.train.batching import collate
 from tiderl.train.forward import logprob_temperature, packed_token_logprobs, token_logprobs
-from tests.test_e2e_sao import rollout, small_config
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 def test_logprob_temperature_of_greedy_rollouts_is_one():

@@ -10,8 +10,7 @@ import pytest
 from tiderl.agent.loop import play_episodes
 from tiderl.rollout.base import SamplingParams, episode_seed, stream_seed, stream_uniform
 from tiderl.rollout.torch_engine import TorchEngine
-from tests.test_e2e_sao import small_config
-from tests.test_torch_engine import model, prompts, tokenizer  # noqa: F401 - fixtures
+from support import small_config
 
 
 def test_the_stream_is_a_function_of_seed_and_position_only():
@@ -24,7 +23,7 @@ def test_the_stream_is_a_function_of_seed_and_position_only():
     assert 0 <= episode_seed(1, "t#0") < 2**63 and 0 <= stream_seed(5, 100) < 2**62
 
 
-def test_a_seeded_row_samples_the_same_alone_or_batched_and_whatever_the_engine_seed(model, tokenizer, prompts):  # noqa: F811
+def test_a_seeded_row_samples_the_same_alone_or_batched_and_whatever_the_engine_seed(model, tokenizer, prompts):
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=1234)
     [alone] = TorchEngine(model, tokenizer, seed=0).generate([prompts[1]], params)
     engine = TorchEngine(model, tokenizer, seed=99)

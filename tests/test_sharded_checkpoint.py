@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from test_parallel import CASES, CLIP, build, snapshot, trajectories
 
+from support import CLIP, build, nine_trajectories, parallel_cases, snapshot
 from tiderl.lab.ranks import spawn_ranks
 from tiderl.train.checkpoint import (
     SHARDED,
@@ -25,7 +25,7 @@ from tiderl.train.checkpoint import (
 from tiderl.train.learner import Learner
 from tiderl.train.step import train_step
 
-CFG, MICRO = CASES["sao"]  # actor and critic (frozen attention), two critic updates
+CFG, MICRO = parallel_cases()["sao"]  # actor and critic (frozen attention), two critic updates
 
 
 def tiny_tokenizer():
@@ -36,7 +36,7 @@ def tiny_tokenizer():
 
 def batch_b():
     """A second batch: the same episodes with other rewards (so step 2 differs from step 1)."""
-    return [dataclasses.replace(t, reward=1.0 - t.reward) for t in trajectories()]
+    return [dataclasses.replace(t, reward=1.0 - t.reward) for t in nine_trajectories()]
 
 
 def step(actor, critic, ref, batch):
@@ -56,7 +56,7 @@ def rank_main(rank: int, world_size: int, out_dir: str) -> None:
             return ParallelLearner(m, mode, lr=lr, grad_clip=CLIP)
 
         actor, critic, ref = build(CFG, make)
-        step(actor, critic, ref, trajectories())
+        step(actor, critic, ref, nine_trajectories())
         torch.manual_seed(1234 + rank)  # each rank's RNG goes into the checkpoint and comes back
         save_sharded(f"{out_dir}/{mode}", actor, critic)
         results[(mode, "saved")] = both(actor, critic)
@@ -123,7 +123,7 @@ def test_sharded_checkpoint_layout_saves_atomically_and_loads(tmp_path):
     renamed into place; `load_checkpoint` restores the whole state in one process, or the
     weights alone with `ranks_load` (the ranks read sharded/ themselves)."""
     actor, critic, ref = build(CFG, lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
-    step(actor, critic, ref, trajectories())
+    step(actor, critic, ref, nine_trajectories())
     tokenizer = tiny_tokenizer()
 
     def shards(path):

@@ -12,6 +12,7 @@ import statistics
 import pytest
 import torch
 
+from support import SMALL, rollout, small_config
 from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.rollout.client import BatchingEngine
@@ -164,21 +165,8 @@ def test_engine_failure_reaches_every_waiting_episode():
 # --- a tiny model, end to end ---------------------------------------------------------------------
 
 
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-def small_config(cache, run_dir, *more):
-    from tests.test_e2e_sao import small_config as e2e_small_config
-
-    return e2e_small_config(cache, run_dir, *more)
-
-
 @pytest.mark.slow
 def test_precomputed_critic_values_give_the_same_step(cache, tmp_path):
-    from tests.test_e2e_sao import rollout
     from tiderl.run import build_run
     from tiderl.train.annotate import CriticSnapshot
 
@@ -244,11 +232,9 @@ def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_pa
 def test_group_sampling_and_curiosity_on_the_one_path(cache, tmp_path):
     from collections import Counter
 
+    from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.run import build_run
-
-    from tests.test_e2e_sao import SMALL
-    from tiderl.config import load_config
 
     # The GRPO preset file: the SAO file's critic settings would be rejected (GRPO has no critic).
     small = [o for o in SMALL if not o.startswith(("algo.critic", "algo.normalize"))]

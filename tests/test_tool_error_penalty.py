@@ -3,11 +3,11 @@
 
 import pytest
 
+from support import small_config
 from tiderl.config import ConfigError, load_config
 from tiderl.rewards.tool_errors import NO_CALL_PART, PART, penalize_no_call_turns, penalize_tool_errors
 from tiderl.run import build_run
 from tiderl.types import Trajectory
-from tests.test_e2e_sao import small_config
 
 
 def trajectory(reward: float, **info) -> Trajectory:
@@ -45,11 +45,6 @@ def test_no_call_penalty_per_turn_recorded_and_refused_without_a_count():
 def test_negative_penalty_is_a_config_error(field):
     with pytest.raises(ConfigError, match=field):
         load_config("configs/kg_sao_tiny.yaml", [f"{field}=-0.1"])
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 def test_the_run_shapes_training_trajectories_with_it(cache, tmp_path):

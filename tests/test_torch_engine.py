@@ -1,48 +1,15 @@
-"""TorchEngine: batched KV-cache sampling, per-row stopping, exact log-probs, versioned weights."""
+"""TorchEngine: batched KV-cache sampling, per-row stopping, exact log-probs, versioned weights.
+
+The fixtures `model`, `tokenizer` and `prompts` (a peaky tiny model) are conftest.py's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from support import greedy_reference, peaky_model
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine, _nucleus_logprobs, weights_checksum
-
-CORPUS = [
-    f"<|im_start|>user\nWho directed film_{i:03d}? It stars person_{i % 17}.<|im_end|>\n"
-    f"<|im_start|>assistant\nperson_{(i * 7) % 23} directed film_{i:03d}.<|im_end|>\n"
-    for i in range(60)
-]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(CORPUS, vocab_size=320)
-
-
-def _peaky_model(vocab_size: int, seed: int):
-    """A random tiny model whose next-token distributions are far from uniform.
-
-    The standard 0.02 init gives near-uniform logits; scaling the final norm multiplies the
-    logits (and nothing else), so top-p, greedy and stopping tests see a real distribution.
-    """
-    model = init_tiny_model(tiny_qwen2_config(vocab_size, max_position_embeddings=256), seed=seed)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(8.0)
-    return model
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return _peaky_model(len(tokenizer), seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    # Different lengths so that the batch is left-padded.
-    lengths = [3, 17, 1, 9, 30]
-    return [tokenizer.encode(text, add_special_tokens=False)[:n] for text, n in zip(CORPUS, lengths)]
 
 
 def _full_forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0):
@@ -52,15 +19,6 @@ def _full_forward_logprobs(model, prompt: list[int], completion: list[int], temp
         logits = model(sequence).logits[0, len(prompt) - 1 : -1].float()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     return logprobs, logprobs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
-
-
-def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:
-    """Greedy decoding by repeated full forward passes (no cache, no padding)."""
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
-    return sequence[len(prompt) :]
 
 
 def _check_shapes(completion: Completion, version: int = 0) -> None:
@@ -102,7 +60,7 @@ def test_logprobs_match_an_unpadded_full_forward(model, tokenizer, prompts):
 def test_temperature_zero_is_greedy_with_temperature_one_logprobs(model, tokenizer, prompts):
     completions = TorchEngine(model, tokenizer).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
     for prompt, completion in zip(prompts, completions):
-        assert completion.token_ids == _greedy_reference(model, prompt, 10)
+        assert completion.token_ids == greedy_reference(model, prompt, 10)
         _, expected = _full_forward_logprobs(model, prompt, completion.token_ids, temperature=1.0)
         assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
 
@@ -198,14 +156,14 @@ def test_update_weights_changes_outputs_version_and_checksum(model, tokenizer, p
     checksum_before = engine.state_checksum()
     assert checksum_before == pytest.approx(weights_checksum(model.state_dict()), rel=1e-12)
 
-    new_model = _peaky_model(len(tokenizer), seed=1)
+    new_model = peaky_model(len(tokenizer), seed=1)
     engine.update_weights(new_model.state_dict(), version=3)
     assert engine.version == 3
     assert engine.state_checksum() == pytest.approx(weights_checksum(new_model.state_dict()), rel=1e-12)
     assert engine.state_checksum() != pytest.approx(checksum_before, rel=1e-6)
     after = engine.generate(prompts, params)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
-    assert after[0].token_ids == _greedy_reference(new_model, prompts[0], 10)
+    assert after[0].token_ids == greedy_reference(new_model, prompts[0], 10)
     for completion in after:
         _check_shapes(completion, version=3)
 
@@ -228,7 +186,7 @@ def test_engine_owns_its_weights_and_rejects_mismatched_state_dicts(model, token
     assert engine.version == 0 and engine.state_checksum() == checksum
 
     # Training the original model does not leak into the engine before a sync.
-    other = _peaky_model(len(tokenizer), seed=2)
+    other = peaky_model(len(tokenizer), seed=2)
     with torch.no_grad():
         other.model.norm.weight.add_(1.0)
     engine_of_other = TorchEngine(other, tokenizer)

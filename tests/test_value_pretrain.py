@@ -35,7 +35,7 @@ def test_trajectory_files_round_trip_and_bad_lines_name_their_number(tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_value_cli_fits_returns_and_writes_a_loadable_critic(tmp_path):
-    from tests.test_e2e_sao import SMALL
+    from support import SMALL
     from tiderl.cli import main
     from tiderl.config import load_config
     from tiderl.run import build_run
