@@ -34,9 +34,10 @@ import dataclasses
 import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tiderl.options import opt
 from tiderl.types import Trajectory
 
 SCOPES = ("episode", "global", "both")
@@ -59,65 +60,56 @@ M_GATED = "curiosity/gated"
 STATE_VERSION = 1
 
 
-def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A field with its documentation, declared like tiderl.config's fields: this class IS the
-    config's `curiosity:` section (config.py imports it; this module cannot import config.py)."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 @dataclass
 class CuriosityConfig:
-    """The `curiosity:` config section; `docs/curiosity.md` states the formula in full. Values are
-    checked on construction (ValueError naming `curiosity.<field>` and the fix)."""
+    """The `curiosity:` config section (config.py holds it); `docs/curiosity.md` states the formula
+    in full. Values are checked on construction (ValueError naming `curiosity.<field>` and the fix)."""
 
-    enabled: bool = _opt(
+    enabled: bool = opt(
         False,
         "Pay the curiosity bonus. When false the bonus is 0, but the units are still counted and "
         "the curiosity metrics still logged, so a run without the bonus shows how it explores.",
     )
-    weight: float = _opt(
+    weight: float = opt(
         0.05, "Reward per unit of novelty at step 0 (one fully novel unit of kind weight 1)."
     )
-    episode_cap: float = _opt(
+    episode_cap: float = opt(
         6.0,
         "Most novelty one episode can earn, in novelty units (before the weight): the bonus is "
         "at most weight(t) * episode_cap.",
     )
-    scope: str = _opt(
+    scope: str = opt(
         "global",
         "'episode': every distinct unit of the episode counts 1; 'global': a unit counts "
         "1/sqrt(1 + n) with n the earlier episodes that touched it; 'both': the mean of the two.",
         SCOPES,
     )
-    kind_weights: dict[str, float] = _opt(
+    kind_weights: dict[str, float] = opt(
         {"entity": 0.5, "entity_relation": 1.0, "table": 0.5, "column": 1.0},
         "Weight of a unit by its kind (the text before the first ':'): a relation followed from "
         "an entity or a column read is worth more than a bare entity or table.",
     )
-    default_kind_weight: float = _opt(1.0, "Weight of a unit whose kind is not in kind_weights.")
-    schedule: str = _opt(
+    default_kind_weight: float = opt(1.0, "Weight of a unit whose kind is not in kind_weights.")
+    schedule: str = opt(
         "constant",
         "Annealing of the weight over training steps: 'constant' keeps `weight`; 'linear' and "
         "'cosine' move it to `final_weight` over `anneal_steps` steps, then hold it.",
         SCHEDULES,
     )
-    final_weight: float = _opt(0.0, "Weight reached at `anneal_steps` (linear, cosine).")
-    anneal_steps: int = _opt(0, "Steps over which the weight anneals (>= 1 for linear, cosine).")
-    pay_on_success: bool = _opt(
+    final_weight: float = opt(0.0, "Weight reached at `anneal_steps` (linear, cosine).")
+    anneal_steps: int = opt(0, "Steps over which the weight anneals (>= 1 for linear, cosine).")
+    pay_on_success: bool = opt(
         True,
         "Pay the bonus on successful episodes too. Then the same exploration adds the same "
         "bonus whether the episode succeeds or fails, so the bonus never narrows the gap "
         "between solving and failing; false pays only failed episodes.",
     )
-    success_reward: float = _opt(
+    success_reward: float = opt(
         1.0,
         "The lowest reward (before curiosity) of any successful episode. A successful episode "
         "below it is an error: the gate could not hold.",
     )
-    gate_fraction: float = _opt(
+    gate_fraction: float = opt(
         0.5,
         "A failed episode with reward r earns at most gate_fraction * (success_reward - r), so "
         "its total stays strictly below success_reward. In [0, 1).",
