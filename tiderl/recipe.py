@@ -91,7 +91,8 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     if backend is None:
         backend = resolve(BACKENDS, cfg.system.backend, "system.backend").from_run(run, preparations, threads.compute)
     pool = open_pool(run, backend, preparations, threads)
-    run.trainer = trainer = make_trainer(run, preparations, threads.trainer)
+    trainer = make_trainer(run, preparations, threads.trainer)
+    run.trainer = trainer.trainer  # data-parallel ranks write the sharded part of checkpoints
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
 

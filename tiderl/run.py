@@ -229,27 +229,16 @@ def preparations_for(run: Run) -> list[Preparation]:
 
 
 class Trainer:
-    """The learning side of the loop. `await step(batch)` runs one `train_step` of the configured
-    algorithm on `executor` (the trainer's own thread, or the shared compute thread of synchronous
-    training), then refreshes every preparation that holds a copy of the critic; `version` is the
-    number of steps taken (`run.step`), `weights()` what the rollout side loads after a step."""
+    """One `train_step` of the configured algorithm per batch (`train`, blocking), then a refresh
+    of every preparation that holds a copy of the critic; `weights()` is what the rollout side
+    loads after a step."""
 
-    def __init__(self, run: Run, preparations: list[Preparation], executor: Any = None):
+    def __init__(self, run: Run, preparations: list[Preparation]):
         self.run = run
         self.refreshers = [p for p in preparations if hasattr(p, "refresh")]
-        self.executor = executor
-
-    @property
-    def version(self) -> int:
-        return self.run.step
-
-    async def step(self, batch: list[Trajectory]) -> dict[str, float]:
-        metrics = await asyncio.get_running_loop().run_in_executor(self.executor, self.train, batch)
-        self.run.step += 1
-        return metrics
 
     def train(self, batch: list[Trajectory]) -> dict[str, float]:
-        """One optimizer step on `batch` (blocking); the version does not move."""
+        """One optimizer step on `batch` from version `run.step` (which it does not move)."""
         run, cfg, version = self.run, self.run.cfg, self.run.step
         try:
             with trainer_autocast(cfg.train.autocast, cfg.model.device):  # bf16 matmuls when train.autocast=bfloat16
@@ -274,14 +263,38 @@ class Trainer:
         """Nothing to hand back: the actor is this process's own."""
 
 
-def make_trainer(run: Run, preparations: list[Preparation], executor: Any) -> Any:
-    """The trainer `train.parallel` asks for: this process (`Trainer`), or data-parallel ranks as
-    Ray actors (`RayParallelTrainer`, docs/ray.md)."""
+class TrainerThread:
+    """The trainer as the recipe's loop sees it: `await step(batch)` runs the blocking
+    `trainer.train(batch)` on `executor` (the trainer's own thread, or the compute thread that
+    synchronous training shares) and counts the step in `run.step`, which is `version`."""
+
+    def __init__(self, run: Run, trainer: Any, executor: Any):
+        self.run, self.trainer, self.executor = run, trainer, executor
+
+    @property
+    def version(self) -> int:
+        return self.run.step
+
+    async def step(self, batch: list[Trajectory]) -> dict[str, float]:
+        metrics = await asyncio.get_running_loop().run_in_executor(self.executor, self.trainer.train, batch)
+        self.run.step += 1
+        return metrics
+
+    def weights(self) -> Any:
+        return self.trainer.weights()
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+def make_trainer(run: Run, preparations: list[Preparation], executor: Any) -> TrainerThread:
+    """The trainer `train.parallel` asks for, stepping on `executor`: this process (`Trainer`), or
+    data-parallel ranks as Ray actors (`RayParallelTrainer`, docs/ray.md)."""
     if run.cfg.train.parallel == "none":
-        return Trainer(run, preparations, executor)
+        return TrainerThread(run, Trainer(run, preparations), executor)
     from tiderl.system.ray_trainer import RayParallelTrainer
 
-    return RayParallelTrainer(run, preparations, executor)
+    return TrainerThread(run, RayParallelTrainer(run, preparations), executor)
 
 
 def open_pool(run: Run, backend: RolloutBackend, preparations: list[Preparation], threads: RunThreads) -> RolloutPool:

@@ -1,7 +1,7 @@
 """The data-parallel trainer on Ray: `train.world_size` ranks (`TrainerRank` actors in one
 placement group) run `tiderl.train.parallel.ParallelLearner`s over the one `train_step`.
 
-The driver's side is `RayParallelTrainer`, the recipe's trainer (`step`, `version`, `weights`).
+The driver's side is `RayParallelTrainer`, the recipe's trainer (`train`, `weights`, `close`).
 Each step it sends the batch to every rank (one object-store copy), and the ranks train it
 together (DDP or FSDP2 over gloo on the CPU, NCCL on GPUs). Then rank 0 gathers the full policy
 weights, computes their checksum and puts them in the object store itself: the pool publishes
@@ -21,7 +21,6 @@ while the driver's mirror has already read the whole weights.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -154,11 +153,11 @@ class TrainerRank:
 class RayParallelTrainer:
     """The recipe's trainer for `train.parallel=ddp|fsdp2`: `train.world_size` `TrainerRank`
     actors, started (in a placement group) at the first step, so that the rollout workers of the
-    Ray backend are placed first. `step` waits on the ranks on `executor` (a thread)."""
+    Ray backend are placed first."""
 
-    def __init__(self, run: Any, preparations: list[Any], executor: Any = None):
+    def __init__(self, run: Any, preparations: list[Any]):
         cfg: RunConfig = run.cfg
-        self.run, self.cfg, self.executor = run, cfg, executor
+        self.run, self.cfg = run, cfg
         self.world_size = cfg.train.world_size
         self.timeout_s = cfg.system.wait_timeout_s
         self.refreshers = [p for p in preparations if hasattr(p, "refresh")]
@@ -210,15 +209,6 @@ class RayParallelTrainer:
                         self.resume_shards, time.monotonic() - t0, entries)
             self.resume_shards = None
         logger.info("%d trainer ranks (%s) ready: %s", self.world_size, self.cfg.train.parallel, self.info)
-
-    @property
-    def version(self) -> int:
-        return self.run.step
-
-    async def step(self, batch: list[Trajectory]) -> dict[str, float]:
-        metrics = await asyncio.get_running_loop().run_in_executor(self.executor, self.train, batch)
-        self.run.step += 1
-        return metrics
 
     def train(self, batch: list[Trajectory]) -> dict[str, float]:
         """One data-parallel optimizer step, then rank 0 publishes the new weights (blocking)."""
