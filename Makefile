@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast test-shuffled clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,21 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) -m tiderl.cli demo --config configs/kg_sao_tiny.yaml --run-dir $(RUN_DIR)
 
+# The full suite (what CI runs): 10-12 minutes on 2 cores.
 test: setup
 	$(PY) -m pytest -q tests
+
+# The fast tier: every test that does not train a model (`-m "not slow"`), under 3 minutes.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The fast tier in a shuffled order (pytest-random-order; a module's tests stay together, in a
+# shuffled order, and the modules are shuffled): a test that depends on what ran before it fails
+# here. The seed is printed; SEED=<seed> replays that order.
+test-shuffled: setup
+	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
+	echo "test order: shuffled with seed $$seed (replay: make test-shuffled SEED=$$seed)"; \
+	$(PY) -m pytest -q -m "not slow" --random-order-bucket=module --random-order-seed=$$seed tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

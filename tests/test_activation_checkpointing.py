@@ -70,6 +70,7 @@ def sao_step(checkpointing: bool, lora: bool = False, copied: bool = False) -> t
 
 @pytest.mark.parametrize("lora,copied", [(False, False), (True, False), (False, True)],
                          ids=["full", "lora", "deep-copied"])
+@pytest.mark.slow
 def test_checkpointing_recomputes_layers_and_leaves_the_update_unchanged(lora, copied):
     if lora:
         pytest.importorskip("peft")
@@ -95,6 +96,7 @@ def test_a_model_without_checkpointable_layers_names_the_option():
         enable_activation_checkpointing(torch.nn.Linear(3, 3))
 
 
+@pytest.mark.slow
 def test_config_turns_it_on_for_the_actor_and_the_critic_not_the_engine(tmp_path):
     from tiderl.config import load_config
     from tiderl.run import build_run

@@ -101,6 +101,7 @@ def test_budget_env_holds_the_answer_back_until_the_budget_is_spent():
     assert inner.finished == ["max_turns"] and env.finish("max_tokens").reward == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the asynchronous plan needs 2 cores")
 def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(tmp_path):
     mode = next(m for m in bench.MODES if m.name == "async-s1")

@@ -64,6 +64,7 @@ def exact(row):
     return {k: v for k, v in row.items() if not k.startswith(TIMED)}
 
 
+@pytest.mark.slow
 def test_resume_from_step_k_equals_the_uninterrupted_run(parity_model, tmp_path):
     """max_staleness=0: resumed from step 2's checkpoint, steps 3-5 equal the uninterrupted
     run's bit for bit (every metric but wall-clock ones), and so do the final weights."""
@@ -95,6 +96,7 @@ def test_resume_from_step_k_equals_the_uninterrupted_run(parity_model, tmp_path)
     assert replay(read_events(tmp_path / "b" / "ledger.jsonl"))["trained"] == ledger["trained"] == 20
 
 
+@pytest.mark.slow
 def test_checkpoints_are_atomic_pruned_and_complete(parity_model, tmp_path):
     cfg = load_config(None, overrides(parity_model, tmp_path, "train.steps=4", "train.checkpoint_every=1",
                                       "train.keep_last=2"))
@@ -225,6 +227,7 @@ def test_kill_9_then_resume_accounts_for_every_task(parity_model, tmp_path, stal
 # ------------------------------------------------------------------ errors that name the cause
 
 
+@pytest.mark.slow
 def test_nan_reward_stops_the_step_naming_task_and_env(parity_model, tmp_path):
     cfg = load_config(None, overrides(parity_model, tmp_path, "env.name=resume_env:NaNReward", "train.steps=1"))
     with pytest.raises(FloatingPointError, match=r"env.name=resume_env:NaNReward.*non-finite reward.*task 'n\d+'"):

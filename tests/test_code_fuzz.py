@@ -144,6 +144,7 @@ def test_one_thousand_outputs_against_a_stub_sandbox(env_class, task):
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_class, task", [(CodeEnv, CODE_TASK), (RepoEnv, REPO_TASK)], ids=["code", "repo"])
 def test_four_hundred_outputs_through_the_real_sandbox(env_class, task):
     box = Sandbox(Limits(cpu_s=1, wall_s=1, memory_mb=512), concurrency=4)

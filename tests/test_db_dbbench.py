@@ -86,6 +86,7 @@ def test_oracle_ceiling_on_dev_is_where_the_gold_sql_reproduces_the_label(dev):
           f"SELECT-type {len(reproduced)}/20, writes 40/40")
 
 
+@pytest.mark.slow
 def test_oracle_ceiling_on_standard(standard):
     report = oracle_ceiling(standard)
     assert report["by_type"]["INSERT"] == [100, 100] and report["by_type"]["UPDATE"] == [100, 100]
@@ -93,6 +94,7 @@ def test_oracle_ceiling_on_standard(standard):
     print(f"\ndbbench standard oracle ceiling: {report['success']:.3f} (238/300); SELECT-type 38/100")
 
 
+@pytest.mark.slow
 def test_gold_tables_agree_with_agentbench_md5(dev, standard):
     """The env's gold tables (gold statement run on SQLite) are the tables AgentBench scored
     against (its MySQL hash, recomputed): all of dev, and 187 of 200 on standard, where the

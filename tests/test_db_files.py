@@ -93,6 +93,7 @@ def _call(env, name, **arguments):
     return env.step(Action(text="", tool_calls=[ToolCall(name, arguments)]))
 
 
+@pytest.mark.slow
 def test_oracle_scores_one_through_the_cli_and_the_file_is_untouched(database, tmp_path, capsys):
     path, questions = database
     before = _fingerprint(tmp_path)

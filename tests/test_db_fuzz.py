@@ -145,6 +145,7 @@ def _file_database(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_fuzz_1200_outputs_no_exception_no_hang(backend, tmp_path):
     rng = random.Random(11)
     file_path = _file_database(tmp_path)

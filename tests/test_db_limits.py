@@ -53,6 +53,7 @@ def test_one_long_opcode_is_stopped_at_the_limit_on_sqlite(tmp_path, writable):
         session.close()
 
 
+@pytest.mark.slow
 def test_every_backend_stops_slow_statements_and_caps_values(tmp_path):
     slow = ["WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
             SLOW_PRINTF]

@@ -244,6 +244,7 @@ def test_db_eval_without_a_model_says_what_to_do(capsys):
     assert "--model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.data
 def test_oracle_reaches_the_agentbench_db_dev_ceiling(tmp_path, capsys):
     """The full dev split (60 tasks): 43/60 = 0.717, as `python -m tiderl.envs.db` measures."""
@@ -263,6 +264,7 @@ def test_oracle_reaches_the_agentbench_db_dev_ceiling(tmp_path, capsys):
     assert "| oracle | 60 | 0.717 |" in printed and "| oracle, INSERT | 20 | 1.000 |" in printed
 
 
+@pytest.mark.slow
 @pytest.mark.data
 def test_oracle_reaches_the_metaqa_ceilings(tmp_path, capsys):
     """300 test questions per hop count, seed 0: the sample of tests/test_kg_ceiling.py, where

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.cli import main
 from tiderl.config import EnvConfig, RolloutConfig
@@ -103,6 +105,7 @@ def test_training_transcripts_put_rewarded_episodes_first_and_append(tmp_path):
     assert "- step: 2" in markdown and "- question:" not in markdown
 
 
+@pytest.mark.slow
 def test_train_command_writes_transcripts_per_step(tmp_path):
     code = main(["train", "--config", "configs/kg_sao_tiny.yaml", *SMALL, "model.tiny.hidden_size=32",
                  "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",

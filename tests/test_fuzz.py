@@ -26,6 +26,7 @@ FUZZED_ENVIRONMENTS = [("kg",), ("db",), ("math", "env.options.calculator=true")
 OUTPUTS = 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", FUZZED_ENVIRONMENTS, ids=lambda e: e[0])
 def test_no_fuzzed_output_crashes_the_environment(env, record_property):
     env_name, *overrides = env
@@ -81,6 +82,7 @@ class FaultyEnv:
         return StepResult([], done=True, info={"success": 0.0})
 
 
+@pytest.mark.slow
 def test_the_fuzz_finds_exceptions_hangs_and_violations():
     report = fuzz_environment(load_config(None, ["env.name=test_fuzz:FaultyEnv"]), outputs=300, seed=0,
                               step_timeout_s=0.5, turns_per_episode=1)

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_lora_engine_benchmark_quick_compares_both_engines_and_prints_the_ratio_last():
     pytest.importorskip("peft")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

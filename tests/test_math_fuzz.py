@@ -82,6 +82,7 @@ def check_result(result, done_expected=None):
         json.dumps(result.info, ensure_ascii=False).encode("utf-8")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fuzzed_agent_outputs_never_raise_or_hang():
     rng = random.Random(12)

@@ -119,6 +119,7 @@ def test_packed_logprobs_entropies_and_gradients_equal_the_padded_path(model, ba
     torch.testing.assert_close(again[1:], plp.detach()[1:], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", ["random", "shared prompts"])
 def test_train_step_packed_equals_padded(model, batch):
     cfg = load_config(None, ["algo.name=grpo", "algo.kl_coef=0.0", "algo.loss_agg=token-mean",
@@ -149,6 +150,7 @@ def test_packs_only_plain_full_attention_models(model):
     assert not packs(torch.nn.Linear(2, 2))  # not a Hugging Face model: the padded path
 
 
+@pytest.mark.slow
 def test_learner_uses_fused_adamw_with_the_default_update(model):
     fused = Learner(copy.deepcopy(model), lr=1e-2, weight_decay=0.1)
     assert fused.optimizer.param_groups[0]["fused"] is True

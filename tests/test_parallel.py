@@ -43,6 +43,7 @@ def parallel_results(tmp_path_factory):
     return torch.load(path, weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_one_process(parallel_results, mode, case):
@@ -73,6 +74,7 @@ def test_micro_batches_are_balanced_by_tokens_and_padded_with_ghosts():
         assign_micro_batches([1], 0)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_keeps_fp32_master_weights():
     from tiderl.train.precision import trainer_autocast
 

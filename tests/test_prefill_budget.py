@@ -65,6 +65,7 @@ def _play(engine: TorchEngine, prompts: list[list[int]], turns: int, temperature
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [8, 50])
 def test_a_small_budget_gives_the_same_tokens_and_logprobs(model, tokenizer, budget):
     prompts = _prompts(1, 6)
@@ -82,6 +83,7 @@ def test_a_small_budget_gives_the_same_tokens_and_logprobs(model, tokenizer, bud
     assert engine.stats["prefill_passes"] > 3, "the budget split the prefill"
 
 
+@pytest.mark.slow
 def test_a_budget_with_kept_caches_and_rows_joining_a_running_batch(model, tokenizer):
     prompts = _prompts(2, 7, longest=45)
     whole_engine = TorchEngine(model, tokenizer, seed=5, max_batch_size=4, prefill_tokens=0)

@@ -61,6 +61,7 @@ def _play(engine: TorchEngine, episodes: int, turns: int, sessions: bool, seed: 
     return out
 
 
+@pytest.mark.slow
 def test_prefix_reuse_gives_the_same_tokens_and_logprobs_as_a_full_re_encode(model, tokenizer):
     reused_engine = TorchEngine(model, tokenizer, max_batch_size=4)
     plain_engine = TorchEngine(model, tokenizer, max_batch_size=4, prefix_cache_mb=0)
@@ -81,6 +82,7 @@ def test_prefix_reuse_gives_the_same_tokens_and_logprobs_as_a_full_re_encode(mod
     assert reused_engine.kept_sessions() == 0, "every episode ended: nothing is kept"
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_with_reuse_match_a_full_re_encode(model, tokenizer):
     engine = TorchEngine(model, tokenizer, max_batch_size=3, seed=7)
     turns = _play(engine, episodes=4, turns=3, sessions=True, temperature=0.8, seed=1)
@@ -174,6 +176,7 @@ def test_a_cancelled_request_leaves_without_an_answer(model, tokenizer):
     assert len(answers) == 1 and len(answers[0].token_ids) == 5
 
 
+@pytest.mark.slow
 def test_the_client_passes_episodes_as_sessions_and_ends_them(model, tokenizer):
     engine = TorchEngine(model, tokenizer, max_batch_size=4)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)

@@ -313,6 +313,7 @@ class DisagreeingWorker:
         return self.held
 
 
+@pytest.mark.slow
 def test_disagreeing_workers_fail_the_sync(cluster):
     cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "system.ray_workers=2",
                                                    "rollout.batch_size=2", "system.wait_timeout_s=400"])

@@ -195,6 +195,7 @@ def test_output_is_valid_text(sandbox):
     r.stdout.encode("utf-8")  # no lone surrogates
 
 
+@pytest.mark.slow
 def test_executions_run_concurrently_without_blocking_the_loop():
     box = Sandbox(Limits(wall_s=5), concurrency=4)
 

@@ -51,6 +51,7 @@ def _episodes(run, tasks, params, batch):
                          cfg.env.max_total_tokens, max_batch_size=batch)
 
 
+@pytest.mark.slow
 def test_seeded_episodes_do_not_depend_on_batch_size_or_task_order(run):
     distinct = run.setup.eval_tasks[:6]
     tasks = distinct + distinct[:2]  # two samples of the first two tasks: each gets its own stream

@@ -90,6 +90,7 @@ def assert_same(got, want, what):
             torch.testing.assert_close(got[part][name], want[part][name], atol=1e-6, rtol=1e-5, msg=f"{what} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_ranks_resume_like_the_uninterrupted_run(sharded_runs, mode):
     out, results = sharded_runs
@@ -107,6 +108,7 @@ def test_two_ranks_resume_like_the_uninterrupted_run(sharded_runs, mode):
     assert sum(name.endswith(".distcp") for name in files) == 2
 
 
+@pytest.mark.slow
 def test_one_process_reads_the_two_ranks_shards(sharded_runs):
     """DCP reshards: the FSDP2 ranks' checkpoint loads into plain learners (train.parallel=none)."""
     out, results = sharded_runs
@@ -118,6 +120,7 @@ def test_one_process_reads_the_two_ranks_shards(sharded_runs):
     assert metrics["policy/loss"] == pytest.approx(want_metrics["policy/loss"], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_layout_saves_atomically_and_loads(tmp_path):
     """`save_checkpoint(shards=...)`: sharded/ + actor_config/ + trainer_state.pt + the marker,
     renamed into place; `load_checkpoint` restores the whole state in one process, or the
@@ -162,6 +165,7 @@ def test_single_process_checkpoint_is_refused_for_ranks(tmp_path):
         load_checkpoint(ckpt, actor, critic, ranks_load=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_export_consolidates_the_ranks_shards_into_a_plain_model_dir(sharded_runs, tmp_path, mode):
     """`tiderl export` of a checkpoint whose sharded/ the two ranks wrote: a directory that

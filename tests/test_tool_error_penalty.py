@@ -47,6 +47,7 @@ def test_negative_penalty_is_a_config_error(field):
         load_config("configs/kg_sao_tiny.yaml", [f"{field}=-0.1"])
 
 
+@pytest.mark.slow
 def test_the_run_shapes_training_trajectories_with_it(cache, tmp_path):
     on = build_run(small_config(cache, tmp_path / "on", "env.tool_error_penalty=0.05"))
     shaped = on.shape(trajectory(1.0, tool_errors=2, success=1.0))
@@ -57,6 +58,7 @@ def test_the_run_shapes_training_trajectories_with_it(cache, tmp_path):
     assert PART not in off.shape(trajectory(1.0, tool_errors=2, success=1.0)).reward_parts
 
 
+@pytest.mark.slow
 def test_the_run_charges_turns_without_a_call_beside_tool_errors(cache, tmp_path):
     run = build_run(small_config(cache, tmp_path / "both", "env.tool_error_penalty=0.05", "env.no_call_penalty=0.1"))
     shaped = run.shape(trajectory(0.0, tool_errors=1, no_call_turns=2))

@@ -134,6 +134,7 @@ def test_unknown_format_is_a_parse_error_not_an_exception():
     assert "format 'xml'" in action.parse_errors[0] and "auto, hermes, json" in action.parse_errors[0]
 
 
+@pytest.mark.slow
 def test_never_raises_on_random_text():
     pieces = ["```", "```json", "\n", "{", "}", "[", "]", '"name"', ":", '"a"', ",", '"arguments"', "<tool_call>",
               "</tool_call>", "\\", '"', "x", " ", "\ud800", "\x00", '"parameters"']

@@ -211,6 +211,7 @@ def test_bad_requests_get_clear_errors(model, tokenizer, params, prompt, message
         TorchEngine(model, tokenizer).generate([prompt], params)
 
 
+@pytest.mark.slow
 def test_fast_decode_step_gives_the_model_forwards_tokens_and_logprobs(model, tokenizer, prompts):
     """The decode step without the Hugging Face module stack (`fast_decode.DecodeStep`) computes
     what the model's own forward computes: the same greedy tokens and the same log-probs, with

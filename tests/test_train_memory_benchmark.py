@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_train_memory_benchmark_quick_runs_both_modes_and_prints_ratios_last():
     pytest.importorskip("peft")  # the benchmark puts LoRA adapters on policy and critic
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

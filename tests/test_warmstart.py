@@ -47,6 +47,7 @@ def demo_loss(path, demos) -> float:
     return float(-(lp * batch.action_mask).sum() / batch.action_mask.sum())
 
 
+@pytest.mark.slow
 def test_warm_start_learns_the_demonstrations_of_training_tasks_only(model_dir, tmp_path):
     cfg = config(model_dir, tmp_path)
     setup = load_setup(cfg)
@@ -66,6 +67,7 @@ def test_warm_start_learns_the_demonstrations_of_training_tasks_only(model_dir, 
     assert demo_loss(report.out, demos) < 0.5 * demo_loss(model_dir, demos)
 
 
+@pytest.mark.slow
 def test_warm_start_with_lora_saves_merged_weights(model_dir, tmp_path):
     pytest.importorskip("peft")
     cfg = config(model_dir, tmp_path, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj,up_proj,down_proj]")

@@ -135,6 +135,7 @@ def opted_in_loss(inp: PolicyLossInputs, cfg) -> tuple[torch.Tensor, dict[str, f
 opted_in_loss.zero_at_zero_advantage = True  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_skipping_with_one_micro_batch_per_row_and_two_actor_updates() -> None:
     cfg = dataclasses.replace(algo(), actor_updates=2)
     steps = [batch([[1.0] * 4, [0.0, 1.0, 0.0, 0.0], [0.0] * 4], seed=3)]
