@@ -30,7 +30,8 @@ from tiderl.metrics.logger import MetricsLogger
 from tiderl.metrics.summary import rollout_metrics
 from tiderl.registry import BACKENDS, resolve
 from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
-from tiderl.run import Checkpoints, Run, build_run, make_trainer, open_pool, preparations_for, save_run_checkpoint, sync_weights
+from tiderl.run import (Checkpoints, Run, Trainer, TrainerThread, build_run, open_pool, preparations_for,
+                        save_run_checkpoint, sync_weights)
 from tiderl.system.cores import RunThreads, pinned_thread
 from tiderl.types import Trajectory
 
@@ -91,11 +92,10 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     if backend is None:
         backend = resolve(BACKENDS, cfg.system.backend, "system.backend").from_run(run, preparations, threads.compute)
     pool = open_pool(run, backend, preparations, threads)
-    trainer = make_trainer(run, preparations, threads.trainer)
-    run.trainer = trainer.trainer  # data-parallel ranks write the sharded part of checkpoints
+    run.trainer = learner = _learner(run, preparations)  # data-parallel ranks write their checkpoint shards
+    trainer = TrainerThread(run, learner, threads.trainer)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
-
     if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.drift)
         run.setup.on_step(run.step)
     try:
@@ -114,11 +114,21 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     return history, summary
 
 
+def _learner(run: Run, preparations: list[Any]) -> Any:
+    """The trainer `train.parallel` asks for: this process (`Trainer`), or data-parallel ranks as
+    Ray actors (`RayParallelTrainer`, docs/ray.md)."""
+    if run.cfg.train.parallel == "none":
+        return Trainer(run, preparations)
+    from tiderl.system.ray_trainer import RayParallelTrainer
+
+    return RayParallelTrainer(run, preparations)
+
+
 def _after_step(run: Run, logger: MetricsLogger, checkpoints: Checkpoints, observer: Observer | None,
                 stop: Callable[[dict[str, float]], bool] | None) -> AfterStep:
     """What follows every step: the world's clock, metrics, transcripts, the observer, a
     checkpoint when due (the trainer is idle between steps), and whether to stop early."""
-    cfg = run.cfg
+    cfg, run_dir = run.cfg, Path(run.cfg.run_dir)
 
     def after_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> bool:
         metrics.update(rollout_metrics(batch))
@@ -126,8 +136,7 @@ def _after_step(run: Run, logger: MetricsLogger, checkpoints: Checkpoints, obser
         if run.setup.on_step is not None:  # a drifting world moves with the step (env.drift)
             run.setup.on_step(version)
         logger.log(version, metrics)
-        append_training_transcripts(run.tokenizer, batch, version, cfg.log.transcripts,
-                                    Path(cfg.run_dir) / "transcripts")
+        append_training_transcripts(run.tokenizer, batch, version, cfg.log.transcripts, run_dir / "transcripts")
         if observer is not None:
             observer(version, metrics, batch)
         checkpoints.after_step(version)

@@ -2,7 +2,7 @@
 curiosity, and the two sides of the recipe's loop: the rollout pool and the trainer.
 
 `build_run(cfg)` builds (or resumes) the parts; `open_pool` puts the rollout pool around a
-backend; `Trainer` takes one optimizer step per batch. Which parts exist follows from the
+backend; `Trainer` takes one optimizer step per batch, on the thread `TrainerThread` gives it. Which parts exist follows from the
 algorithm options alone (`tiderl.algos.registry.needs_critic` / `needs_ref`): nothing here knows
 which algorithm runs.
 """
@@ -285,16 +285,6 @@ class TrainerThread:
 
     def close(self) -> None:
         self.trainer.close()
-
-
-def make_trainer(run: Run, preparations: list[Preparation], executor: Any) -> TrainerThread:
-    """The trainer `train.parallel` asks for, stepping on `executor`: this process (`Trainer`), or
-    data-parallel ranks as Ray actors (`RayParallelTrainer`, docs/ray.md)."""
-    if run.cfg.train.parallel == "none":
-        return TrainerThread(run, Trainer(run, preparations), executor)
-    from tiderl.system.ray_trainer import RayParallelTrainer
-
-    return TrainerThread(run, RayParallelTrainer(run, preparations), executor)
 
 
 def open_pool(run: Run, backend: RolloutBackend, preparations: list[Preparation], threads: RunThreads) -> RolloutPool:
