@@ -15,6 +15,7 @@ Each section says which files use it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -479,3 +480,29 @@ class StubServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+# -- watching a code sandbox's concurrency (test_sandbox, test_env_code) ------------------------
+
+
+async def gather_watching(box, *awaitables) -> tuple[list, int]:
+    """Await `awaitables` together while a task on the same event loop samples, every 10 ms, how
+    many of the sandbox `box`'s executions hold a slot (`box._running`, the count its
+    `concurrency` bound is enforced on). Returns (results, the most seen at once). A peak above
+    1 shows executions ran at the same time and that the event loop kept running meanwhile (an
+    execution that blocked the loop would leave the sampler no moment to see two); no clock is
+    read."""
+    peak = 0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, box._running)
+            await asyncio.sleep(0.01)
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        results = await asyncio.gather(*awaitables)
+    finally:
+        sampler.cancel()
+    return results, peak

@@ -145,10 +145,9 @@ def _kill_after_first_checkpoint(args, run_dir, rng):
     a random moment later; returns the delay."""
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = _train_process(args, log)
-        deadline = time.monotonic() + 60
         while not list(run_dir.glob("checkpoints/step_*/tiderl_checkpoint.json")):
+            # A run that ends (or crashes) before its first checkpoint fails here with its log.
             assert proc.poll() is None, (run_dir.parent / f"{run_dir.name}.log").read_text()
-            assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.02)
         delay = rng.uniform(0.0, 0.3)
         time.sleep(delay)
@@ -256,15 +255,15 @@ def test_nan_loss_or_gradient_stops_the_step_before_the_weights_change(parity_mo
     assert all(torch.equal(v, run.actor.model.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.timeout(120)  # a run that retried without end would hang here; this one ends in about a second
 def test_env_whose_reset_always_fails_ends_the_run_fast_naming_it(parity_model, tmp_path):
     cfg = load_config(None, overrides(parity_model, tmp_path, "env.name=resume_env:ResetFails", "train.steps=1",
                                       "system.max_task_retries=1"))
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"env.name=resume_env:ResetFails keeps failing.*refused the connection"):
         train(build_run(cfg))
-    assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.timeout(120)  # as above
 def test_env_that_fails_once_running_ends_the_run_fast_naming_it(parity_model, tmp_path):
     from resume_env import ResetFailsAfterStartUp
 
@@ -272,10 +271,8 @@ def test_env_that_fails_once_running_ends_the_run_fast_naming_it(parity_model, t
     cfg = load_config(None, overrides(parity_model, tmp_path, "env.name=resume_env:ResetFailsAfterStartUp",
                                       "train.steps=1", "system.max_task_retries=1"))
     run = build_run(cfg)  # the start-up check's resets succeed
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"keeps failing.*refused the connection"):
         train(run)
-    assert time.monotonic() - t0 < 30
 
 
 def test_bad_model_files_and_devices_are_named(parity_model, tmp_path):

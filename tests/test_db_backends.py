@@ -4,7 +4,6 @@ layer on its own (statements sent straight to the session, past the env's own ch
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 
 import pytest
@@ -145,10 +144,10 @@ def test_read_only_session_never_changes_the_table(backend):
 def test_statement_time_limit(backend):
     session = backend.open([SCHOOLS], writable=False)
     try:
-        start = time.perf_counter()
+        # ENDLESS never finishes by itself: only the limit ends it (without it, the test would
+        # hang until its timeout).
         with pytest.raises(SQLError, match="longer than the 0.3 s limit"):
             session.execute(ENDLESS, max_rows=10, timeout_s=0.3)
-        assert time.perf_counter() - start < 3.0
         # The session still works after an interrupted statement.
         assert session.execute(f"SELECT COUNT(*) FROM {T}", max_rows=1, timeout_s=5).rows == [(5,)]
     finally:

@@ -146,6 +146,7 @@ def _file_database(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # the hang guard: the fuzz takes seconds
 def test_fuzz_1200_outputs_no_exception_no_hang(backend, tmp_path):
     rng = random.Random(11)
     file_path = _file_database(tmp_path)
@@ -162,12 +163,15 @@ def test_fuzz_1200_outputs_no_exception_no_hang(backend, tmp_path):
         result = None
         for _ in range(rng.randrange(1, 8)):
             text = _random_output(rng)
-            if int(outputs) % 400 == 399:  # a statement SQLite cannot stop in-process: the worker is killed
+            killed = int(outputs) % 400 == 399
+            if killed:  # a statement SQLite cannot stop in-process: the worker is killed
                 text = f'<tool_call>{json.dumps({"name": "execute_sql", "arguments": {"query": SLOW}})}</tool_call>'
             began = time.monotonic()
             result = env.step(parse_hermes_tool_calls(text))
             slowest = max(slowest, time.monotonic() - began)
             outputs += 1
+            if killed:  # cut off at the statement limit, not run to its end
+                assert any(f"{LIMITS.timeout_s:g} s limit" in o for o in result.observations), result.observations
             assert all(isinstance(o, str) and _valid(o) for o in result.observations)
             assert set(result.info) >= {"tool_calls", "tool_errors"}
             if result.done:
@@ -176,8 +180,6 @@ def test_fuzz_1200_outputs_no_exception_no_hang(backend, tmp_path):
             result = env.finish("max_turns")
         assert result.done and result.reward in (0.0, 1.0)
     took = time.monotonic() - start
-    # per step: at most the statement limit plus the kill grace plus a restart, per call
-    assert slowest < 3 * (LIMITS.timeout_s + 0.5) + 2.0, slowest
     assert file_path.read_bytes() == before
     print(f"\nDB fuzz: {int(outputs)} outputs in {int(episodes)} episodes, 0 exceptions, slowest step "
           f"{slowest:.2f} s, {took:.1f} s in all")

@@ -205,15 +205,15 @@ def test_a_handed_over_model_leaves_the_loaders_memory_map(tokenizer, tmp_path):
         [c.token_ids for c in owned.generate(prompts, PARAMS)]
 
 
+@pytest.mark.timeout(60)  # a trimming thread that never called would hang the wait below
 def test_trimmed_heap_trims_while_the_block_runs_and_stops_after(monkeypatch):
     import tiderl.evaluate
 
-    calls = []
-    monkeypatch.setattr(tiderl.evaluate, "_malloc_trim", lambda: (lambda pad: calls.append(pad) or 1))
+    calls, called = [], threading.Event()
+    monkeypatch.setattr(tiderl.evaluate, "_malloc_trim",
+                        lambda: (lambda pad: calls.append(pad) or called.set() or 1))
     with tiderl.evaluate.trimmed_heap(interval_s=0.01) as done:
-        deadline = time.monotonic() + 5
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.01)
+        called.wait()
     assert calls and set(calls) == {0} and done[0] == len(calls)
     after = len(calls)
     time.sleep(0.05)
@@ -224,6 +224,7 @@ def test_trimmed_heap_trims_while_the_block_runs_and_stops_after(monkeypatch):
     assert done == [0]
 
 
+@pytest.mark.timeout(60)  # a thread that stopped trimming would hang the wait below
 def test_trimmed_heap_runs_the_real_malloc_trim_where_there_is_one():
     import tiderl.evaluate
 
@@ -232,8 +233,7 @@ def test_trimmed_heap_runs_the_real_malloc_trim_where_there_is_one():
     with tiderl.evaluate.trimmed_heap(interval_s=0.01) as done:
         blocks = [bytearray(300_000) for _ in range(50)]  # heap churn for it to return
         del blocks[::2]
-        deadline = time.monotonic() + 5
-        while done[0] < 2 and time.monotonic() < deadline:
+        while done[0] < 2:
             time.sleep(0.01)
     assert done[0] >= 2
 

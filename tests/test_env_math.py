@@ -3,7 +3,6 @@ episode rules (reward, format penalty, tools, errors), the data readers and orac
 the contract checker, and config rules."""
 
 import json
-import time
 
 import pytest
 
@@ -54,11 +53,11 @@ def test_extract_answer(text, answer, source):
     assert (got.answer, got.source) == (answer, source)
 
 
+@pytest.mark.timeout(60)  # linear: well under a second; quadratic would take hours and time out
 def test_extraction_is_linear_on_enormous_nested_text():
     text = "\\boxed{" * 100_000 + "1" + "}" * 99_999  # one box never closes
-    t0 = time.perf_counter()
-    assert last_boxed(text) is not None
-    assert time.perf_counter() - t0 < 10.0  # quadratic would take hours
+    # The box closed last is the second outermost: everything between its braces.
+    assert last_boxed(text) == "\\boxed{" * 99_998 + "1" + "}" * 99_998
 
 
 # -- the calculator --------------------------------------------------------------------------
@@ -79,11 +78,10 @@ def test_calculator_values(expression, value):
     ("1" * 500, "characters"), ("-" * 150 + "1", "too long"), ("1 +", "cannot parse"),
     ("2 ** 0.5", "integer exponents"), ("[1, 2]", "not allowed"), ("'a' * 3", "not a number"),
 ])
+@pytest.mark.timeout(60)  # rejected before evaluation: 9**9**9 evaluated first would run for many minutes
 def test_calculator_rejects_with_a_reason(expression, message):
-    t0 = time.perf_counter()
     with pytest.raises(CalculatorError, match=message):
         calculate(expression)
-    assert time.perf_counter() - t0 < 0.5
 
 
 def test_calculator_bounds_are_configurable():
@@ -103,16 +101,16 @@ def test_verifier_decides_equivalence(verifier, gold, predicted, correct):
     assert verifier.verify(gold, predicted).correct is correct
 
 
+@pytest.mark.timeout(120)  # a hostile input that were not cut off would hang here
 def test_verifier_bounds_hostile_input_and_recovers():
-    v = AnswerVerifier(timeout_s=0.3)
+    v = AnswerVerifier(timeout_s=30.0)  # the calls that must finish get time to spare on a busy machine
     try:
         assert v.verify("2", "2").correct  # the worker runs
-        t0 = time.perf_counter()
-        verdict = v.verify("5", "2^{2^{2^{2^{2^{2^{2}}}}}}")  # sympy would compute a giant power
-        elapsed = time.perf_counter() - t0
+        v.timeout_s = 0.3
+        verdict = v.verify("5", "2^{2^{2^{2^{2^{2^{2}}}}}}")  # sympy would compute a giant power, never in 0.3 s
         assert not verdict.correct and "timed out" in verdict.error
-        assert elapsed < 10.0 and v.timeouts == 1  # 0.3 s plus killing the worker, on a loaded machine
-        v.timeout_s = 30.0  # (so that a slow machine cannot fail the next check)
+        assert v.timeouts == 1  # the worker was cut off (and killed) once
+        v.timeout_s = 30.0
         assert v.verify("3", "3").correct  # a fresh worker replaced the killed one
         too_long = v.verify("1", "1" * (MAX_ANSWER_CHARS + 1))
         assert not too_long.correct and "characters" in too_long.error

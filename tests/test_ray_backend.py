@@ -206,9 +206,7 @@ def test_worker_pool_routes_syncs_and_replaces(slow_tool_run):
             # Weights move on while the replacement boots; it must join on the newest ones.
             state2 = perturbed(run.actor.model, 2)
             assert await rollout.update_weights(state2, 2) == weights_checksum(state2)
-            deadline = time.monotonic() + TIMEOUT_S
-            while rollout.live_workers < 2:
-                assert time.monotonic() < deadline, f"no replacement within {TIMEOUT_S}s: {rollout.events}"
+            while rollout.live_workers < 2:  # a replacement that never came would fail by the test's timeout
                 await asyncio.sleep(0.2)
             assert sorted(rollout._workers) == [1, 2] and rollout.version == 2
             fresh = rollout._workers[2].handle
@@ -228,13 +226,11 @@ def test_worker_pool_routes_syncs_and_replaces(slow_tool_run):
             with pytest.raises(asyncio.CancelledError):
                 await cancelled
             assert rollout._workers[1].load == 0 and rollout._workers[2].load == 0
-            deadline = time.monotonic() + 30
-            while True:
+            while True:  # a cancellation the worker never saw would fail by the test's timeout
                 pings = [await rb._await_ref(w.handle.ping.remote(), TIMEOUT_S, "ping")
                          for w in rollout._workers.values()]
                 if sum(p["cancelled"] for p in pings) == 1:
                     break
-                assert time.monotonic() < deadline, f"the worker never saw the cancellation: {pings}"
                 await asyncio.sleep(0.2)
         finally:
             await rollout.close()
