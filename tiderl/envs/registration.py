@@ -85,6 +85,7 @@ class BuiltinEnvironment:
 
     @property
     def warm_start(self) -> WarmStart | None:
+        """Its warm start (imports the module that holds it), None when it has none."""
         return load_object(self.warm_start_path, "warm start") if self.warm_start_path else None
 
 
