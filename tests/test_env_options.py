@@ -114,6 +114,7 @@ def test_the_environment_passes_the_contract_with_its_options():
     assert report.ok
 
 
+@pytest.mark.slow  # a (two-step) warm start
 def test_the_embedded_model_is_built_from_the_environments_warm_start(tmp_path):
     from tiderl.models.embedded import build_key, ensure_embedded_model
 
