@@ -96,7 +96,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     trainer = TrainerThread(run, learner, threads.trainer)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
     after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
-    if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.drift)
+    if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.options.drift)
         run.setup.on_step(run.step)
     try:
         with pinned_thread(threads.plan.rollout):  # the event loop: episode bookkeeping, tool calls
@@ -133,7 +133,7 @@ def _after_step(run: Run, logger: MetricsLogger, checkpoints: Checkpoints, obser
     def after_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> bool:
         metrics.update(rollout_metrics(batch))
         metrics.update(curiosity_metrics(batch))
-        if run.setup.on_step is not None:  # a drifting world moves with the step (env.drift)
+        if run.setup.on_step is not None:  # a drifting world moves with the step (env.options.drift)
             run.setup.on_step(version)
         logger.log(version, metrics)
         append_training_transcripts(run.tokenizer, batch, version, cfg.log.transcripts, run_dir / "transcripts")

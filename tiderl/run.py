@@ -57,7 +57,7 @@ class TaskStream:
 
     def __init__(self, tasks: list[Task], seed: int):
         if not tasks:
-            raise ValueError("no training tasks: check data.source and data.hops")
+            raise ValueError("no training tasks: check data.source and the environment's options (env.options.*)")
         self.tasks = tasks
         self.rng = random.Random(seed)
         self.order: list[int] = []
