@@ -87,6 +87,21 @@ def test_nothing_imports_the_recipe_and_it_is_short():
     assert len((ROOT / "recipe.py").read_text().splitlines()) < 150
 
 
+def test_the_recipe_shows_the_loop():
+    """The loop is the recipe's own function, about 25 lines: next batch, trainer step, publish,
+    then what follows a step; nothing else in tiderl runs optimizer steps in a loop of its own."""
+    tree = ast.parse((ROOT / "recipe.py").read_text())
+    [loop] = [n for n in tree.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "loop"]
+    assert loop.end_lineno - loop.lineno + 1 <= 30
+    calls = [ast.unparse(n.func) for n in ast.walk(loop) if isinstance(n, ast.Call)]
+    for call in ("pool.next_batch", "trainer.step", "pool.publish", "after_step"):
+        assert call in calls, (call, calls)
+    takers = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                    for n in ast.walk(ast.parse(p.read_text()))
+                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "next_batch")
+    assert takers == ["recipe.py"], takers
+
+
 @pytest.mark.parametrize("layer, forbidden", [
     ("tiderl.algos", ("tiderl.train", "tiderl.system", "tiderl.run", "tiderl.recipe", "tiderl.rollout")),
     ("tiderl.envs", ("tiderl.train", "tiderl.system", "tiderl.run", "tiderl.recipe", "tiderl.rollout")),
