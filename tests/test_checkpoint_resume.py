@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,6 @@ from tiderl.models.loading import load_model, save_model_dir
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.recipe import train
 from tiderl.run import build_run
-from tiderl.system.ledger import read_events, replay
 from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
 
 import user_env
@@ -157,20 +157,53 @@ def _kill_after_first_checkpoint(args, run_dir, rng):
     return delay
 
 
+# Where each ledger event puts an attempt (the buckets of the pool's `Ledger`).
+SETTLED = ("trained", "dropped_stale", "failed", "retried", "restarted", "filtered", "requeued", "lost")
+
+
+def read_events(path):
+    """The events of a ledger file (tiderl/system/ledger.py); a torn last line (the process died
+    mid-write) is skipped."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def replay(events) -> Counter:
+    """The ledger counts the events give: `started` and every settled bucket."""
+    counts: Counter = Counter()
+    for e in events:
+        ev = e.get("ev")
+        if ev == "resume":
+            counts = Counter(e.get("counts", {}))
+        elif ev == "lost":
+            counts["started"] += 1
+            counts["lost"] += 1
+        elif ev == "started" or ev in SETTLED:
+            counts[ev] += 1
+    return counts
+
+
 def _ledger_balances(run_dir):
     """system.json's ledger, checked: every attempt in exactly one bucket, the file agrees, and
     per task no more settled than started."""
     summary = json.loads((run_dir / "system.json").read_text())["ledger"]
-    buckets = ("trained", "dropped_stale", "failed", "retried", "restarted", "filtered", "requeued", "lost")
-    assert summary["started"] == sum(summary[b] for b in buckets) + summary["unsettled"], summary
+    assert summary["started"] == sum(summary[b] for b in SETTLED) + summary["unsettled"], summary
     events = read_events(run_dir / "ledger.jsonl")
     counts = replay(events)
-    assert {k: counts[k] for k in ("started", *buckets)} == {k: summary[k] for k in ("started", *buckets)}
+    assert {k: counts[k] for k in ("started", *SETTLED)} == {k: summary[k] for k in ("started", *SETTLED)}
     per_task: dict[str, int] = {}
     for e in events:
         if e["ev"] in ("started", "lost"):
             per_task[e["task"]] = per_task.get(e["task"], 0) + 1
-        if e["ev"] in buckets:
+        if e["ev"] in SETTLED:
             per_task[e["task"]] = per_task.get(e["task"], 0) - 1
     return summary, per_task
 

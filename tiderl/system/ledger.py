@@ -14,19 +14,15 @@ goes, so a run killed with SIGKILL still has one. Each line is one event:
 A `lost` line stands for an attempt that started and was lost: a resume cuts the file back to
 its checkpoint (the killed run's later lines describe work whose weights were never saved) and
 writes one `lost` line, with the reason, per attempt the cut removed a `started` line of. A
-`resume` line carries the counts the checkpoint restored, so `replay` of the file gives the
-same counts as the pool's ledger (`tests/test_checkpoint_resume.py` checks both).
+`resume` line carries the counts the checkpoint restored, so replaying the file gives the same
+counts as the pool's ledger (`tests/test_checkpoint_resume.py` checks both).
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
-
-# Where each event puts an attempt (the buckets of the pool's `Ledger`).
-SETTLED = ("trained", "dropped_stale", "failed", "retried", "restarted", "filtered", "requeued", "lost")
 
 
 class LedgerLog:
@@ -51,35 +47,6 @@ class LedgerLog:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """The events of a ledger file; a torn last line (the process died mid-write) is skipped."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def replay(events: list[dict[str, Any]]) -> Counter[str]:
-    """The ledger counts the events give: `started` and every settled bucket."""
-    counts: Counter[str] = Counter()
-    for e in events:
-        ev = e.get("ev")
-        if ev == "resume":
-            counts = Counter(e.get("counts", {}))
-        elif ev == "lost":
-            counts["started"] += 1
-            counts["lost"] += 1
-        elif ev == "started" or ev in SETTLED:
-            counts[ev] += 1
-    return counts
 
 
 def cut_back(path: str | Path, offset: int, step: int, checkpoint: str) -> list[dict[str, Any]]:
