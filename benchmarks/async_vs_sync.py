@@ -93,11 +93,11 @@ from collections import Counter, defaultdict
 from tiderl.config import load_config
 from tiderl.envs.protocol import StepResult
 from tiderl.evaluate import evaluate
+from tiderl.lab.cpu import thread_cpu
 from tiderl.models.embedded import embedded_model_dir
 from tiderl.recipe import train
 from tiderl.rollout.weights import weights_checksum
 from tiderl.run import build_run
-from tiderl.system.cores import thread_cpu
 from tiderl.system.latency import with_latency
 
 CONFIG = "configs/kg_sao_tiny.yaml"

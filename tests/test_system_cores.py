@@ -11,12 +11,12 @@ import pytest
 
 from pool_fakes import FakeRollout, FakeTrainer, check_ledger, run_pool
 from tiderl.config import ConfigError, load_config
+from tiderl.lab.cpu import thread_cpu
 from tiderl.system.cores import (
     CorePlan,
     parse_plan,
     pinned_thread,
     resolve_cores,
-    thread_cpu,
 )
 from tiderl.system.pool import PoolSettings
 from tiderl.system.staleness import StalenessGate
@@ -41,7 +41,7 @@ def test_auto_splits_the_available_cores_between_trainer_and_rollout(available, 
 def test_auto_keeps_every_core_for_synchronous_training_and_on_one_core():
     for plan in (resolve_cores("auto", [0, 1], synchronous=True), resolve_cores("auto", [3], synchronous=False),
                  resolve_cores("shared", [0, 1, 2, 3], synchronous=False)):
-        assert not plan.pinned
+        assert plan.describe() == {}  # nothing pinned
         assert plan.threads_for("trainer", 0, default=7) == 7  # the unpinned defaults stay
 
 

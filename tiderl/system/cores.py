@@ -92,10 +92,6 @@ class CorePlan:
     prep: tuple[int, ...] = ()
     pinned_threads: dict[str, list[int]] = field(default_factory=dict)  # component -> native thread ids
 
-    @property
-    def pinned(self) -> bool:
-        return bool(self.trainer or self.rollout or self.prep)
-
     def cores_of(self, component: str) -> tuple[int, ...]:
         if component not in COMPONENTS:
             raise ValueError(f"unknown component {component!r}; one of {COMPONENTS}")
@@ -206,17 +202,3 @@ def pinned_thread(cores: Sequence[int]) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(tid, before)
-
-
-def thread_cpu(tid: int) -> tuple[int, float] | None:
-    """(the core a thread of this process last ran on, its CPU seconds), from
-    /proc/self/task/<tid>/stat; None when the thread is gone or /proc is missing."""
-    try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-    # fields[0] is the state (stat field 3): utime/stime are fields 14/15, processor is field 39.
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[36]), (int(fields[11]) + int(fields[12])) / tick
