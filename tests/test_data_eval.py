@@ -7,7 +7,7 @@ import pytest
 from tiderl.config import load_config
 from tiderl.config import ConfigError
 from tiderl.envs.setup import data_root, load_setup
-from tiderl.evaluate import format_table, summarize
+from tiderl.evaluate import markdown_table, summarize
 from tiderl.types import Trajectory
 
 
@@ -65,7 +65,7 @@ def test_summary_success_and_standard_error():
     assert math.isclose(s["f1"], 0.375)
     assert s["stop_reasons"] == {"answer": 3, "max_turns": 1}
     assert s["action_tokens"] == 2
-    table = format_table([("x", s)])
+    table = markdown_table([("x", s)])
     assert "0.750" in table and "0.217" in table
 
 

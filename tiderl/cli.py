@@ -506,7 +506,7 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
 
 def cmd_demo(cfg: RunConfig) -> int:
     """Evaluate the warm-started policy, train it, evaluate again, write summary.json."""
-    from tiderl.evaluate import format_table
+    from tiderl.evaluate import markdown_table
     from tiderl.recipe import train
     from tiderl.run import build_run, save_run_checkpoint
 
@@ -517,7 +517,7 @@ def cmd_demo(cfg: RunConfig) -> int:
     print(f"[tiderl] model {run.model_path}\n[tiderl] {len(run.setup.train_tasks)} training "
           f"tasks, {len(tasks)} held-out tasks ({run.setup.name})")
     before = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
-    print(format_table([(f"before {m}", r) for m, r in before.items()]))
+    print(markdown_table([(f"before {m}", r) for m, r in before.items()]))
     t_train = time.perf_counter()
     history, _ = train(run)
     train_s = time.perf_counter() - t_train
@@ -552,9 +552,9 @@ def cmd_demo(cfg: RunConfig) -> int:
     path.write_text(json.dumps(summary, indent=2))
     rows = []
     for mode in before:
-        rows += [(f"before {mode}", before[mode]), (f"after  {mode}", after[mode])]
+        rows += [(f"before {mode}", before[mode]), (f"after {mode}", after[mode])]
     print()
-    print(format_table(rows))
+    print(markdown_table(rows))
     gain = summary["success_after"] - summary["success_before"]
     se = (summary["stderr_before"] ** 2 + summary["stderr_after"] ** 2) ** 0.5
     print(f"\nheld-out success ({primary}, n={summary['n_eval']}): "

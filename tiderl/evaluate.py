@@ -20,11 +20,12 @@ import dataclasses
 import json
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tiderl.agent.loop import ScriptedEngine, play_episodes
+from tiderl.agent.loop import ScriptedEngine, play_episodes, task_chunks
 from tiderl.config import EnvConfig, RolloutConfig
 from tiderl.envs.protocol import Env, Task
 from tiderl.metrics.summary import pass_at_k, summarize, summarize_samples  # noqa: F401 - re-exported
@@ -37,21 +38,6 @@ EngineFor = Callable[[list[Task]], Engine]
 
 # Token limits for the oracle: a script has no context limit, and a cut turn would be a wrong one.
 ORACLE_TOKEN_LIMIT = 10**9
-
-
-def _chunks(tasks: list[Task], size: int, distinct_prompts: bool) -> list[list[Task]]:
-    """Consecutive chunks of at most `size` tasks (0 = no limit); with `distinct_prompts` a
-    chunk never holds two tasks with the same prompt."""
-    chunks: list[list[Task]] = [[]]
-    prompts: set[str] = set()
-    for task in tasks:
-        full = size > 0 and len(chunks[-1]) >= size
-        if chunks[-1] and (full or (distinct_prompts and task.prompt in prompts)):
-            chunks.append([])
-            prompts = set()
-        chunks[-1].append(task)
-        prompts.add(task.prompt)
-    return [c for c in chunks if c]
 
 
 def run_samples(
@@ -74,7 +60,7 @@ def run_samples(
         raise ValueError(f"samples_per_task must be >= 1, got {samples_per_task}")
     per_chunk = not hasattr(engine, "generate")
     groups: list[list[Trajectory]] = []
-    for chunk in _chunks(tasks, chunk_size, distinct_prompts=per_chunk):
+    for chunk in task_chunks(tasks, chunk_size, distinct_prompts=per_chunk):
         chunk_engine = engine(chunk) if per_chunk else engine
         copies = [t for t in chunk for _ in range(samples_per_task)]
         report = None if on_episode is None else (
@@ -252,19 +238,6 @@ def markdown_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def format_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
-    """A plain-text table of evaluation results, one row per (label, result)."""
-    header = f"{'eval':<22}{'n':>5}{'success':>10}{'± se':>8}{'f1':>7}{'turns':>7}{'tokens':>8}"
-    lines = [header, "-" * len(header)]
-    for label, r in rows:
-        f1 = r["f1"] if r.get("f1") is not None else 0.0
-        lines.append(
-            f"{label:<22}{r['n']:>5}{r['success']:>10.3f}{r['stderr']:>8.3f}{f1:>7.3f}"
-            f"{r['turns']:>7.2f}{r['tokens']:>8.1f}"
-        )
-    return "\n".join(lines)
-
-
 # -- watching an evaluation: progress, stop reasons, transcripts ------------------------------
 
 
@@ -277,7 +250,7 @@ class EvalProgress:
         self.total, self.done, self.successes = total, 0, 0
         self.keep = keep
         self.kept: list[tuple[Task, Trajectory]] = []
-        self.stop_reasons: dict[str, int] = {}
+        self.stop_reasons: Counter[str] = Counter()
         self.bar = None
         if enabled:
             from tqdm import tqdm
@@ -290,8 +263,7 @@ class EvalProgress:
     def __call__(self, task: Task, trajectory: Trajectory) -> None:
         self.done += 1
         self.successes += int(bool(trajectory.env_info.get("success", 0)))
-        reason = trajectory.stop_reason
-        self.stop_reasons[reason] = self.stop_reasons.get(reason, 0) + 1
+        self.stop_reasons[trajectory.stop_reason] += 1
         if len(self.kept) < self.keep:
             self.kept.append((task, trajectory))
         if self.bar is not None:
