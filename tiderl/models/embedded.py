@@ -34,18 +34,20 @@ from pathlib import Path
 
 import torch
 
-from tiderl.agent.loop import ScriptedEngine, play_episodes
+from tiderl.agent.loop import ScriptedEngine, play_episodes, task_chunks
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
 from tiderl.envs.protocol import Env, Task
 from tiderl.envs.registration import WarmStart, environment
 from tiderl.envs.setup import Setup
-from tiderl.models.loading import save_model_dir
+from tiderl.models.fetch import cache_root
+from tiderl.models.loading import count_parameters, save_model_dir
 from tiderl.models.startup import StartupError
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
-from tiderl.train.batching import collate, micro_batch_indices, slice_batch
+from tiderl.train.batching import Batch, collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import packed_token_logprobs, token_logprobs
+from tiderl.train.learner import Learner
 from tiderl.types import Trajectory
 
 def _log(message: str) -> None:
@@ -56,14 +58,6 @@ def _log(message: str) -> None:
 BUILD_VERSION = 1
 
 COPY_CHECK_KEYS = ("copy_check_threshold", "copy_check_every", "copy_check_size")
-
-
-def cache_root(cfg: RunConfig) -> Path:
-    if cfg.model.cache_dir:
-        return Path(cfg.model.cache_dir)
-    if os.environ.get("TIDERL_CACHE"):
-        return Path(os.environ["TIDERL_CACHE"])
-    return Path.home() / ".cache" / "tiderl"
 
 
 def warm_start(cfg: RunConfig) -> WarmStart:
@@ -129,7 +123,7 @@ def _source_digest(modules: tuple[str, ...]) -> str:
 def embedded_model_dir(cfg: RunConfig) -> Path:
     """Where the embedded model of `cfg` is cached: <cache>/models/<env>-tiny-<source>-<key>."""
     family = "".join(c if c.isalnum() or c in "_." else "-" for c in cfg.env.name)
-    return cache_root(cfg) / "models" / f"{family}-tiny-{cfg.data.source}-{build_key(cfg)}"
+    return cache_root(cfg.model.cache_dir) / "models" / f"{family}-tiny-{cfg.data.source}-{build_key(cfg)}"
 
 
 def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
@@ -191,7 +185,7 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
     demo_success = sum(float(t.env_info.get("success", 0)) for t in traces) / len(traces)
     log(f"[tiderl] {len(traces)} demonstrations, {demo_success:.2f} of them succeed; "
         f"tokenizer {len(tokenizer)} tokens; model "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        f"{count_parameters(model) / 1e6:.2f}M parameters")
     check, check_report = None, {}
     if ws.copy_check_threshold > 0:
         check, check_report = _copy_check(cfg, setup, tokenizer, model, log)
@@ -217,7 +211,7 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
         **entries,
         "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "sft_steps": len(losses),
         **({"copy_check": check_report} if check_report else {}),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": count_parameters(model),
         "build_s": time.perf_counter() - t_start,
         "key": build_key(cfg),
     }
@@ -290,18 +284,11 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
     """
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                             stop_token_ids=[tokenizer.eos_token_id])
-    chunks: list[list[int]] = [[]]
-    seen: set[str] = set()
-    for i, task in enumerate(tasks):
-        if task.prompt in seen or len(chunks[-1]) >= 128:
-            chunks.append([])
-            seen = set()
-        chunks[-1].append(i)
-        seen.add(task.prompt)
     traces: list[Trajectory] = []
-    for chunk in chunks:
-        engine = ScriptedEngine(tokenizer, {tasks[i].prompt: scripts[i] for i in chunk})
-        traces += play_episodes(engine, tokenizer, setup.make_env, [tasks[i] for i in chunk], params,
+    for chunk in task_chunks(tasks, 128, distinct_prompts=True):
+        chunk_scripts = scripts[len(traces):len(traces) + len(chunk)]
+        engine = ScriptedEngine(tokenizer, {task.prompt: script for task, script in zip(chunk, chunk_scripts)})
+        traces += play_episodes(engine, tokenizer, setup.make_env, chunk, params,
                                 max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
                                 max_batch_size=len(chunk))
     return traces
@@ -337,30 +324,26 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
 def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every,
                       decay, micro_batch_tokens, packed) -> list[float]:
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+    # AdamW's default kernel, not the fused one: the embedded model builds as its cache key says.
+    learner = Learner(model, lr, weight_decay=0.01, fused=False)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup)
+        learner.optimizer, lambda s: min(1.0, (s + 1) / warmup)
         * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
-    model.train()
     losses = []
     for step in range(steps):
         batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id)
-        lengths = batch.attention_mask.sum(1).tolist()
         total = batch.action_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = 0.0  # summed over micro-batches, as a float (no graph kept)
-        for rows in micro_batch_indices(lengths, micro_batch_tokens):
-            mb = slice_batch(batch, rows)
+
+        def loss_fn(mb: Batch, total: torch.Tensor = total) -> tuple[torch.Tensor, dict[str, float]]:
             if packed:
                 lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
             else:
                 lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
-            loss = -(lp * mb.action_mask).sum() / total
-            loss.backward()
-            loss_value += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+            return -(lp * mb.action_mask).sum() / total, {}
+
+        rows = micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)
+        loss_value = learner.step([slice_batch(batch, r) for r in rows], loss_fn)["loss"]
         schedule.step()
         losses.append(loss_value)
         if step % max(1, steps // 10) == 0 or step == steps - 1:
@@ -370,4 +353,3 @@ def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, c
             log(f"[tiderl] warm start stopped at step {step + 1} (copy check passed; loss {loss_value:.4f})")
             break
     return losses
-

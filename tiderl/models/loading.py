@@ -209,7 +209,7 @@ def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, p
     return out
 
 
-def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
-    """Number of parameters, each shared (tied) tensor counted once."""
-    # Module.parameters() already yields a tied tensor only once.
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of parameters, each shared (tied) tensor counted once (`Module.parameters()` yields
+    a tied tensor only once)."""
+    return sum(p.numel() for p in model.parameters())

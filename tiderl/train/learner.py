@@ -31,13 +31,14 @@ class Learner:
     """
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), grad_clip: float = 1.0):
+                 betas: tuple[float, float] = (0.9, 0.999), grad_clip: float = 1.0, fused: bool = True):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("Learner got a model with no trainable parameters")
+        # fused=False keeps AdamW's default kernel (`fused_adam_supported` says why fused is the rule).
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas,
-                                           fused=fused_adam_supported(self.params) or None)
+                                           fused=(fused and fused_adam_supported(self.params)) or None)
         self.grad_clip = grad_clip
 
     def step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
