@@ -101,7 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     cf.add_argument("--run-dir", help=argparse.SUPPRESS)
     cf.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     cf.add_argument("overrides", nargs="*", help="dotted overrides, e.g. env.name=mypkg.myenv:MyEnv")
-    _simulate_parser(sub)
+    # `tiderl simulate`: the discrete-event model of the pipeline, a research tool; its flags live
+    # with it in tiderl/lab/simulate_cli.py.
+    from tiderl.lab.simulate_cli import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     se = add("serve", "serve the model over an OpenAI-compatible API, recording sessions (docs/serve.md)")
     se.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     se.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -141,14 +145,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     print(f"model: {out}  (AutoModelForCausalLM.from_pretrained, or tiderl eval --model {out})")
     return 0
-
-
-def _simulate_parser(sub: Any) -> None:
-    """`tiderl simulate`: the discrete-event model of the pipeline (tiderl/lab/simulate.py, a
-    research tool); its flags live with it in tiderl/lab/simulate_cli.py."""
-    from tiderl.lab.simulate_cli import add_parser
-
-    add_parser(sub)
 
 
 def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
@@ -201,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.command} takes no overrides: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
     if args.command == "simulate":
-        return cmd_simulate(args)
+        from tiderl.lab.simulate_cli import run as simulate
+
+        return simulate(args)
     if args.command == "export":
         return cmd_export(args)
     if args.command == "check-env":
@@ -211,13 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         names = [w for w in words if "=" not in w]
         if len(names) == 1:
             args.env, args.overrides = names[0], [w for w in words if "=" in w]
-    if args.command == "config":
-        return cmd_config(args)
-    try:
-        cfg = _load(args)
+    try:  # `tiderl config` lists the options of a config only when one is given
+        cfg = _load(args) if args.command != "config" or args.config or args.overrides else None
     except ConfigError as exc:
         print(f"tiderl: config error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "config":
+        return cmd_config(cfg)
     if args.dry_run:
         print(dump_yaml(cfg), end="")
         return 0
@@ -230,17 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def cmd_config(args: argparse.Namespace) -> int:
+def cmd_config(chosen: RunConfig | None) -> int:
     """`tiderl config`: every key with its default and meaning, each built-in environment's
-    `env.options` too; given a config (file or overrides), also its environment's options when
-    that environment is a user's own."""
-    chosen = None
-    if args.config or args.overrides:
-        try:
-            chosen = _load(args)
-        except ConfigError as exc:
-            print(f"tiderl: config error: {exc}", file=sys.stderr)
-            return 2
+    `env.options` too; given a config (`chosen`, from a file or overrides), also its environment's
+    options when that environment is a user's own."""
     for key, help, default in describe(chosen=chosen):
         print(f"{key} = {default!r}\n    {help}")
     print("\ndata.source values, per environment (the first is its default):")
@@ -282,12 +273,6 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         print(resolve_model_path(cfg, load_setup(cfg)))
         return 0
     return 1
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from tiderl.lab.simulate_cli import run
-
-    return run(args)
 
 
 def cmd_train(cfg: RunConfig) -> int:
@@ -463,8 +448,6 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
                        out: str | None) -> int:
     """Fit a critic (the policy's backbone plus a fresh head, attention frozen as configured) to
     Monte-Carlo returns, save it where `algo.value_init` can load it, print the fit."""
-    import dataclasses
-
     from tiderl.agent.loop import play_episodes
     from tiderl.rollout.base import sampling_params
     from tiderl.run import build_run

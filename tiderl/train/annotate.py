@@ -50,8 +50,6 @@ class CriticSnapshot:
     `annotations["values_version"]`: the number of refreshes the snapshot had when it computed the
     values (one entry per token, all equal); the rollout pool turns it into `critic/lag_*`."""
 
-    key = "values"
-
     def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
         self.model = copy.deepcopy(critic).eval().requires_grad_(False)
         self.pad_id = pad_id
@@ -86,8 +84,6 @@ class CriticSnapshot:
 class RefLogprobs:
     """Reference-model log-probs of every token (`annotations["ref_logprobs"]`, 0 on forced
     tokens): the reference is frozen, so its forward pass can run any time before the step."""
-
-    key = "ref_logprobs"
 
     def __init__(self, ref: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
                  temperature: float = 1.0):

@@ -27,10 +27,6 @@ class Batch:
     rewards: torch.Tensor
     num_action_tokens: torch.Tensor
 
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
-
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(t.to(device) for t in self.__dict__.values()))
 

@@ -204,16 +204,15 @@ def train_step(
     `rollout.temperature`): the policy and the reference score tokens at it, as the engine's
     behaviour log-probs do, so the importance ratio is 1 on fresh data at any temperature.
     """
-    if nonfinite == "skip":
-        try:
-            return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor,
-                               device, skip=True, packed=packed, skip_zero_advantage=skip_zero_advantage,
-                               temperature=temperature)
-        except NonFiniteError as exc:  # train.nonfinite=skip: counted, logged, the weights unchanged
-            logger.warning("skipping the optimizer step: %s", exc)
-            return {"nonfinite/skipped_step": 1.0}
-    return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
-                       skip=False, packed=packed, skip_zero_advantage=skip_zero_advantage, temperature=temperature)
+    skip = nonfinite == "skip"
+    try:
+        return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
+                           skip=skip, packed=packed, skip_zero_advantage=skip_zero_advantage, temperature=temperature)
+    except NonFiniteError as exc:
+        if not skip:
+            raise
+        logger.warning("skipping the optimizer step: %s", exc)  # train.nonfinite=skip: counted, the weights unchanged
+        return {"nonfinite/skipped_step": 1.0}
 
 
 def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner | None,
