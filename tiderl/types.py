@@ -69,3 +69,28 @@ class Trajectory:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
         return cls(**d)
+
+
+@dataclass(kw_only=True)
+class TokenRecord:
+    """A token sequence growing in the layout of a `Trajectory` (the agent loop's episodes, the
+    server's recorded sessions): each token with its loss mask, behaviour log-prob and version."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    policy_version: list[int] = field(default_factory=list)
+
+    def append_forced(self, ids: list[int]) -> None:
+        """Append tokens no policy sampled (prompt, observations, forced end-of-turn)."""
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.behavior_logprobs.extend([0.0] * len(ids))
+        self.policy_version.extend([NO_VERSION] * len(ids))
+
+    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append the engine's sampled tokens with their log-probs and weight versions."""
+        self.tokens.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.behavior_logprobs.extend(logprobs)
+        self.policy_version.extend(versions)

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, TemplateError, chat_format
@@ -27,7 +27,7 @@ from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
 from tiderl.rollout.base import Completion, Engine, SamplingParams, episode_seed
 from tiderl.rollout.client import BatchingEngine
-from tiderl.types import NO_VERSION, Trajectory
+from tiderl.types import TokenRecord, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +35,13 @@ __all__ = ["CONTINUE_MESSAGE", "ScriptedEngine", "play_episode", "play_episodes"
 
 
 @dataclass
-class _Episode:
+class _Episode(TokenRecord):
     """The running state of one task's episode."""
 
     task: Task
     group_id: str
     env: Env | None = None
     fmt: ChatFormat | None = None
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    behavior_logprobs: list[float] = field(default_factory=list)
-    policy_version: list[int] = field(default_factory=list)
     num_turns: int = 0
     # Turns with neither a tool call nor a malformed one that did not end the episode (they got
     # the environment's nudge): what `env.no_call_penalty` charges.
@@ -53,20 +49,6 @@ class _Episode:
     # Sum of the rewards of non-final steps (shaping); added to the final reward.
     shaping: float = 0.0
     trajectory: Trajectory | None = None
-
-    def append_forced(self, ids: list[int]) -> None:
-        """Append tokens no policy sampled (prompt, observations, forced end-of-turn)."""
-        self.tokens.extend(ids)
-        self.loss_mask.extend([0] * len(ids))
-        self.behavior_logprobs.extend([0.0] * len(ids))
-        self.policy_version.extend([NO_VERSION] * len(ids))
-
-    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """Append the engine's sampled tokens with their log-probs and weight versions."""
-        self.tokens.extend(ids)
-        self.loss_mask.extend([1] * len(ids))
-        self.behavior_logprobs.extend(logprobs)
-        self.policy_version.extend(versions)
 
     def close(self, reward: float, reward_parts: dict[str, float], env_info: dict[str, Any], stop_reason: str) -> None:
         """Freeze the episode into its Trajectory."""

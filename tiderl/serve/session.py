@@ -27,7 +27,8 @@ from typing import Any
 
 from tiderl.agent.chat import ChatFormat, TemplateError
 from tiderl.serve.wire import RequestError, message_key
-from tiderl.types import NO_VERSION, Trajectory
+from tiderl.types import TokenRecord, Trajectory
+
 
 def continuation_ids(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[int]:
     """`ChatFormat.continuation_ids` of `messages`, or RequestError (400) when the template
@@ -40,16 +41,12 @@ def continuation_ids(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[in
 
 
 @dataclass
-class Segment:
+class Segment(TokenRecord):
     """One growing token sequence of a session (see the module docstring)."""
 
     reason: str
     tools_key: str
     messages: list[dict[str, Any]] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    behavior_logprobs: list[float] = field(default_factory=list)
-    policy_version: list[int] = field(default_factory=list)
     turns: int = 0
     last_cut: bool = False
 
@@ -135,17 +132,11 @@ class Session:
             reused = 0
         else:
             reused = turn.reused
-        forced = turn.prompt[reused:]
-        segment.tokens += forced + sampled
-        segment.loss_mask += [0] * len(forced) + [1] * len(sampled)
-        segment.behavior_logprobs += [0.0] * len(forced) + list(logprobs)
-        segment.policy_version += [NO_VERSION] * len(forced) + list(versions)
+        segment.append_forced(turn.prompt[reused:])
+        segment.append_sampled(sampled, logprobs, versions)
         segment.last_cut = not sampled or sampled[-1] != end_of_turn
         if segment.last_cut:
-            segment.tokens.append(end_of_turn)
-            segment.loss_mask.append(0)
-            segment.behavior_logprobs.append(0.0)
-            segment.policy_version.append(NO_VERSION)
+            segment.append_forced([end_of_turn])
         segment.messages = [*messages, reply]
         segment.turns += 1
         self.requests.append({**record, "segment": self.segments.index(segment), "reused_prompt_tokens": reused,
