@@ -146,10 +146,8 @@ def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenize
     return parse_tool_calls(text, tool_call_format_of(tokenizer), strip=(episode.fmt.end_of_turn,))
 
 
-def _apply_result(
-    episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int, continue_message: str,
-    action: Action | None = None,
-) -> None:
+def _apply_result(episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int,
+                  action: Action | None = None) -> None:
     """Close the episode on `result`, or append the environment's answer for the next turn."""
     assert episode.fmt is not None
     if result.done:
@@ -166,7 +164,7 @@ def _apply_result(
     # A turn without any tool call has nothing for a tool response to answer: the environment's
     # nudge ("no tool call ...") goes back as a user turn, as a chat model expects.
     try:
-        answer = episode.fmt.answer_ids(result.observations, continue_message, as_tool_responses=called)
+        answer = episode.fmt.answer_ids(result.observations, as_tool_responses=called)
     except TemplateError:
         raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
     except Exception as exc:  # noqa: BLE001 - one environment's answer must not end the batch
@@ -188,7 +186,6 @@ async def play_episode(
     max_turns: int,
     max_total_tokens: int,
     group_id: str | None = None,
-    continue_message: str = CONTINUE_MESSAGE,
 ) -> Trajectory:
     """Play one episode, turn after turn, at its own pace, and return its Trajectory.
 
@@ -206,7 +203,7 @@ async def play_episode(
     parsed into an Action (`parse_tool_calls` in the tokenizer's `tool_call_format_of`, "auto"
     unless set) and given to `env.step`; its observations are appended as tool messages rendered
     by the template (loss_mask 0). A turn without any tool call (well-formed or not) gets the
-    environment's observations (its nudge) as one user turn instead, and `continue_message` as
+    environment's observations (its nudge) as one user turn instead, and `CONTINUE_MESSAGE` as
     a user turn when the environment returns no observation.
 
     Promises:
@@ -265,7 +262,7 @@ async def play_episode(
                 except Exception as exc:  # noqa: BLE001 - one environment's failure ends only its episode
                     episode.fail(exc, "env.step")
                     break
-                _apply_result(episode, result, max_turns, max_total_tokens, continue_message, action)
+                _apply_result(episode, result, max_turns, max_total_tokens, action)
     assert episode.trajectory is not None
     return episode.trajectory
 
@@ -280,7 +277,6 @@ def play_episodes(
     max_total_tokens: int,
     group_ids: list[str] | None = None,
     max_batch_size: int = 64,
-    continue_message: str = CONTINUE_MESSAGE,
     threads: int = 0,
     on_episode: Callable[[int, Trajectory], None] | None = None,
     max_in_flight: int | None = None,
@@ -326,8 +322,7 @@ def play_episodes(
         async def one(i: int, task: Task) -> Trajectory:
             async with slots:  # tasks start in order as earlier episodes end
                 trajectory = await play_episode(client, tokenizer, make_env, task, per_episode[i], max_turns,
-                                                max_total_tokens, group_id=group_ids[i] if group_ids else None,
-                                                continue_message=continue_message)
+                                                max_total_tokens, group_id=group_ids[i] if group_ids else None)
             if on_episode is not None:
                 on_episode(i, trajectory)
             return trajectory

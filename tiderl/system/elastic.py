@@ -4,10 +4,10 @@ A *unit* of capacity is what the run can add or remove: a Ray rollout worker (ea
 `slots_per_unit` episodes at once, `system.min_workers`/`max_workers`), or, for the local
 backend, one rollout slot (`system.min_slots`/`max_slots`, `slots_per_unit` = 1).
 
-The decision is one pure function, `decide`, of the current units, their bounds, the load
-measured over the last interval and a small hysteresis memory. The rollout pool
-(`tiderl/system/pool.py`) and the discrete-event model (`tiderl/system/simulate.py`) call
-the same function, so what the simulator predicts is what a run does.
+The decision is one pure function, `decide`, of the current units, their bounds
+(`capacity_bounds`), the load measured over the last interval and a small hysteresis memory.
+The rollout pool (`tiderl/system/pool.py`) and the discrete-event model (`tiderl/lab/simulate.py`)
+call the same function, so what the simulator predicts is what a run does.
 
 Readiness, the signal: who waited on whom over the last interval.
 
@@ -28,12 +28,6 @@ Sizes: growing is proportional to the starvation (the trainer waited a fraction 
 interval, so rollout delivered about 1 - f of what it needed: units / (1 - f), at most four
 times the units, at least one more); shrinking is by a quarter (at least one). Fast up, slow down: a
 starving trainer costs the whole run, a spare worker costs one worker.
-
-Bounds (`capacity_bounds`): never fewer units than one batch needs
-(`ceil(batch / slots_per_unit)`: below that no step can be fed by one round of episodes), never
-more than the gate can admit (`ceil((max_staleness + 1) * batch / slots_per_unit)`: the gate
-never lets more trajectories be unsettled, so extra units would only wait at it), both within
-the configured [min, max].
 """
 
 from __future__ import annotations
@@ -90,11 +84,12 @@ def capacity_bounds(batch_size: int, max_staleness: int, slots_per_unit: int,
                     min_units: int, max_units: int) -> Bounds:
     """[low, high] units for a run with this batch size and staleness bound.
 
-    low = ceil(B / slots_per_unit) (what one batch needs) and high = ceil((N + 1) B /
-    slots_per_unit) (what the gate can admit), each kept within the configured [min_units,
-    max_units]: the configured range is the resources there are, so it wins when the two
-    disagree (e.g. a max too small for one batch), and the `*_why` strings say which rule set
-    each end."""
+    low = ceil(B / slots_per_unit), what one batch needs (below it no step can be fed by one round
+    of episodes); high = ceil((N + 1) B / slots_per_unit), what the gate can admit (it never lets
+    more trajectories be unsettled, so more units would only wait at it). Each is kept within the
+    configured [min_units, max_units]: the configured range is the resources there are, so it
+    wins when the two disagree (e.g. a max too small for one batch), and the `*_why` strings say
+    which rule set each end."""
     if slots_per_unit < 1 or min_units < 1 or max_units < min_units:
         raise ValueError(f"capacity bounds need slots_per_unit >= 1 and 1 <= min_units <= max_units; got "
                          f"slots_per_unit={slots_per_unit}, min_units={min_units}, max_units={max_units}")

@@ -112,7 +112,6 @@ def pretrain_value(critic: Learner, trajectories: list[Trajectory], pad_id: int,
                 returns = monte_carlo_returns(mb.rewards, mb.action_mask, gamma)
                 return value_loss(v, returns, mb.action_mask, normalizer)
 
-            critic.model.train()
             loss = critic.step(parts, loss_fn)["loss"]
             steps += 1
     after = value_fit(critic.model, held, pad_id, micro_batch_tokens, gamma, device) if held else {}
