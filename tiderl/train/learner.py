@@ -49,6 +49,18 @@ class Learner:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        loss_total, totals, count = self._backward(micro_batches, loss_fn)
+        out = {k: v / max(count, 1) for k, v in totals.items()}
+        out["loss"] = loss_total
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+        self.optimizer.step()
+        return out
+
+    def _backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> tuple[float, dict[str, float], int]:
+        """Each micro-batch's loss backward; returns the summed loss, each metric summed, and how
+        many micro-batches they sum over."""
         totals: dict[str, float] = {}
         loss_total = 0.0
         for mb in micro_batches:
@@ -57,12 +69,7 @@ class Learner:
             loss_total += float(loss.detach())
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        out = {k: v / len(micro_batches) for k, v in totals.items()}
-        out["loss"] = loss_total
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        self.optimizer.step()
-        return out
+        return loss_total, totals, len(micro_batches)
 
     # Data-parallel hooks (`tiderl.train.parallel.ParallelLearner` overrides both): a single
     # process trains on every micro-batch and its batch-wide tensors are already whole.

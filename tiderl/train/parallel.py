@@ -29,10 +29,7 @@ import torch.distributed as dist
 
 from tiderl.train.learner import Learner, LossFn
 
-PARALLEL_MODES = ("none", "ddp", "fsdp2")
-
-__all__ = ["PARALLEL_MODES", "ParallelLearner", "assign_micro_batches", "backend_for",
-           "full_state_dict", "init_rank", "wrap_model"]
+__all__ = ["ParallelLearner", "assign_micro_batches", "backend_for", "full_state_dict", "init_rank", "wrap_model"]
 
 
 def backend_for(device: str) -> str:
@@ -172,10 +169,9 @@ class ParallelLearner(Learner):
         else:
             yield
 
-    def step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this rank's `micro_batches` (the same count on every rank)."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+    def _backward(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> tuple[float, dict[str, float], int]:
+        """This rank's `micro_batches` (the same count on every rank; a ghost's loss weighs 0)
+        backward, then the whole batch's summed loss and metrics and its micro-batch count."""
         totals: dict[str, float] = {}
         loss_total, count = 0.0, 0
         last = len(micro_batches) - 1
@@ -191,15 +187,8 @@ class ParallelLearner(Learner):
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         everyone = _all_sum_objects((loss_total, count, totals))
-        count = sum(c for _, c, _ in everyone)
         summed: dict[str, float] = {}
         for _, _, t in everyone:
             for k, v in t.items():
                 summed[k] = summed.get(k, 0.0) + v
-        out = {k: v / max(count, 1) for k, v in summed.items()}
-        out["loss"] = sum(lt for lt, _, _ in everyone)
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        self.optimizer.step()
-        return out
+        return sum(lt for lt, _, _ in everyone), summed, sum(c for _, c, _ in everyone)
