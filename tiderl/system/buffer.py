@@ -16,11 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from tiderl.aio import cancel_and_wait
+from tiderl.train.annotate import Preparation
 from tiderl.types import Trajectory
-
-# A preparation annotates a list of trajectories in place (e.g. puts per-token critic values in
-# `trajectory.annotations["values"]`).
-Preparation = Callable[[list[Trajectory]], None]
 
 
 class ReadyBuffer:

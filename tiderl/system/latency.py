@@ -65,13 +65,11 @@ class LatencyEnv:
         return self.inner.reset(task)
 
     def step(self, action: Action) -> StepResult:
-        delay = self._next()
-        time.sleep(delay)
+        time.sleep(self._next())
         return self._tag(self.inner.step(action))
 
     async def astep(self, action: Action) -> StepResult:
-        delay = self._next()
-        await asyncio.sleep(delay)
+        await asyncio.sleep(self._next())
         return self._tag(self.inner.step(action))
 
     def finish(self, reason: str) -> StepResult:

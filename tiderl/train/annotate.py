@@ -21,8 +21,7 @@ from tiderl.train.batching import collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import token_logprobs, token_values
 from tiderl.types import Trajectory
 
-# A preparation annotates trajectories in place.
-Preparation = Callable[[list[Trajectory]], None]
+Preparation = Callable[[list[Trajectory]], None]  # see the module docstring
 
 
 @torch.no_grad()
