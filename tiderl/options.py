@@ -2,18 +2,22 @@
 (YAML plus dotted overrides) becomes them.
 
 Every setting is a dataclass field declared with `opt(default, help)` beside the code that reads
-it. The run-level sections live in `tiderl/config.py`; a component (an environment today, engines,
-backends and algorithms as they move) declares its own options dataclass beside its code, and
-the config holds them in a field declared with `component_options`, whose dataclass is the one the
-chosen component declares (`env.options` follows `env.name`).
+it. The run-level sections live in `tiderl/config.py`; a component (an environment, an engine, a
+rollout backend) declares its own options dataclass beside its code, and the config holds them in
+a field declared with `component_options`, whose dataclass is the one the chosen component
+declares (`env.options` follows `env.name`, `rollout.options` `rollout.engine`, `system.options`
+`system.backend`).
 
 `build(cls, mapping, where)` turns a mapping into `cls`: an unknown key is an error with a
 did-you-mean, a value of the wrong type or outside its `choices` names the field and the fix,
 and a component option that the chosen component does not have but another one does is rejected
-with the reason ("only env.name=X reads it"). An options dataclass may define `check(self, cfg)`,
-run on the whole loaded config: it raises with `need(ok, field, problem, fix)` naming its own
-fields as they are written inside it (`timeout_s`), and `check_components` prefixes them with
-the options' dotted path, so the user reads `env.options.timeout_s: must be > 0. Fix: use 2.0.`
+with the reason ("only env.name=X reads it"). A section or options dataclass may define
+`check(self, cfg)`, run on the whole loaded config (`check_components`): it raises with
+`need(ok, field, problem, fix)` naming its own fields as they are written inside it
+(`timeout_s`), and the dotted path is put in front, so the user reads `env.options.timeout_s:
+must be > 0. Fix: use 2.0.` It may also define `unread(self, cfg) -> {field: why}`: the fields
+its own values or the run's other choices leave unread (`unread_keys`), which the config rejects
+when set to a value of their own.
 
 This module imports nothing of tiderl and no torch.
 """
@@ -91,11 +95,14 @@ class Components:
     names: the built-in names (listed by `tiderl config`, and asked which of them read a key).
     options_of: a name -> the options dataclass that component declares (None: it declares
         none). It raises ConfigError for a name it cannot resolve.
+    former_keys: a built-in name -> {former run-level dotted key: the option that took it over},
+        so a config that still sets one is told where it went (`reject_former_keys`).
     """
 
     chooser: str
     names: Callable[[], Iterable[str]]
     options_of: Callable[[str], type | None]
+    former_keys: Callable[[str], dict[str, str]] = lambda name: {}
 
     def options_class(self, name: str) -> type:
         """The options dataclass of component `name` (NoOptions when it declares none)."""
@@ -137,28 +144,56 @@ def fill_component_defaults(obj: Any) -> None:
 
 
 def check_components(cfg: Any) -> None:
-    """Run `check(cfg)` of every component's options in `cfg` that defines one; an error naming
-    one of the options' own fields gets the options' dotted path in front."""
-    for path, options in _component_options(cfg, ""):
-        check = getattr(options, "check", None)
+    """Run `check(cfg)` of every section and component options in `cfg` that defines one; an error
+    naming one of its own fields gets its dotted path in front."""
+    for path, node in _nodes(cfg, ""):
+        check = getattr(node, "check", None)
         if check is None:
             continue
         try:
             check(cfg)
         except ConfigError as exc:
-            own = {f.name for f in dataclasses.fields(options)}
-            if exc.field.split(".")[0] not in own:
+            own = {f.name for f in dataclasses.fields(node)}
+            if not path or exc.field.split(".")[0] not in own:
                 raise  # it names a key outside the options, in full
             raise ConfigError(f"{path}.{exc}", f"{path}.{exc.field}") from None
 
 
-def _component_options(node: Any, where: str) -> Iterator[tuple[str, Any]]:
+def unread_keys(cfg: Any) -> dict[str, str]:
+    """Dotted key -> why nothing reads it, for each option that a section or component options
+    of `cfg` leaves unread under the config's values (their `unread(cfg)`)."""
+    out: dict[str, str] = {}
+    for path, node in _nodes(cfg, ""):
+        unread = getattr(node, "unread", None)
+        if unread is not None:
+            out.update({dotted(path, key): why for key, why in unread(cfg).items()})
+    return out
+
+
+def reject_former_keys(cfg: Any, written: Iterable[str]) -> None:
+    """Raise ConfigError for a written dotted key (or one inside a section) that a built-in
+    component's options took over (`Components.former_keys`), naming where it lives now. `cfg`:
+    any instance of the config's class (only its component-options fields are looked at)."""
+    for path, node in _nodes(cfg, ""):
+        for f in (f for f in dataclasses.fields(node) if "components" in f.metadata):
+            components, where = f.metadata["components"], dotted(path, f.name)
+            moved: dict[str, list[tuple[str, str]]] = {}
+            for name in components.names():
+                for old, new in components.former_keys(name).items():
+                    moved.setdefault(old, []).append((name, new))
+            for key, old in ((k, o) for k in sorted(written) for o in moved if k == o or k.startswith(o + ".")):
+                new = " or ".join(sorted({f"{where}.{option}" for _, option in moved[old]}))
+                owners = ", ".join(f"{dotted(path, components.chooser)}={name}" for name, _ in moved[old])
+                raise ConfigError(f"{old}: moved to {new} (the options of {owners}). Fix: write {new} instead.", old)
+
+
+def _nodes(node: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """(dotted path, dataclass) for `node` and every dataclass under it."""
+    yield where, node
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
-        if "components" in f.metadata:
-            yield dotted(where, f.name), value
-        elif dataclasses.is_dataclass(value):
-            yield from _component_options(value, dotted(where, f.name))
+        if dataclasses.is_dataclass(value):
+            yield from _nodes(value, dotted(where, f.name))
 
 
 # --------------------------------------------------------------------------------------------
