@@ -37,29 +37,12 @@ import torch
 if TYPE_CHECKING:
     from tiderl.config import AlgoConfig
 
-__all__ = [
-    "AdvantageInputs",
-    "broadcast_to_tokens",
-    "decoupled_policy_lambda",
-    "discounted_returns",
-    "dr_grpo_advantages",
-    "dr_grpo_token_advantages",
-    "explained_variance",
-    "gae_advantages",
-    "group_index_of",
-    "group_stats",
-    "grpo_advantages",
-    "grpo_token_advantages",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
-    "outcome_token_rewards",
-    "reinforce_pp_advantages",
-    "reinforce_pp_token_advantages",
-    "rloo_advantages",
-    "rloo_token_advantages",
-    "skip_observation_gae",
-]
+__all__ = ["AdvantageInputs", "broadcast_to_tokens", "decoupled_policy_lambda", "discounted_returns",
+           "dr_grpo_advantages", "dr_grpo_token_advantages", "explained_variance", "gae_advantages",
+           "group_index_of", "group_stats", "grpo_advantages", "grpo_token_advantages", "masked_mean",
+           "masked_var", "masked_whiten", "outcome_token_rewards", "reinforce_pp_advantages",
+           "reinforce_pp_token_advantages", "rloo_advantages", "rloo_token_advantages",
+           "skip_observation_gae"]
 
 
 def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -28,14 +28,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "LOSS_AGG_MODES",
-    "sequence_token_counts",
-    "sequence_mean",
-    "loss_normalizer",
-    "token_weights",
-    "aggregate",
-]
+__all__ = ["LOSS_AGG_MODES", "sequence_token_counts", "sequence_mean", "loss_normalizer", "token_weights",
+           "aggregate"]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")

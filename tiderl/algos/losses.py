@@ -37,21 +37,9 @@ from tiderl.algos.aggregation import sequence_mean
 if TYPE_CHECKING:
     from tiderl.config import AlgoConfig
 
-__all__ = [
-    "PolicyLossInputs",
-    "cispo_loss",
-    "cispo_token_loss",
-    "decoupled_ppo_loss",
-    "decoupled_ppo_token_loss",
-    "dis_loss",
-    "dis_token_loss",
-    "gspo_loss",
-    "gspo_token_loss",
-    "ppo_loss",
-    "ppo_token_loss",
-    "sequence_ratio",
-    "value_loss",
-]
+__all__ = ["PolicyLossInputs", "cispo_loss", "cispo_token_loss", "decoupled_ppo_loss",
+           "decoupled_ppo_token_loss", "dis_loss", "dis_token_loss", "gspo_loss", "gspo_token_loss",
+           "ppo_loss", "ppo_token_loss", "sequence_ratio", "value_loss"]
 
 
 def _check_normalizer(normalizer: float | int | torch.Tensor) -> None:
