@@ -202,12 +202,12 @@ def config(workers: int, elastic: bool, interval_s: float, drain_s: float):
     """The run's config: batch 8, staleness 3, 8 slots per worker; elastic: range 1-8 (the
     bounds narrow it to 1-4)."""
     common = ["system.backend=ray", f"rollout.batch_size={BATCH}", f"system.max_staleness={STALENESS}",
-              f"system.ray_workers={workers}", "system.wait_timeout_s=120", "algo.name=sao"]
+              f"system.options.workers={workers}", "system.wait_timeout_s=120", "algo.name=sao"]
     if elastic:
-        return load_config(None, common + ["system.min_workers=1", "system.max_workers=8",
-                                           f"system.slots_per_worker={SLOTS_PER_WORKER}",
+        return load_config(None, common + ["system.options.min_workers=1", "system.options.max_workers=8",
+                                           f"system.options.slots_per_worker={SLOTS_PER_WORKER}",
                                            f"system.elastic_interval_s={interval_s}",
-                                           f"system.worker_drain_s={drain_s}"])
+                                           f"system.options.worker_drain_s={drain_s}"])
     return load_config(None, common + [f"system.slots={workers * SLOTS_PER_WORKER}"])
 
 

@@ -24,7 +24,7 @@ a strided view, made torch's bf16 CPU projection cost as much as for every promp
 (minutes and gigabytes at 32 rows; the limit below bounds it).
 
 `--prefill-budget` compares the engine's prefill token budget (`TorchEngine(prefill_tokens=...)`,
-`rollout.prefill_tokens`): each setting runs with no budget (the baseline, every joining request
+`rollout.options.prefill_tokens`): each setting runs with no budget (the baseline, every joining request
 prefilled in one forward pass) and with `--prefill-tokens` (default: the engine's default), in
 fresh processes, interleaved `--repeats` times. Per run: peak RSS, its growth over the weights
 (for the whole run, and until the first requests have joined: the first prefill, the one the

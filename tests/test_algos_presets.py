@@ -99,7 +99,7 @@ def test_preset_values_by_paper() -> None:
     (["algo.name=ppo", "algo.policy_loss=ppo", "algo.dual_clip_c=0.5"], "algo.dual_clip_c",
      "use 3.0"),
     (["algo.name=ppo", "algo.policy_loss=cispo", "algo.dual_clip_c=3"], "algo.dual_clip_c",
-     "algo.dual_clip_c=0"),
+     "remove algo.dual_clip_c"),
     (["algo.name=ppo", "algo.loss_agg=seq-mean-token-sum-norm"], "algo.loss_agg_length",
      "generation budget"),
     (["algo.name=ppo", "algo.overlong_buffer=16"], "algo.overlong_max_tokens",
@@ -132,3 +132,67 @@ def test_presets_import_without_torch_and_exports_resolve() -> None:
     code = ("import sys, tiderl.config as c; c.with_preset({'name': 'grpo'}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- which algo.* keys a run leaves unread: derived from what the chosen parts declare -------------
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["algo.adv_eps=0.1"], "algo.adv_eps", "only algo.advantage=grpo reads it"),
+    (["algo.name=grpo", "algo.lambda_alpha=2"], "algo.lambda_alpha", "only algo.advantage=gae reads it"),
+    (["algo.name=grpo", "algo.critic_lambda=0.9"], "algo.critic_lambda", "algo.advantage=grpo trains no critic"),
+    (["algo.name=grpo", "algo.policy_loss=dis", "algo.dual_clip_c=3"], "algo.dual_clip_c",
+     "only algo.policy_loss=ppo and algo.policy_loss=decoupled_ppo read it"),
+    (["algo.name=ppo", "algo.behavior_weight_cap=2"], "algo.behavior_weight_cap",
+     "only algo.policy_loss=decoupled_ppo reads it"),
+    (["algo.name=ppo", "algo.lambda_alpha=2"], "algo.lambda_alpha", "only the decoupled policy lambda reads it"),
+    (["algo.policy_lambda=0.9"], "algo.policy_lambda", "only GAE with a fixed lambda reads it"),
+    (["algo.name=grpo", "algo.kl_estimator=k1", "algo.kl_k3_clamp=5"], "algo.kl_k3_clamp", "only the k3 KL estimator"),
+    (["algo.overlong_penalty=2"], "algo.overlong_penalty", "algo.overlong_buffer=0 turns the overlong penalty off"),
+])
+def test_unread_algorithm_keys_are_derived_from_the_chosen_parts(overrides, key, reason) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(f"{key}: set to ") and reason in str(e.value), str(e.value)
+
+
+def test_the_chosen_parts_read_their_keys_and_an_import_path_may_read_any() -> None:
+    assert load_config(None, ["algo.name=grpo", "algo.adv_eps=0.1"]).algo.adv_eps == 0.1
+    assert load_config(None, ["algo.name=ppo", "algo.dual_clip_c=3"]).algo.dual_clip_c == 3
+    assert load_config(None, ["algo.name=decoupled_ppo", "algo.dual_clip_c=3", "algo.behavior_weight_cap=2"])
+    # A user's estimator or loss may read any algorithm option: none of its kind is rejected.
+    user = ["algo.name=grpo", f"algo.advantage={__name__}:user_estimator", "algo.adv_eps=0.1",
+            "algo.lambda_alpha=2", f"algo.policy_loss={__name__}:user_loss", "algo.dual_clip_c=3"]
+    assert load_config(None, user).algo.lambda_alpha == 2
+    with pytest.raises(ConfigError, match="algo.critic_lr: .*trains no critic"):  # it asks for no critic
+        load_config(None, [*user, "algo.critic_lr=1e-3"])
+
+
+def user_estimator(inp, cfg):  # named by import path above (never called: the config only loads)
+    raise NotImplementedError
+
+
+def user_loss(inp, cfg):
+    raise NotImplementedError
+
+
+def test_a_registered_estimator_reads_the_options_it_declares(monkeypatch) -> None:
+    from tiderl.algos import registry
+    from tiderl.algos.options import GRPOOptions
+
+    monkeypatch.setitem(registry.ADVANTAGE_ESTIMATORS, "grpo_like",
+                        registry.Estimator("tiderl.algos.advantages:grpo_token_advantages", GRPOOptions,
+                                           needs_groups=True))
+    with pytest.raises(ConfigError, match="only algo.advantage=grpo and algo.advantage=grpo_like read it"):
+        load_config(None, ["algo.adv_eps=0.1"])
+    assert load_config(None, ["algo.name=grpo", "algo.advantage=grpo_like", "algo.adv_eps=0.1"]).algo.adv_eps == 0.1
+
+
+def test_every_registered_options_class_is_part_of_algo_config() -> None:
+    from tiderl.algos import registry
+
+    parts = set(AlgoConfig.__mro__)
+    declared = [e.options for e in registry.ADVANTAGE_ESTIMATORS.values() if e.options]
+    declared += [loss.options for loss in registry.POLICY_LOSSES.values()]
+    assert all(options in parts for options in declared)
+    assert dataclasses.fields(AlgoConfig)[0].name == "name"  # the preset first in every dump

@@ -17,7 +17,7 @@ from tiderl.algos.advantages import (
 )
 from tiderl.algos.losses import PolicyLossInputs, dis_token_loss, value_loss
 from tiderl.config import preset_defaults
-from tiderl.algos.registry import group_size, needs_critic, needs_ref
+from tiderl.algos.registry import needs_critic, needs_ref
 from tiderl.config import AlgoConfig
 from tiderl.models.tiny import init_tiny_model
 from tiderl.train.batching import collate
@@ -210,7 +210,7 @@ def test_needs_and_group_size_per_preset() -> None:
     }
     for name, (critic, ref, size) in expected.items():
         cfg = AlgoConfig(**preset_defaults(name))
-        assert (needs_critic(cfg), needs_ref(cfg), group_size(cfg)) == (critic, ref, size), name
+        assert (needs_critic(cfg), needs_ref(cfg), cfg.group_size) == (critic, ref, size), name
 
 
 def test_missing_parts_and_group_ids_are_explained(trajectories) -> None:

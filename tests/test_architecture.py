@@ -116,10 +116,10 @@ def test_layers_import_only_downwards(layer, forbidden):
 
 
 def test_algorithms_are_pure_functions_of_their_inputs():
-    """tiderl/algos imports nothing of tiderl but itself, the wire format, the name tables and
-    (for type annotations) AlgoConfig: not the trainer, the system, the engines or the
-    environments."""
-    allowed = ("tiderl.algos", "tiderl.types", "tiderl.registry", "tiderl.config")
+    """tiderl/algos imports nothing of tiderl but itself, the wire format, the name tables, the
+    options mechanism (its options dataclasses) and (for type annotations) the config: not the
+    trainer, the system, the engines or the environments."""
+    allowed = ("tiderl.algos", "tiderl.types", "tiderl.registry", "tiderl.options", "tiderl.config")
     bad = sorted((m, e) for m, edges in import_graph().items() if m.startswith("tiderl.algos")
                  for e in edges if not e.startswith(allowed))
     assert bad == [], bad
@@ -211,15 +211,18 @@ def test_the_names_check_finds_names(tmp_path):
 # together, the others the subpackages outside tiderl/envs/ (the environments) and tiderl/lab/
 # (research tools). Each budget is the package's size when it was set, rounded up a little: lower
 # it when a package shrinks; a commit that raises one says why.
+# Components own their options (issue 29): what config.py declared for them moved beside their code,
+# so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
+# rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 3050,
+    "tiderl": 2800,
     "agent": 1000,
-    "algos": 1400,
+    "algos": 1620,
     "metrics": 250,
-    "models": 1350,
+    "models": 1375,
     "rewards": 500,
-    "rollout": 2600,
-    "serve": 1050,
+    "rollout": 2640,
+    "serve": 1075,
     "system": 2900,
     "train": 1950,
 }

@@ -94,7 +94,7 @@ def test_cli_dry_run_prints_resolved_config(capsys):
 
 
 @pytest.mark.parametrize("overrides, key, reason", [
-    (["system.ray_workers=4"], "system.ray_workers", "only the Ray backend reads it"),
+    (["system.options.workers=4"], "system.options.workers", "only system.backend=ray reads it"),
     (["system.partial_rollout=restart"], "system.partial_rollout", "max_staleness=0"),
     (["system.elastic_interval_s=5"], "system.elastic_interval_s", "rollout slots are fixed"),
     (["env.options.timeout_s=9"], "env.options.timeout_s", "only env.name=db reads it"),
@@ -105,7 +105,7 @@ def test_keys_that_nothing_reads_are_rejected(overrides, key, reason):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert str(e.value).startswith(key) and reason in str(e.value) and "Fix: remove" in str(e.value)
-    if not key.startswith("env.options."):  # another environment's option is never accepted
+    if ".options." not in key:  # (a component option has no default when its component is not chosen)
         # The same key at its default changes nothing and is accepted (resolved configs hold every key).
         assert load_config(None, [f"{key}={_default(key)}"]) is not None
 
@@ -236,3 +236,72 @@ def test_loading_a_config_imports_no_environment_code():
             "'tiderl.envs.math', 'tiderl.envs.code', 'tiderl.envs.repo')), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[] False"
+
+
+# -- engine and backend options (rollout.options, system.options) ---------------------------------
+
+
+def test_engine_and_backend_options_follow_their_choice():
+    from tiderl.options import NoOptions
+    from tiderl.rollout.options import HttpEngineOptions, TorchEngineOptions
+    from tiderl.system.ray_options import RayOptions
+
+    cfg = load_config(None, [])
+    assert isinstance(cfg.rollout.options, TorchEngineOptions) and isinstance(cfg.system.options, NoOptions)
+    cfg = load_config(None, ["system.options.workers=3", "system.backend=ray"])
+    assert isinstance(cfg.system.options, RayOptions) and cfg.system.options.workers == 3
+    cfg = load_config(None, ["rollout.engine=http", "rollout.options.timeout_s=5"])
+    assert isinstance(cfg.rollout.options, HttpEngineOptions) and cfg.rollout.options.timeout_s == 5
+    # A section made in code gets its component's defaults too.
+    assert RunConfig().rollout.options.prefill_tokens == 4096 and isinstance(RunConfig().system.options, NoOptions)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("rollout.http.urls=[http://a]", "rollout.options.urls"), ("rollout.http.timeout_s=3", "rollout.options.timeout_s"),
+    ("rollout.prefill_tokens=0", "rollout.options.prefill_tokens"), ("system.ray_address=auto", "system.options.address"),
+    ("system.ray_workers=2", "system.options.workers"), ("system.ray_remote_critic=true", "system.options.remote_critic"),
+    ("system.min_workers=1", "system.options.min_workers"), ("system.max_workers=4", "system.options.max_workers"),
+    ("system.slots_per_worker=2", "system.options.slots_per_worker"),
+    ("system.worker_drain_s=3", "system.options.worker_drain_s"), ("system.agent=a:b", "system.options.agent"),
+])
+def test_a_former_engine_or_backend_key_names_its_new_place(old, new):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["system.backend=ray", old])
+    assert str(e.value).startswith(old.split("=")[0] + ": moved to " + new) and f"Fix: write {new}" in str(e.value)
+
+
+def test_the_agent_backend_needs_its_agent_function(monkeypatch):
+    with pytest.raises(ConfigError, match=r"^system.options.agent: is empty, and system.backend=agent plays an agent "
+                                          r"function. Fix: set system.options.agent=mypkg.agents:solve"):
+        load_config(None, ["system.backend=agent"])
+    with pytest.raises(ConfigError, match="system.options.agent: 'solve' is not a 'module:function' import path"):
+        load_config(None, ["system.backend=agent", "system.options.agent=solve"])
+    cfg = load_config(None, ["system.backend=agent", f"system.options.agent={__name__}:_agent"])
+    pytest.importorskip("fastapi")  # the serve extra
+    from tiderl.serve.agent import AgentRollout
+
+    built = []
+    monkeypatch.setattr(AgentRollout, "__init__", lambda self, run, agent: built.append(agent))
+    AgentRollout.from_run(type("Run", (), {"cfg": cfg})(), [])
+    assert built == [_agent]  # from_run plays what system.options.agent names
+
+
+async def _agent(base_url, task):
+    return 0.0
+
+
+def test_every_engine_and_backend_option_is_listed_and_documented(capsys):
+    rows = {key: help for key, help, _ in describe()}
+    for key, tag in [("rollout.options.prefill_tokens", "[rollout.engine=torch]"),
+                     ("rollout.options.urls", "[rollout.engine=http]"), ("system.options.workers", "[system.backend=ray]"),
+                     ("system.options.worker_drain_s", "[system.backend=ray]"),
+                     ("system.options.agent", "[system.backend=agent]")]:
+        assert rows[key].startswith(tag + " ") and len(rows[key]) > len(tag) + 10, key
+    assert main(["config"]) == 0
+    assert "rollout.options.prefill_tokens = 4096\n    [rollout.engine=torch] Prefill budget" in capsys.readouterr().out
+
+
+def test_dry_run_shows_the_resolved_component_options(capsys):
+    assert main(["train", "--dry-run", "system.backend=ray", "system.options.workers=3"]) == 0
+    out = capsys.readouterr().out
+    assert "  options:\n    address: ''\n    workers: 3\n" in out and "    prefill_tokens: 4096\n" in out

@@ -157,12 +157,14 @@ def test_an_episode_cut_by_a_shrink_is_requeued_without_using_a_retry():
 def test_the_worker_range_config_is_checked():
     from tiderl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="system.min_workers: .*only the Ray backend reads it"):
-        load_config(None, ["system.min_workers=1"])
-    with pytest.raises(ConfigError, match=r"system.ray_workers: 1 is outside .* \[2, 4\]"):
-        load_config(None, ["system.backend=ray", "system.min_workers=2", "system.max_workers=4"])
-    with pytest.raises(ConfigError, match="system.slots_per_worker: .*the Ray workers are fixed"):
-        load_config(None, ["system.backend=ray", "system.slots_per_worker=4"])
-    cfg = load_config(None, ["system.backend=ray", "system.ray_workers=2", "system.max_workers=4",
-                             "system.slots_per_worker=4", "system.elastic_interval_s=1"])
-    assert (cfg.system.min_workers, cfg.system.max_workers) == (0, 4)
+    with pytest.raises(ConfigError, match="system.options.min_workers: .*only system.backend=ray reads it"):
+        load_config(None, ["system.options.min_workers=1"])
+    with pytest.raises(ConfigError, match=r"system.options.workers: 1 is outside .* = \[2, 4\]"):
+        load_config(None, ["system.backend=ray", "system.options.min_workers=2", "system.options.max_workers=4"])
+    with pytest.raises(ConfigError, match="system.options.slots_per_worker: .*the Ray workers are fixed"):
+        load_config(None, ["system.backend=ray", "system.options.slots_per_worker=4"])
+    with pytest.raises(ConfigError, match="system.min_workers: moved to system.options.min_workers"):
+        load_config(None, ["system.backend=ray", "system.min_workers=1"])
+    cfg = load_config(None, ["system.backend=ray", "system.options.workers=2", "system.options.max_workers=4",
+                             "system.options.slots_per_worker=4", "system.elastic_interval_s=1"])
+    assert (cfg.system.options.min_workers, cfg.system.options.max_workers) == (0, 4)

@@ -40,8 +40,8 @@ def elastic_config(*more: str):
     # Batch 4, staleness 1, 2 slots per worker: the bounds are [2, 4] workers (one batch; what
     # the gate admits), inside the configured 1-8.
     return load_config(None, ["system.backend=ray", "rollout.batch_size=4", "system.max_staleness=1",
-                              "system.ray_workers=2", "system.min_workers=1", "system.max_workers=8",
-                              "system.slots_per_worker=2", f"system.wait_timeout_s={TIMEOUT_S}", *more])
+                              "system.options.workers=2", "system.options.min_workers=1", "system.options.max_workers=8",
+                              "system.options.slots_per_worker=2", f"system.wait_timeout_s={TIMEOUT_S}", *more])
 
 
 def task(serial: int, tokens: int, tool_s: float = 0.0) -> Task:
@@ -49,7 +49,7 @@ def task(serial: int, tokens: int, tool_s: float = 0.0) -> Task:
 
 
 def test_elastic_pool_grows_and_shrinks_with_the_load_and_loses_no_task(cluster):
-    cfg = elastic_config("system.elastic_interval_s=0.3", "system.worker_drain_s=5")
+    cfg = elastic_config("system.elastic_interval_s=0.3", "system.options.worker_drain_s=5")
     phase = {"now": "rollout-bound"}
     serial = [0]
 
@@ -104,7 +104,7 @@ def test_elastic_pool_grows_and_shrinks_with_the_load_and_loses_no_task(cluster)
 
 
 def test_a_removed_worker_drains_then_its_cut_episodes_raise_capacity_removed(cluster):
-    cfg = elastic_config("system.worker_drain_s=0.3")
+    cfg = elastic_config("system.options.worker_drain_s=0.3")
 
     async def scenario():
         rollout = rb.RayRollout(cfg, torch.nn.Linear(2, 2), None, None, worker_cls=bench.SimulatedEngineWorker,

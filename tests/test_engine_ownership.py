@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tiderl.cli import main
-from tiderl.config import load_config
+from tiderl.config import ConfigError, load_config
 from tiderl.envs.setup import load_setup
 from tiderl.models.loading import save_model_dir
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
@@ -69,19 +69,32 @@ def test_make_engine_copies_by_default_and_takes_the_model_when_handed_over(toke
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-6)
 
 
-def test_an_engine_class_without_the_argument_still_builds(tokenizer):
-    """A user's engine ("module:Class") written before `copy_model` keeps working."""
+def test_a_user_engine_is_built_with_the_documented_call(tokenizer):
+    """A user's engine ("module:Class") is built as docs/extending.md says: `from_config(cfg, model,
+    tokenizer, *, seed, copy_model)`; a class without it is a config error naming the fix."""
     cfg = load_config(None, [f"rollout.engine={__name__}:PlainEngine"])
     model = _model(tokenizer)
-    engine = make_engine(cfg, model, tokenizer, seed=0, copy_model=False)
-    assert isinstance(engine, PlainEngine) and engine.model is not model
+    owned = make_engine(cfg, model, tokenizer, seed=7, copy_model=False)
+    assert isinstance(owned, PlainEngine) and owned.model is model and owned.seed == 7
+    assert make_engine(cfg, model, tokenizer, seed=0).model is not model  # copied by default
+    with pytest.raises(ConfigError, match="rollout.engine: .*:NoFromConfig has no classmethod from_config.*Fix"):
+        load_config(None, [f"rollout.engine={__name__}:NoFromConfig"])
 
 
 class PlainEngine:
-    """An engine whose constructor predates `copy_model` (it always copies)."""
+    """A user's engine with the documented construction protocol (and no options of its own)."""
 
+    @classmethod
+    def from_config(cls, cfg, model, tokenizer, *, seed, copy_model):
+        return cls(copy.deepcopy(model) if copy_model else model, seed)
+
+    def __init__(self, model, seed):
+        self.model, self.seed = model, seed
+
+
+class NoFromConfig:
     def __init__(self, model, tokenizer, device="cpu", seed=0, max_batch_size=64):
-        self.model = copy.deepcopy(model)
+        self.model = model
 
 
 def _small_eval_model(tmp_path):
@@ -246,7 +259,7 @@ def test_the_http_engine_takes_the_model_as_its_reference_when_handed_over(tmp_p
     model = peaky_model(len(tok), seed=0)
     server = StubServer(model, tok)
     try:
-        cfg = load_config(None, ["rollout.engine=http", f"rollout.http.urls=[{server.url}]", f"run_dir={tmp_path}"])
+        cfg = load_config(None, ["rollout.engine=http", f"rollout.options.urls=[{server.url}]", f"run_dir={tmp_path}"])
         kept = make_engine(cfg, model, tok, seed=0)
         owned = make_engine(cfg, model, tok, seed=0, copy_model=False)
         try:

@@ -358,24 +358,27 @@ def test_an_update_waits_for_requests_in_flight(stub_server, model, tokenizer, p
 
 
 def test_an_unreachable_server_gets_a_clear_error(model, tokenizer, tmp_path):
-    with pytest.raises(ServerError, match="cannot reach the server.*rollout.http.urls"):
+    with pytest.raises(ServerError, match="cannot reach the server.*rollout.options.urls"):
         HttpEngine(model, tokenizer, urls=[f"http://127.0.0.1:{_free_port()}"], weights_dir=tmp_path)
 
 
 def test_config_builds_the_http_engine_and_rejects_its_keys_elsewhere(stub_server, model, tokenizer, tmp_path):
-    cfg = load_config(None, ["rollout.engine=http", f"rollout.http.urls=[{stub_server.url}]",
-                             f"run_dir={tmp_path}", "rollout.http.probe_tolerance=0.001"])
+    cfg = load_config(None, ["rollout.engine=http", f"rollout.options.urls=[{stub_server.url}]",
+                             f"run_dir={tmp_path}", "rollout.options.probe_tolerance=0.001"])
     engine = make_engine(cfg, model, tokenizer, seed=0)
     try:
         assert isinstance(engine, HttpEngine) and engine.urls == [stub_server.url]
         assert engine.weights_dir == tmp_path / "engine_weights" and engine.probe_tolerance == 0.001
         engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
-        assert "seed" not in stub_server.requests[-1], "unseeded by default (rollout.http.seed_requests)"
+        assert "seed" not in stub_server.requests[-1], "unseeded by default (rollout.options.seed_requests)"
     finally:
         engine.close()
-    with pytest.raises(ConfigError, match="rollout.http.urls: set to .* only rollout.engine=http reads it"):
-        load_config(None, [f"rollout.http.urls=[{stub_server.url}]"])
-    with pytest.raises(ConfigError, match="rollout.http.urls"):
-        load_config(None, ["rollout.engine=http", "rollout.http.urls=[localhost:8000]"])
+    with pytest.raises(ConfigError, match="rollout.options.urls: rollout.engine=torch has no such option; only "
+                                          "rollout.engine=http reads it"):
+        load_config(None, [f"rollout.options.urls=[{stub_server.url}]"])
+    with pytest.raises(ConfigError, match="rollout.options.urls: .* must be a non-empty list of http"):
+        load_config(None, ["rollout.engine=http", "rollout.options.urls=[localhost:8000]"])
+    with pytest.raises(ConfigError, match="rollout.http.urls: moved to rollout.options.urls"):
+        load_config(None, ["rollout.engine=http", f"rollout.http.urls=[{stub_server.url}]"])
     with pytest.raises(ConfigError, match="use system.backend=local with rollout.engine=http"):
         load_config(None, ["rollout.engine=http", "system.backend=ray"])

@@ -116,12 +116,14 @@ def test_a_negative_budget_is_refused(model, tokenizer):
         TorchEngine(model, tokenizer, prefill_tokens=-1)
 
 
-def test_make_engine_passes_rollout_prefill_tokens(model, tokenizer):
+def test_make_engine_passes_rollout_options_prefill_tokens(model, tokenizer):
     from tiderl.config import ConfigError, load_config
     from tiderl.rollout import make_engine
 
     assert make_engine(load_config(None, []), model, tokenizer, seed=0).prefill_tokens == 4096
-    cfg = load_config(None, ["rollout.prefill_tokens=0"])
+    cfg = load_config(None, ["rollout.options.prefill_tokens=0"])
     assert make_engine(cfg, model, tokenizer, seed=0).prefill_tokens == 0
-    with pytest.raises(ConfigError, match="rollout.prefill_tokens"):
-        load_config(None, ["rollout.prefill_tokens=-5"])
+    with pytest.raises(ConfigError, match="rollout.options.prefill_tokens: must be >= 0"):
+        load_config(None, ["rollout.options.prefill_tokens=-5"])
+    with pytest.raises(ConfigError, match="rollout.prefill_tokens: moved to rollout.options.prefill_tokens"):
+        load_config(None, ["rollout.prefill_tokens=0"])

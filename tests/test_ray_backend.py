@@ -76,7 +76,7 @@ def assert_ledger_balances(summary):
 @pytest.mark.slow
 def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path):
     cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
-                       "system.max_staleness=1", "system.ray_workers=2")
+                       "system.max_staleness=1", "system.options.workers=2")
     run = build_run(cfg)
     batches = []  # (trainer version, sampled token versions of each trajectory) per step
 
@@ -118,15 +118,15 @@ def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path):
 def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeypatch):
     # Simulated tool latency makes episodes long enough to be killed in flight.
     cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
-                       "system.max_staleness=1", "system.ray_workers=2",
+                       "system.max_staleness=1", "system.options.workers=2",
                        "env.tool_latency=fixed", "env.tool_latency_s=0.3",
-                       "system.ray_remote_critic=true")  # also run the critic in its own actor
+                       "system.options.remote_critic=true")  # also run the critic in its own actor
     run = build_run(cfg)
     rollouts = []
     from_run = rb.RayRollout.from_run
 
-    def capturing_from_run(run, preparations=None, **options):
-        rollouts.append(from_run(run, preparations, **options))
+    def capturing_from_run(run, preparations, executor=None):
+        rollouts.append(from_run(run, preparations, executor))
         return rollouts[-1]
 
     monkeypatch.setattr(rb.RayRollout, "from_run", capturing_from_run)
@@ -172,7 +172,7 @@ def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeyp
 @pytest.fixture(scope="module")
 def slow_tool_run(cluster, cache, tmp_path_factory):
     """A run whose episodes take at least 1.5 s (one simulated tool call)."""
-    cfg = small_config(cache, tmp_path_factory.mktemp("pool"), "system.backend=ray", "system.ray_workers=2",
+    cfg = small_config(cache, tmp_path_factory.mktemp("pool"), "system.backend=ray", "system.options.workers=2",
                        "env.tool_latency=fixed", "env.tool_latency_s=1.5")
     return build_run(cfg)
 
@@ -311,7 +311,7 @@ class DisagreeingWorker:
 
 @pytest.mark.slow
 def test_disagreeing_workers_fail_the_sync(cluster):
-    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "system.ray_workers=2",
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "system.options.workers=2",
                                                    "rollout.batch_size=2", "system.wait_timeout_s=400"])
     model = torch.nn.Linear(3, 2)
 

@@ -2,23 +2,29 @@
 
 A config names a built-in by its short name (a key of a table) or a user's own object by its
 import path (`env.name: mypkg.myenv:MyEnv`), so extending tiderl never needs an edit inside
-it. The tables hold import paths, not objects: this module imports neither torch nor any
-tiderl module, so the config loader can check names without loading models, Ray or SQL.
+it. The tables hold import paths, not objects: this module imports no torch and nothing of
+tiderl but `tiderl.options`, so the config loader can check names and build each component's
+options without loading models, Ray or SQL.
 
-| config key | table | what the name must give | contract |
-| --- | --- | --- | --- |
-| `env.name` | `ENVIRONMENTS` | `setup(cfg) -> Setup`, optionally `Options`, `sources`, `warm_start` | `tiderl.envs.registration` |
-| `rollout.engine` | `ENGINES` | an `Engine` class | `tiderl.rollout.base.Engine` |
-| `system.backend` | `BACKENDS` | a `RolloutBackend` class with `from_run(run, preparations)` | `tiderl.system.scheduler` |
-| `algo.advantage`, `algo.policy_loss` | `tiderl.algos.registry` | pure functions | `docs/extending.md` |
+| config key | table | what the name must give | its options | contract |
+| --- | --- | --- | --- | --- |
+| `env.name` | `ENVIRONMENTS` | `setup(cfg) -> Setup`, optionally `Options`, `sources`, `warm_start` | `env.options` | `tiderl.envs.registration` |
+| `rollout.engine` | `ENGINES` | an `Engine` class with `from_config(cfg, model, tokenizer, *, seed, copy_model)` | `rollout.options` | `tiderl.rollout.make_engine` |
+| `system.backend` | `BACKENDS` | a `RolloutBackend` class with `from_run(run, preparations, executor)` | `system.options` | `tiderl.system.pool` |
+| `algo.advantage`, `algo.policy_loss` | `tiderl.algos.registry` | pure functions | flat `algo.*` | `docs/extending.md` |
 
-docs/extending.md walks through each with a complete example.
+A component's options are a dataclass declared beside its code: a built-in's in a torch-free
+module named by `ENGINE_OPTIONS` / `BACKEND_OPTIONS` (and set as the class's `Options`), a user's
+class's `Options` attribute. docs/extending.md walks through each with a complete example.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
+
+from tiderl.options import Components, ConfigError
 
 # Each built-in environment's registration (`tiderl.envs.registration.BuiltinEnvironment`: its
 # setup, options, data sources and warm start), in its own package. The first is the default.
@@ -34,10 +40,19 @@ ENGINES: dict[str, str] = {
     "torch": "tiderl.rollout.torch_engine:TorchEngine",
     "http": "tiderl.rollout.http_engine:HttpEngine",
 }
+ENGINE_OPTIONS: dict[str, str] = {
+    "torch": "tiderl.rollout.options:TorchEngineOptions",
+    "http": "tiderl.rollout.options:HttpEngineOptions",
+}
 
 BACKENDS: dict[str, str] = {
     "local": "tiderl.system.local:LocalRollout",
     "ray": "tiderl.system.ray_backend:RayRollout",
+    "agent": "tiderl.serve.agent:AgentRollout",
+}
+BACKEND_OPTIONS: dict[str, str] = {
+    "ray": "tiderl.system.ray_options:RayOptions",
+    "agent": "tiderl.serve.agent_options:AgentOptions",
 }
 
 
@@ -78,3 +93,39 @@ def resolve(table: dict[str, str], name: str, what: str) -> Any:
     if problem:
         raise ValueError(f"{what}: {problem}")
     return load_object(table.get(name, name), what)
+
+
+def components(table: dict[str, str], options: dict[str, str], key: str, builds: str) -> Components:
+    """The components `key` (`rollout.engine`) chooses among, for the options that follow it: a
+    built-in's from `options` (without importing its code), a user's class's `Options` (which must
+    have the classmethod `builds`, how tiderl constructs it). Former keys: each options dataclass's
+    `former_keys`."""
+
+    def options_of(name: str) -> type | None:
+        if name in table:
+            return load_object(options[name], f"{key} options") if name in options else None
+        try:
+            cls = resolve(table, name, key)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}. Fix: use one of {', '.join(table)}, or your own 'module:Class' "
+                              "(docs/extending.md).", key) from None
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"{key}: {exc}", key) from None
+        if not callable(getattr(cls, builds, None)):
+            raise ConfigError(f"{key}: {name} has no classmethod {builds}, which tiderl builds it with. Fix: "
+                              f"add it (docs/extending.md).", key)
+        declared = getattr(cls, "Options", None)
+        if declared is not None and not (isinstance(declared, type) and dataclasses.is_dataclass(declared)):
+            raise ConfigError(f"{key}: {name}'s Options is {declared!r}, not a dataclass. Fix: declare its options "
+                              "as a @dataclass with tiderl.options.opt fields (docs/extending.md).", key)
+        return declared
+
+    def former_keys(name: str) -> dict[str, str]:
+        return getattr(options_of(name), "former_keys", {})
+
+    return Components(key.rpartition(".")[2], lambda: table, options_of, former_keys)
+
+
+# `rollout.options` follows `rollout.engine`, `system.options` `system.backend` (tiderl.config).
+ENGINE_COMPONENTS = components(ENGINES, ENGINE_OPTIONS, "rollout.engine", "from_config")
+BACKEND_COMPONENTS = components(BACKENDS, BACKEND_OPTIONS, "system.backend", "from_run")

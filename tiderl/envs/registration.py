@@ -69,7 +69,7 @@ class BuiltinEnvironment:
     """A built-in environment (module docstring): its setup and warm start as import paths.
 
     former_keys: run-level keys that became its options, old dotted key -> option name, so a
-    config that still sets one is told where it went (`tiderl.config.reject_moved_keys`).
+    config that still sets one is told where it went (`tiderl.options.reject_former_keys`).
     """
 
     setup_path: str
@@ -119,16 +119,6 @@ def builtin(name: str) -> BuiltinEnvironment:
     return load_object(ENVIRONMENTS[name], "env.name")
 
 
-def moved_key(key: str) -> list[tuple[str, str]]:
-    """(environment, option) for each built-in environment whose options took over the former
-    run-level `key` (e.g. "data.hops")."""
-    out = []
-    for name in ENVIRONMENTS:
-        new = builtin(name).former_keys.get(key)
-        if new:
-            out.append((name, new))
-    return out
-
-
 # `env.options` follows `env.name` (tiderl.config.EnvConfig).
-ENVIRONMENT_OPTIONS = Components(chooser="name", names=lambda: ENVIRONMENTS, options_of=options_class)
+ENVIRONMENT_OPTIONS = Components(chooser="name", names=lambda: ENVIRONMENTS, options_of=options_class,
+                                 former_keys=lambda name: builtin(name).former_keys)

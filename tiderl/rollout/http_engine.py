@@ -32,7 +32,7 @@ requests and waits for those in flight to finish, then reloads, verifies and re-
 token of a completion therefore carries the single version its request was admitted under
 (`policy_version`). The cost is that an update waits for the longest request in flight.
 
-Weight updates (`rollout.http.weight_sync`):
+Weight updates (`rollout.options.weight_sync`):
 - `vllm`: the weights are written as a Hugging Face directory (safetensors and config) under
   `weights_dir/v<version>`, then `POST /collective_rpc {"method": "reload_weights", "kwargs":
   {"weights_path": dir}}` loads them in place on every worker and `POST /reset_prefix_cache`
@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_seed, token_decoder
+from tiderl.rollout.options import HttpEngineOptions
 from tiderl.rollout.weights import weights_checksum
 
 if TYPE_CHECKING:
@@ -146,9 +147,9 @@ class HttpEngine:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
 
         if not urls:
-            raise ValueError("rollout.http.urls is empty: give the base URL of at least one server")
+            raise ValueError("rollout.options.urls is empty: give the base URL of at least one server")
         if weight_sync not in ("vllm", "sglang", "none"):
-            raise ValueError(f"rollout.http.weight_sync={weight_sync!r}: use vllm, sglang or none")
+            raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use vllm, sglang or none")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         self.urls = [u.rstrip("/") for u in urls]
@@ -202,11 +203,13 @@ class HttpEngine:
             self.close()
             raise
 
+    Options = HttpEngineOptions  # rollout.options with rollout.engine=http
+
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, seed: int,
+    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int,
                     copy_model: bool = True) -> HttpEngine:
-        """The engine `cfg.rollout.http` describes (`tiderl.rollout.make_engine` calls this)."""
-        h = cfg.rollout.http
+        """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this)."""
+        h = cfg.rollout.options
         return cls(model, tokenizer, device=cfg.model.device, seed=seed,
                    max_batch_size=cfg.rollout.engine_batch_size, urls=list(h.urls),
                    served_model=h.served_model, timeout_s=h.timeout_s, weight_sync=h.weight_sync,
@@ -397,23 +400,23 @@ class HttpEngine:
                 response = await self._client.post(url + path, json=body, **kwargs)
         except httpx.TimeoutException as exc:
             raise ServerError(f"{url}{path}: no answer within the timeout ({exc!r}); raise "
-                              "rollout.http.timeout_s (or sync_timeout_s) or check the server") from exc
+                              "rollout.options.timeout_s (or sync_timeout_s) or check the server") from exc
         except httpx.HTTPError as exc:
             raise ServerError(f"{url}{path}: cannot reach the server ({exc!r}); start it (docs/engines.md) "
-                              "or correct rollout.http.urls") from exc
+                              "or correct rollout.options.urls") from exc
         if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
             raise ServerError(f"{url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 so that "
-                              "tiderl can reload weights (or set rollout.http.weight_sync=none)")
+                              "tiderl can reload weights (or set rollout.options.weight_sync=none)")
         if response.status_code >= 400:
             raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
         return response.json() if response.content else None
 
     async def _served_model(self) -> str:
-        """The one model the first server lists (an ambiguous list needs rollout.http.served_model)."""
+        """The one model the first server lists (an ambiguous list needs rollout.options.served_model)."""
         data = await self._post(self.urls[0], "/v1/models")
         names = [m["id"] for m in data.get("data", [])]
         if len(names) != 1:
-            raise ServerError(f"{self.urls[0]} serves {names}: set rollout.http.served_model to one of them")
+            raise ServerError(f"{self.urls[0]} serves {names}: set rollout.options.served_model to one of them")
         return names[0]
 
     def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
@@ -431,7 +434,7 @@ class HttpEngine:
         engine then reports a NaN checksum until an update succeeds.
         """
         if self.weight_sync == "none":
-            raise RuntimeError("rollout.http.weight_sync=none: the server's weights are fixed, so the engine "
+            raise RuntimeError("rollout.options.weight_sync=none: the server's weights are fixed, so the engine "
                                "cannot follow training; use weight_sync=vllm (or sglang) to train")
         check_update(self.reference.state_dict(), state_dict, version, self.version)
         t0 = time.perf_counter()
@@ -507,7 +510,7 @@ class HttpEngine:
         except asyncio.TimeoutError as exc:
             self._open.set()
             raise ServerError(f"a weight update waited {self.sync_timeout_s} s for {self._in_flight} requests in "
-                              "flight to finish: raise rollout.http.sync_timeout_s or lower max_new_tokens") from exc
+                              "flight to finish: raise rollout.options.sync_timeout_s or lower max_new_tokens") from exc
 
     async def _reload_all(self, folder: Path) -> None:
         await asyncio.gather(*(self._reload(url, folder) for url in self.urls))
@@ -558,7 +561,7 @@ class HttpEngine:
         if not diff <= self.probe_tolerance:
             raise ServerError(
                 f"{url} {what}: its log-probs of the probe differ from the trainer's weights by up to {diff:.3g} "
-                f"(rollout.http.probe_tolerance={self.probe_tolerance}): it does not serve the weights tiderl "
+                f"(rollout.options.probe_tolerance={self.probe_tolerance}): it does not serve the weights tiderl "
                 "holds (another model, a failed reload, or a lower-precision dtype: then raise the tolerance)")
 
     def _check_processed_logprobs(self, url: str) -> None:
@@ -573,4 +576,4 @@ class HttpEngine:
                               "start vLLM with --logprobs-mode processed_logprobs (docs/engines.md)")
         if processed_diff > self.probe_tolerance:
             raise ServerError(f"{url}: its log-probs at temperature {PROBE_TEMPERATURE} differ from the trainer's "
-                              f"by up to {processed_diff:.3g} (rollout.http.probe_tolerance={self.probe_tolerance})")
+                              f"by up to {processed_diff:.3g} (rollout.options.probe_tolerance={self.probe_tolerance})")

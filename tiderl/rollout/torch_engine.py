@@ -54,13 +54,14 @@ from transformers.cache_utils import DynamicLayer
 
 from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_uniform, token_decoder
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
+from tiderl.rollout.options import TorchEngineOptions
 from tiderl.rollout.weights import weights_checksum
 
 # What a request's caller is told when it finishes: its Completion, or the exception that ended it.
 OnDone = Callable[[Any], None]
 
 # The default prefill budget in tokens per forward pass (docs/real_models.md, memory).
-DEFAULT_PREFILL_TOKENS = 4096
+DEFAULT_PREFILL_TOKENS = TorchEngineOptions.prefill_tokens
 
 
 @dataclass(eq=False)
@@ -125,6 +126,14 @@ class TorchEngine:
     and a prompt longer than the budget is encoded in pieces, each continuing from the cache of
     the ones before. Models whose cache cannot be re-laid out (sliding windows) prefill in one pass.
     """
+
+    Options = TorchEngineOptions  # rollout.options, with rollout.engine naming this class or a subclass
+
+    @classmethod
+    def from_config(cls, cfg: Any, model: Any, tokenizer: Any, *, seed: int, copy_model: bool = True) -> Any:
+        """The engine `cfg` describes (`tiderl.rollout.make_engine` calls this)."""
+        return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
+                   copy_model=copy_model, prefill_tokens=cfg.rollout.options.prefill_tokens)
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ the OpenAI API, and its recorded sessions train through the rollout pool like bu
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
         ...
 
-`system.backend=agent` with `system.agent=mypkg.agents:solve` (the module must be importable), or
+`system.backend=agent` with `system.options.agent=mypkg.agents:solve` (the module must be importable), or
 from Python `tiderl.recipe.train(run, backend=AgentRollout(run, agent))`. The run's task stream,
 staleness bound, retries, checkpoints, metrics and ledger are the pool's, as for any backend.
 
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.protocol import Task
 from tiderl.registry import load_object
+from tiderl.serve.agent_options import AgentOptions
 from tiderl.serve.server import BackgroundServer, ChatService, create_app
 from tiderl.serve.session import SessionStore
 from tiderl.types import Trajectory
@@ -62,15 +63,13 @@ class AgentRollout:
         self.sessions = 0
         self.requests = 0
 
+    Options = AgentOptions  # system.options with system.backend=agent
+
     @classmethod
     def from_run(cls, run: "Run", preparations: list[Any], executor: Any = None) -> "AgentRollout":
-        """The agent `system.agent` names (the engine decodes on the server's own thread, so the
-        shared compute `executor` is not used)."""
-        name = run.cfg.system.agent
-        if not name:
-            raise ValueError("system.backend=agent plays an agent function, and system.agent is empty. Fix: set "
-                             "system.agent=mypkg.agents:solve, an `async def solve(base_url, task) -> reward`")
-        return cls(run, load_object(name, "system.agent"))
+        """The agent `system.options.agent` names (the engine decodes on the server's own thread, so
+        the shared compute `executor` is not used)."""
+        return cls(run, load_object(run.cfg.system.options.agent, "system.options.agent"))
 
     @property
     def version(self) -> int:

@@ -1,7 +1,7 @@
 """Elastic rollout capacity: grow or shrink the rollout side from measured readiness.
 
 A *unit* of capacity is what the run can add or remove: a Ray rollout worker (each serving
-`slots_per_unit` episodes at once, `system.min_workers`/`max_workers`), or, for the local
+`slots_per_unit` episodes at once, `system.options.min_workers`/`max_workers`), or, for the local
 backend, one rollout slot (`system.min_slots`/`max_slots`, `slots_per_unit` = 1).
 
 The decision is one pure function, `decide`, of the current units, their bounds

@@ -14,17 +14,19 @@ started in the background with the latest weights and version; it joins the pool
 weight checksum matches the trainer's. Every wait on a Ray reference is bounded by
 `system.wait_timeout_s`.
 
-Elastic pool (`system.min_workers` < `system.max_workers`): the pool's elastic loop calls
+Elastic pool (`system.options.min_workers` < `max_workers`): the pool's elastic loop calls
 `resize(units)` with what `tiderl.system.elastic.decide` chose from readiness. Growing starts new
 actors exactly as a replacement starts (latest weights, checksum verified) and admits each when it
 is ready; shrinking takes the least-loaded workers out of routing at once and lets them finish
-their episodes for up to `system.worker_drain_s`, then kills them: an episode still running then
+their episodes for up to `worker_drain_s`, then kills them: an episode still running then
 raises `CapacityRemoved` and the pool queues its task again (ledger `requeued`). The slots
 follow the live workers (`slots_per_worker` each, through `on_live_change`), and `worker_seconds()`
 integrates the actors held (booting, live or draining): the resource an elastic run is charged.
 
-`RayRollout.from_run(run, preparations)` is how the recipe builds it for `system.backend=ray`
-(with `system.ray_remote_critic`, the critic-values preparation becomes a `RemoteCritic` actor).
+`RayRollout.from_run(run, preparations, executor)` is how the recipe builds it for
+`system.backend=ray`, whose options (`system.options.*`) are `RayOptions`
+(`tiderl.system.ray_options`; with `remote_critic`, the critic-values preparation becomes a
+`RemoteCritic` actor).
 See docs/ray.md.
 """
 
@@ -67,6 +69,7 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.system.elastic import CapacityRemoved
 from tiderl.system.latency import training_env_factory
 from tiderl.system.pool import PoolSettings
+from tiderl.system.ray_options import RayOptions
 from tiderl.system.timing import TimeWeighted
 from tiderl.train.annotate import CriticSnapshot
 from tiderl.train.lora import policy_state  # what engines hold: the adapters alone for a LoRA policy
@@ -296,7 +299,7 @@ class _Worker:
 class RayRollout:
     """The RolloutBackend over a pool of `RolloutWorker` Ray actors.
 
-    - `start()` connects to Ray (`system.ray_address`; '' starts a local cluster unless Ray is
+    - `start()` connects to Ray (`system.options.address`; '' starts a local cluster unless Ray is
       already initialised), puts the `WorkerBundle` in the object store, starts `workers` actors
       and checks that each holds the trainer's weights.
     - `run_episode` goes to the live worker with the fewest episodes in flight.
@@ -310,17 +313,19 @@ class RayRollout:
     trainer's critic at every weight update (the trainer is idle then).
     """
 
+    Options = RayOptions  # system.options with system.backend=ray
+
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, setup: Setup,
                  start_version: int = 0, *, workers: int | None = None,
                  worker_options: dict[str, Any] | None = None, critic: "RemoteCritic | None" = None,
                  worker_cls: type = RolloutWorker):
         self.cfg = cfg
-        self.num_workers = cfg.system.ray_workers if workers is None else workers
+        s: RayOptions = cfg.system.options
+        self.num_workers = s.workers if workers is None else workers
         if self.num_workers < 1:
-            raise ValueError(f"system.ray_workers={self.num_workers}: the Ray backend needs at least one worker")
+            raise ValueError(f"system.options.workers={self.num_workers}: the Ray backend needs at least one worker")
         self.timeout_s = cfg.system.wait_timeout_s
-        s = cfg.system
-        # The elastic range (a single point unless system.min_workers < system.max_workers).
+        # The elastic range (a single point unless min_workers < max_workers).
         self.worker_range = (min(s.min_workers or self.num_workers, self.num_workers),
                              max(s.max_workers or self.num_workers, self.num_workers))
         settings = PoolSettings.from_config(cfg)
@@ -359,11 +364,11 @@ class RayRollout:
     def from_run(cls, run: "Run", preparations: list[Any] | None = None, executor: Any = None,
                  **options: Any) -> "RayRollout":
         """A RayRollout for `run`: its config, current policy, tokenizer and tasks. With
-        `system.ray_remote_critic`, the `CriticSnapshot` in `preparations` is replaced (in place)
+        `system.options.remote_critic`, the `CriticSnapshot` in `preparations` is replaced (in place)
         by a `RemoteCritic`, so critic values are computed in an actor, not in the driver.
         (`executor`, the driver's shared compute thread, is not needed: decoding runs in actors.)"""
         critic = None
-        if run.cfg.system.ray_remote_critic and run.critic is not None and preparations is not None:
+        if run.cfg.system.options.remote_critic and run.critic is not None and preparations is not None:
             for i, p in enumerate(preparations):
                 if isinstance(p, CriticSnapshot):
                     critic = preparations[i] = RemoteCritic.from_run(run)
@@ -398,7 +403,7 @@ class RayRollout:
         return self._held.integral()
 
     async def start(self) -> None:
-        self.connected_here = connect(self.cfg.system.ray_address)
+        self.connected_here = connect(self.cfg.system.options.address)
         self._check_resources()
         model = _cpu_module(self._model)
         self._latest = _Weights(self._start_version, None,
@@ -582,7 +587,7 @@ class RayRollout:
         if gpus > available:
             raise RuntimeError(
                 f"{most} Ray rollout workers need {gpus:g} GPUs and the cluster has {available:g}. "
-                "Fix: lower system.ray_workers (or system.max_workers), or pass "
+                "Fix: lower system.options.workers (or max_workers), or pass "
                 "worker_options={'num_gpus': <fraction>} to RayRollout.")
 
     def _spawn(self) -> _Worker:
@@ -658,7 +663,7 @@ class RayRollout:
         except ACTOR_GONE as exc:
             if w.retiring:
                 raise CapacityRemoved(f"rollout worker {w.serial} was removed by an elastic shrink "
-                                      f"(system.worker_drain_s={self.drain_s:g}s passed) during {what}") from exc
+                                      f"(system.options.worker_drain_s={self.drain_s:g}s passed) during {what}") from exc
             self._lose(w, exc)
             # Ray's message starts with where it happened and ends with the exception that killed
             # the actor (e.g. its constructor's): keep both ends.
@@ -718,7 +723,7 @@ class RayRollout:
         """The backend's part of the run summary."""
         return {
             "ray_version": ray.__version__,
-            "address": self.cfg.system.ray_address or "local",
+            "address": self.cfg.system.options.address or "local",
             "workers": self.num_workers,
             "worker_range": list(self.worker_range),
             "slots_per_worker": self.slots_per_worker,

