@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tiderl.agent.loop import ScriptedEngine, play_episodes, task_chunks
+from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import EnvConfig, RolloutConfig
 from tiderl.envs.protocol import Env, Task
 from tiderl.metrics.summary import pass_at_k, summarize, summarize_samples  # noqa: F401 - re-exported
@@ -38,6 +38,21 @@ EngineFor = Callable[[list[Task]], Engine]
 
 # Token limits for the oracle: a script has no context limit, and a cut turn would be a wrong one.
 ORACLE_TOKEN_LIMIT = 10**9
+
+
+def _chunks(tasks: list[Task], size: int, distinct_prompts: bool) -> list[list[Task]]:
+    """Consecutive chunks of at most `size` tasks (0 = no limit); with `distinct_prompts` a
+    chunk never holds two tasks with the same prompt."""
+    chunks: list[list[Task]] = [[]]
+    prompts: set[str] = set()
+    for task in tasks:
+        full = size > 0 and len(chunks[-1]) >= size
+        if chunks[-1] and (full or (distinct_prompts and task.prompt in prompts)):
+            chunks.append([])
+            prompts = set()
+        chunks[-1].append(task)
+        prompts.add(task.prompt)
+    return [c for c in chunks if c]
 
 
 def run_samples(
@@ -60,7 +75,7 @@ def run_samples(
         raise ValueError(f"samples_per_task must be >= 1, got {samples_per_task}")
     per_chunk = not hasattr(engine, "generate")
     groups: list[list[Trajectory]] = []
-    for chunk in task_chunks(tasks, chunk_size, distinct_prompts=per_chunk):
+    for chunk in _chunks(tasks, chunk_size, distinct_prompts=per_chunk):
         chunk_engine = engine(chunk) if per_chunk else engine
         copies = [t for t in chunk for _ in range(samples_per_task)]
         report = None if on_episode is None else (

@@ -31,7 +31,7 @@ from tiderl.types import TokenRecord, Trajectory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONTINUE_MESSAGE", "ScriptedEngine", "play_episode", "play_episodes", "task_chunks"]
+__all__ = ["CONTINUE_MESSAGE", "ScriptedEngine", "play_episode", "play_episodes"]
 
 
 @dataclass
@@ -340,22 +340,6 @@ def play_episodes(
     # own loop; the caller's loop waits until the episodes are done.
     with ThreadPoolExecutor(1, thread_name_prefix="tiderl-episodes") as pool:
         return pool.submit(asyncio.run, main()).result()
-
-
-def task_chunks(tasks: list[Task], size: int, distinct_prompts: bool) -> list[list[Task]]:
-    """Consecutive chunks of at most `size` tasks (0 = no limit); with `distinct_prompts` a
-    chunk never holds two tasks with the same prompt (one `ScriptedEngine` per chunk can then
-    tell its episodes apart)."""
-    chunks: list[list[Task]] = [[]]
-    prompts: set[str] = set()
-    for task in tasks:
-        full = size > 0 and len(chunks[-1]) >= size
-        if chunks[-1] and (full or (distinct_prompts and task.prompt in prompts)):
-            chunks.append([])
-            prompts = set()
-        chunks[-1].append(task)
-        prompts.add(task.prompt)
-    return [c for c in chunks if c]
 
 
 class ScriptedEngine:

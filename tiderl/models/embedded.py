@@ -34,12 +34,13 @@ from pathlib import Path
 
 import torch
 
-from tiderl.agent.loop import ScriptedEngine, play_episodes, task_chunks
+from tiderl.agent.loop import ScriptedEngine
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
 from tiderl.envs.protocol import Env, Task
 from tiderl.envs.registration import WarmStart, environment
 from tiderl.envs.setup import Setup
+from tiderl.evaluate import run_samples
 from tiderl.models.fetch import cache_root
 from tiderl.models.loading import count_parameters, save_model_dir
 from tiderl.models.startup import StartupError
@@ -277,21 +278,15 @@ def greedy_turns(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, 
 
 def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[list[str]],
                     cfg: RunConfig) -> list[Trajectory]:
-    """Play the scripts through the agent loop, so demonstrations have the RL token layout.
-
-    The scripted engine recognises an episode by its question, so each call holds distinct
-    questions (a question drawn twice goes to the next chunk).
-    """
+    """Play the scripts through the agent loop (`evaluate.run_samples`), so demonstrations have
+    the RL token layout; a scripted engine per chunk of at most 128 tasks with distinct questions
+    (it recognises an episode by its question)."""
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                             stop_token_ids=[tokenizer.eos_token_id])
-    traces: list[Trajectory] = []
-    for chunk in task_chunks(tasks, 128, distinct_prompts=True):
-        chunk_scripts = scripts[len(traces):len(traces) + len(chunk)]
-        engine = ScriptedEngine(tokenizer, {task.prompt: script for task, script in zip(chunk, chunk_scripts)})
-        traces += play_episodes(engine, tokenizer, setup.make_env, chunk, params,
-                                max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
-                                max_batch_size=len(chunk))
-    return traces
+    left = iter(scripts)  # the chunks come in task order
+    groups = run_samples(lambda chunk: ScriptedEngine(tokenizer, {task.prompt: next(left) for task in chunk}),
+                         tokenizer, setup.make_env, tasks, params, cfg.env, chunk_size=128)
+    return [group[0] for group in groups]
 
 
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
