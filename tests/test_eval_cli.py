@@ -124,17 +124,23 @@ def tok():
 
 
 class ListEngine:
-    """Answers the prompts of each call with the next words of `words` (one per prompt), and
-    records the sampling temperature of every call."""
+    """Answers the prompts of each call with the next words of `words` (one per prompt; given a
+    dict, the next word of the question a prompt holds, since episodes reach the engine in no
+    fixed order), and records the sampling temperature of every call."""
 
-    def __init__(self, tok, words: list[str]):
-        self.tok, self.words, self.temperatures = tok, list(words), []
+    def __init__(self, tok, words: list[str] | dict[str, list[str]]):
+        self.tok, self.words, self.temperatures = tok, words, []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         self.temperatures.append(params.temperature)
         out = []
-        for _ in prompts:
-            ids = self.tok.encode(f"ANSWER: {self.words.pop(0)}", add_special_tokens=False) + [IM_END_ID]
+        for prompt in prompts:
+            if isinstance(self.words, dict):
+                text = self.tok.decode(prompt)
+                word = next(words for question, words in self.words.items() if question in text).pop(0)
+            else:
+                word = self.words.pop(0)
+            ids = self.tok.encode(f"ANSWER: {word}", add_special_tokens=False) + [IM_END_ID]
             out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), text="", finish_reason="stop",
                                   policy_version=[0] * len(ids)))
         return out
@@ -147,11 +153,11 @@ def test_evaluate_groups_samples_per_task_and_reports_pass_at_k(tok):
     env_cfg = load_config(None, []).env
     tasks = [Task("t1", "question one", "yes", {"answer_type": "A"}),
              Task("t2", "question two", "yes", {"answer_type": "B"})]
-    # The three samples of t1 come first, then those of t2.
-    engine = ListEngine(tok, ["no", "yes", "no", "no", "no", "no"])
+    # One of t1's three samples is right, none of t2's.
+    engine = ListEngine(tok, {"question one": ["no", "yes", "no"], "question two": ["no", "no", "no"]})
     r = evaluate(engine, tok, WordEnv, tasks, env_cfg, RolloutConfig(temperature=0.7), greedy=False,
                  samples_per_task=3)
-    assert engine.temperatures == [0.7]
+    assert engine.temperatures and set(engine.temperatures) == {0.7}  # the episodes may reach it in several calls
     assert r["mode"] == "sampled(T=0.7)"
     assert (r["n"], r["episodes"], r["pass_k"]) == (2, 6, 3)
     assert r["success"] == pytest.approx(1 / 6) and r["pass_at_k"] == pytest.approx(0.5)
