@@ -262,7 +262,7 @@ class EvalProgress:
     transcripts."""
 
     def __init__(self, total: int, label: str, enabled: bool = True, keep: int = 0):
-        self.total, self.done, self.successes = total, 0, 0
+        self.done, self.successes = 0, 0
         self.keep = keep
         self.kept: list[tuple[Task, Trajectory]] = []
         self.stop_reasons: Counter[str] = Counter()

@@ -59,7 +59,6 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
-    model: str = ""
 
 
 def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
@@ -107,7 +106,6 @@ def read_request(body: Any) -> ChatRequest:
         stream=bool(body.get("stream", False)), include_usage=bool(stream_options.get("include_usage")),
         temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 1e-6, 1.0),
         max_tokens=max_tokens, stop=list(stop), logprobs=bool(body.get("logprobs", False)),
-        model=str(body.get("model") or ""),
     )
 
 
