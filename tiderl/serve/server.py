@@ -142,10 +142,8 @@ class ChatService:
         reply = assistant_reply(text, tool_call_format_of(self.tokenizer), request.parse_tools, cut, request.stop)
         token_texts = [self.tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
                        for i in ids]
-        lp_content = None
-        if request.logprobs:
-            lp_content = [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
-                          for t, lp in zip(token_texts, logprobs)]
+        lp_content = [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
+                      for t, lp in zip(token_texts, logprobs)] if request.logprobs else None
         body = completion_body(completion_id(), self.model_name, reply, len(prompt), len(ids), lp_content)
         if session is not None:
             record = {"id": body["id"], "time": time.time(), "prompt_ids": list(prompt), "sampled_ids": ids,

@@ -114,7 +114,7 @@ def freeze_matching(module: torch.nn.Module, pattern: str) -> list[str]:
     config says (e.g. a model family whose attention is not named like the pattern).
     """
     regex = re.compile(pattern)
-    frozen = [name for name, p in module.named_parameters() if regex.search(name)]
+    frozen = [(name, p) for name, p in module.named_parameters() if regex.search(name)]
     if not frozen:
         sample = ", ".join(name for name, _ in list(module.named_parameters())[:6])
         raise ValueError(
@@ -122,7 +122,6 @@ def freeze_matching(module: torch.nn.Module, pattern: str) -> list[str]:
             "Fix: set algo.critic_freeze_pattern to a regex over these names, or "
             "algo.freeze_critic_attention=false."
         )
-    for name, p in module.named_parameters():
-        if regex.search(name):
-            p.requires_grad_(False)
-    return frozen
+    for _, p in frozen:
+        p.requires_grad_(False)
+    return [name for name, _ in frozen]
