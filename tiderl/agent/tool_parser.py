@@ -228,10 +228,9 @@ def _fenced_attempts(text: str, covered: list[tuple[int, int]]) -> list[_Attempt
         if _inside(start, covered):
             continue
         tag, body, closing = (match.group(1) or "").lower(), match.group(2).strip(), match.group(3)
+        covered.append((start, match.end()))  # no bare JSON search inside a fence
         if tag not in _CALL_FENCE_TAGS or not body.startswith(("{", "[")):
-            covered.append((start, match.end()))  # code, not a call; no bare JSON search inside
-            continue
-        covered.append((start, match.end()))
+            continue  # code, not a call
         if not closing:
             out.append((start, None, f"the ```{tag} block is never closed with ```; {_EXPECTED_JSON}"))
             continue

@@ -10,6 +10,7 @@ group algorithms (`group_size > 1`) take only complete groups, all of whose memb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -114,10 +115,8 @@ class ReadyBuffer:
                     f"{self.waiting_count} being prepared or in incomplete groups. {describe()}"
                 )
             self._changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
-            except TimeoutError:
-                pass
         batch, self._ready = self._ready[:n], self._ready[n:]
         return batch
 

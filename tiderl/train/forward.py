@@ -16,6 +16,7 @@ rollout with top_p < 1 has behaviour log-probs of a truncated distribution; see
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,6 +132,7 @@ def _no_mask(*args: object, **kwargs: object) -> None:
     """The packed kernel builds its own causal layout: no mask tensor is needed."""
 
 
+@functools.cache  # once per process
 def _register_packed_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -166,9 +168,7 @@ def packed_token_logprobs(
     from tiderl.train.batching import pack
 
     p = pack(input_ids, attention_mask, action_mask)
-    if PACKED_ATTENTION not in _REGISTERED:
-        _register_packed_attention()
-        _REGISTERED.add(PACKED_ATTENTION)
+    _register_packed_attention()
     with attention_implementation(model.config, PACKED_ATTENTION):
         logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                        logits_to_keep=p.keep, tiderl_packing=p).logits[0].float()  # [K, V]
@@ -182,6 +182,3 @@ def packed_token_logprobs(
             ent = entropy_from_logits(logits)
             entropy = ent.new_zeros(input_ids.shape).index_put((p.keep_rows, p.keep_cols), ent)
     return logprobs, entropy
-
-
-_REGISTERED: set[str] = set()
