@@ -43,6 +43,7 @@ from tiderl.serve.wire import (
     read_request,
     stream_chunks,
 )
+from tiderl.train.value_pretrain import save_trajectories
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -312,15 +313,14 @@ class BackgroundServer:
 
 def record_to(path: str | Path) -> Any:
     """An `on_finish` for `SessionStore`: append each finished session's trajectories to `path`
-    as JSON lines (`Trajectory.to_dict`, the format `train/value_pretrain.py` loads)."""
+    as JSON lines (`save_trajectories`: the format `tiderl pretrain-value --trajectories` loads)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
     def write(session: Session) -> None:
-        with lock, path.open("a") as f:
-            for t in session.trajectories():
-                f.write(json.dumps(t.to_dict()) + "\n")
+        with lock:
+            save_trajectories(session.trajectories(), path, mode="a")
 
     return write
 

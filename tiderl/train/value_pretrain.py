@@ -27,10 +27,10 @@ from tiderl.train.learner import Learner
 from tiderl.types import Trajectory
 
 
-def save_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> int:
-    """Write trajectories as JSON lines; returns how many."""
+def save_trajectories(trajectories: Iterable[Trajectory], path: str | Path, mode: str = "w") -> int:
+    """Write trajectories as JSON lines (`mode` "a": append them); returns how many."""
     n = 0
-    with open(path, "w") as f:
+    with open(path, mode) as f:
         for t in trajectories:
             f.write(json.dumps(t.to_dict()) + "\n")
             n += 1
