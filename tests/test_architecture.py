@@ -215,15 +215,15 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2800,
-    "agent": 1000,
+    "tiderl": 2780,
+    "agent": 950,
     "algos": 1620,
-    "metrics": 250,
-    "models": 1375,
-    "rewards": 500,
+    "metrics": 210,
+    "models": 1370,
+    "rewards": 470,
     "rollout": 2640,
-    "serve": 1075,
-    "system": 2900,
+    "serve": 1070,
+    "system": 2870,
     "train": 1950,
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29):
