@@ -375,7 +375,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 def _ignored_keys(cfg: RunConfig) -> dict[str, str]:
     """Run-level key -> why the run's other choices leave it unread. What a component's options
     leave unread (the algorithm's unchosen estimators and losses, the Ray workers' elastic
-    settings, LoRA's) each declares itself: `unread`, `tiderl.options.unread_keys`."""
+    settings, LoRA's) each declares itself: `unread`, `tiderl.options.unread_keys`. A backend's
+    options may say that its capacity changes (`elastic`, as `RayOptions` do)."""
     s, e = cfg.system, cfg.env
     elastic = (s.min_slots or s.slots) != (s.max_slots or s.slots) or getattr(s.options, "elastic", False)
     rules = [
