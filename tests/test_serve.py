@@ -401,7 +401,7 @@ def test_reward_ends_the_session_and_its_trajectories_train_one_step(run, server
     with pytest.raises(openai.ConflictError, match="has ended"):
         client.chat.completions.create(model="m", messages=messages)
     store = server.server.config.app.state.service.store
-    [session] = [s for s in store.take_finished() if s.session_id == sid]
+    session = store.get(sid)
     [trajectory] = session.trajectories()
     assert trajectory.reward == 1.0 and trajectory.env_info["success"] is True and trajectory.num_turns == 2
     assert trajectory.task_id == trajectory.group_id == "kg-1"
@@ -521,7 +521,8 @@ def test_read_request_normalises_what_clients_send():
 
 
 def test_session_store_refuses_bad_rewards_and_finished_sessions():
-    store = SessionStore()
+    finished = []
+    store = SessionStore(on_finish=finished.append)
     session = store.create("s1", task_id="t")
     for bad in (float("nan"), True, None, "1"):
         with pytest.raises(RequestError):
@@ -531,7 +532,7 @@ def test_session_store_refuses_bad_rewards_and_finished_sessions():
     with pytest.raises(RequestError) as err:
         store.get("s1", open_only=True)
     assert err.value.status == 409
-    assert [s.session_id for s in store.take_finished()] == ["s1"] and store.take_finished() == []
+    assert [s.session_id for s in finished] == ["s1"]  # on_finish: once, when the reward came
     assert session.trajectories() == []  # no request, no segment
 
 

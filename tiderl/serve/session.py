@@ -177,12 +177,11 @@ class SessionStore:
     """The sessions of one server. Safe to use from the server's loop and a trainer's thread.
 
     `on_finish(session)` is called when a session gets its reward (e.g. to write its
-    trajectories to a file); `take_finished()` hands the finished sessions to a trainer once.
+    trajectories to a file).
     """
 
     def __init__(self, on_finish: Callable[[Session], None] | None = None):
         self._sessions: dict[str, Session] = {}
-        self._finished: list[Session] = []
         self._lock = threading.Lock()
         self.on_finish = on_finish
 
@@ -218,20 +217,12 @@ class SessionStore:
         session = self.get(session_id, open_only=True)
         with self._lock:
             session.reward, session.info = float(reward), dict(info or {})
-            self._finished.append(session)
         if self.on_finish is not None:
             self.on_finish(session)
         return session
 
     def delete(self, session_id: str) -> None:
-        """Forget a session (finished or not; a finished one leaves the `take_finished` queue too)."""
-        session = self.get(session_id)
+        """Forget a session (finished or not)."""
+        self.get(session_id)  # RequestError 404 when unknown
         with self._lock:
             self._sessions.pop(session_id, None)
-            self._finished = [s for s in self._finished if s is not session]
-
-    def take_finished(self) -> list[Session]:
-        """The sessions finished since the last call, in the order they finished."""
-        with self._lock:
-            out, self._finished = self._finished, []
-        return out
