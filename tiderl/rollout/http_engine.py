@@ -155,8 +155,6 @@ class HttpEngine:
         self.urls = [u.rstrip("/") for u in urls]
         self.tokenizer = tokenizer
         self.seed = seed
-        self.max_batch_size = max_batch_size
-        self.timeout_s = timeout_s
         self.weight_sync = weight_sync
         self.weights_dir = Path(weights_dir)
         self.sync_timeout_s = sync_timeout_s
@@ -243,7 +241,7 @@ class HttpEngine:
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
         for i, prompt in enumerate(prompts):
-            self._check_request(prompt, params, i)
+            check_request(prompt, params, i, self._vocab_size, self._max_positions)
 
         async def all_of() -> list[Completion]:
             return list(await asyncio.gather(*(
@@ -262,7 +260,7 @@ class HttpEngine:
         """Send one request now (any thread). `on_done(result)` is called, from the engine's
         thread, with the Completion or the exception that ended it (not when cancelled).
         Raises ValueError at once for a bad request."""
-        self._check_request(prompt, params, 0)
+        check_request(prompt, params, 0, self._vocab_size, self._max_positions)
         handle = Handle()
         with self._done:
             self._pending += 1
@@ -294,9 +292,6 @@ class HttpEngine:
         """Nothing to free here: the server evicts its prefix cache by itself."""
 
     # ------------------------------------------------------------------ requests
-
-    def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
-        check_request(prompt, params, i, self._vocab_size, self._max_positions)
 
     def _url_for(self, session: Hashable | None) -> str:
         if len(self.urls) == 1:

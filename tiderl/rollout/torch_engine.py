@@ -60,9 +60,6 @@ from tiderl.rollout.weights import weights_checksum
 # What a request's caller is told when it finishes: its Completion, or the exception that ended it.
 OnDone = Callable[[Any], None]
 
-# The default prefill budget in tokens per forward pass (docs/real_models.md, memory).
-DEFAULT_PREFILL_TOKENS = TorchEngineOptions.prefill_tokens
-
 
 @dataclass(eq=False)
 class Request:
@@ -144,7 +141,7 @@ class TorchEngine:
         max_batch_size: int = 64,
         prefix_cache_mb: float = 1024.0,
         copy_model: bool = True,
-        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        prefill_tokens: int = TorchEngineOptions.prefill_tokens,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
@@ -223,7 +220,7 @@ class TorchEngine:
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
         for i, prompt in enumerate(prompts):
-            self._check_request(prompt, params, i)
+            check_request(prompt, params, i, self._vocab_size, self._max_positions)
         if not prompts:
             return []
         finished = threading.Event()
@@ -267,7 +264,7 @@ class TorchEngine:
         Raises ValueError at once for a bad request. `on_done(result)` is called from the decoding
         thread with the Completion, or with the exception that ended the request.
         """
-        self._check_request(prompt, params, 0)
+        check_request(prompt, params, 0, self._vocab_size, self._max_positions)
         request = Request(list(prompt), params, session, on_done)
         with self._inbox_lock:
             self._inbox.append(request)
@@ -347,9 +344,6 @@ class TorchEngine:
             kept_tokens = sum(len(k.tokens) for k in self._kept.values())
         needed = (sum(len(row.fed) for row in rows) + kept_tokens) * self.kv_bytes_per_token()
         return {"batch_bytes": sum(storages.values()), "kept_bytes": kept_bytes, "needed_bytes": needed}
-
-    def _check_request(self, prompt: list[int], params: SamplingParams, i: int) -> None:
-        check_request(prompt, params, i, self._vocab_size, self._max_positions)
 
     # ------------------------------------------------------------------ decoding
 
@@ -527,7 +521,7 @@ class TorchEngine:
             if row.request.cancelled:
                 continue
             if token in row.stop_ids or (
-                params.stop and _contains_stop(self._decode(row.tokens[-row.stop_window:]), params.stop)
+                params.stop and any(stop in self._decode(row.tokens[-row.stop_window:]) for stop in params.stop)
             ):
                 done.append((j, row))
                 row.request.result = self._completion(row, "stop")
@@ -634,13 +628,13 @@ class TorchEngine:
         return output.logits[:, -1].float(), new_cache, version
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled token per row and its log-prob under the distribution it was drawn from.
 
         Greedy rows take the argmax (log-prob at temperature 1) and draw nothing; the other rows
         draw together, in row order, from `self.generator`, except seeded rows, which draw
         `stream_uniform(seed, positions[row])` (positions: the sequence position of each row's
-        next token; needed when any row is seeded).
+        next token).
         """
         temperatures = [p.temperature for p in params]
         if not any(temperatures):
@@ -658,8 +652,6 @@ class TorchEngine:
         seeds = [params[j].seed for j in drawn]
         fixed = None
         if any(seed is not None for seed in seeds):
-            if positions is None:
-                raise ValueError("a seeded request needs its sequence positions to draw from its own stream")
             fixed = [None if seed is None else stream_uniform(seed, positions[j]) for j, seed in zip(drawn, seeds)]
         if len(drawn) == len(params):
             tokens = self._draw(logprobs, fixed)
@@ -767,10 +759,6 @@ def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[A
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return args
-
-
-def _contains_stop(text: str, stops: list[str]) -> bool:
-    return any(stop in text for stop in stops)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
