@@ -1,41 +1,17 @@
 """The embedded engine: KV-cache sampling with any Hugging Face causal LM, on CPU or GPU, with
-token-level continuous batching and per-episode prefix reuse.
+token-level continuous batching and per-episode prefix reuse (docs/engines.md, "The torch engine").
 
-The rows that decode together form one batch whose KV cache is right-aligned: row b's cached
-tokens fill the last `len(row.fed)` columns, `attention_mask` hides the columns to their left and
-`position_ids` count only real tokens, so a row gets the same log-probs as its sequence alone.
-Between two decode steps rows leave (a stop token, a stop string, `max_new_tokens`, or a
-cancelled request) and waiting requests join: they are prefilled together, then their cache is
-left-padded (or the batch's is) to a common width and appended. The cache is trimmed to the
-longest remaining row whenever rows leave, so padding never exceeds the difference between the
-longest row and each other row (what a dense attention kernel over one rectangular batch needs).
-
-Prefix reuse: a request may name a `session` (the client passes the episode's serial). When a
-row of a session finishes, the KV of every token it fed (prompt + sampled tokens but the last) is
-kept under that session; the session's next request reuses it for the longest common prefix of
-the kept tokens and its prompt (checked token by token, so a reuse is always exact) and encodes
-only the rest: the observation and the next assistant header. Kept caches are dropped when the
-session ends (`end_session`), when the weights change (`update_weights`: a cache computed with
-other weights is never reused; a row that decodes across an update keeps its cache until it
-finishes, as the per-token versions record, and its cache is then not kept), and least recently
-used first when they exceed `prefix_cache_mb`.
-
-Log-probs are those of the distribution each token was actually sampled from:
-`log_softmax(logits / temperature)`, restricted to the top-p nucleus and renormalised when
-`top_p < 1`. With `temperature == 0` the engine takes the argmax and reports the log-prob under
-the temperature-1 distribution (a greedy choice has no sampling distribution of its own, and
-the temperature-1 value is what the trainer recomputes). Every row has its own sampling
-settings; the sampled rows of a step draw from the one `generator`, in row order (one uniform
-number per row, turned into a token by inverting the row's cumulative distribution), except
-rows whose `SamplingParams.seed` is set: their draw is `stream_uniform(seed, position)`, the same
-whatever else is in the batch.
-
-Weights can be swapped while rows decode in another thread: each forward pass holds a lock,
-`update_weights` takes the same lock, and every token carries the version of the weights that
-produced its logits.
-
-Models whose cache layers are not plain full-attention layers (sliding windows, hybrids) get no
-prefix reuse, and their waiting requests join only when the batch is empty.
+The decoding rows share one right-aligned KV cache (padding masked on the left, positions counting
+real tokens only), so a row gets the log-probs of its sequence alone; rows leave and waiting
+requests join between two decode steps. A request naming a `session` reuses the KV its session's
+last finished row kept, for their longest common prefix (checked token by token); kept caches go
+at `end_session`, at every weight update, and least recently used first past `prefix_cache_mb`.
+Log-probs are those of the distribution each token was sampled from (temperature and top-p;
+greedy: temperature 1); a row with `SamplingParams.seed` draws `stream_uniform(seed, position)`,
+the others share `generator` in row order. `update_weights` takes the lock every forward pass
+holds, and each token carries the version of the weights that produced its logits. Models whose
+cache is not all full attention (sliding windows, hybrids) get no prefix reuse, and their
+waiting requests join only an empty batch.
 """
 
 from __future__ import annotations
@@ -107,21 +83,15 @@ class TorchEngine:
     """Token-in/token-out generation with log-probs and versioned weights (the Engine protocol),
     plus the continuous interface (`submit`, `serve`, `end_session`) the batching client uses.
 
-    The engine keeps its own deep copy of `model` on `device` (so training the original does not
-    change what the engine samples until `update_weights` is called). With `copy_model=False` it
-    takes `model` itself instead (moved to `device`, put in eval mode, gradients off, its layers
-    re-laid out for the fast decode step, its tensors moved out of the loader's memory map, see
-    `_own_memory`): for a caller that has no further use for the model (evaluation), which saves
-    a second copy of the weights. Sampling uses one
-    `torch.Generator` (`self.generator`) seeded with `seed` at construction: a fresh engine with
-    the same seed, prompts and params returns the same completions; successive calls continue the
-    stream. At most `max_batch_size` rows decode at once; more requests wait for a free slot.
-    Kept prefix caches take at most `prefix_cache_mb` MiB (0 turns prefix reuse off).
-    Requests joining the batch are prefilled in forward passes of at most `prefill_tokens` tokens
-    (rows x columns, padding included; 0: all in one pass), which bounds the prefill's
-    activations (the MLP's `[rows, length, intermediate]` tensors): consecutive rows are grouped,
-    and a prompt longer than the budget is encoded in pieces, each continuing from the cache of
-    the ones before. Models whose cache cannot be re-laid out (sliding windows) prefill in one pass.
+    The engine samples with its own deep copy of `model` on `device` (training the original
+    reaches it only through `update_weights`), or with `copy_model=False` with `model` itself (put
+    in eval mode, re-laid out for the fast decode step, copied out of the loader's memory map:
+    `_own_memory`), for a caller with no further use for it (evaluation). Sampling draws from one
+    `torch.Generator` seeded with `seed`: a fresh engine with the same seed, prompts and params
+    returns the same completions. At most `max_batch_size` rows decode at once; kept prefix caches
+    take at most `prefix_cache_mb` MiB (0: no prefix reuse); joining requests are prefilled in
+    forward passes of at most `prefill_tokens` tokens, rows x columns with padding (0: one pass),
+    which bounds the prefill's activations (docs/engines.md, "The torch engine's memory").
     """
 
     Options = TorchEngineOptions  # rollout.options, with rollout.engine naming this class or a subclass
@@ -198,12 +168,9 @@ class TorchEngine:
         self._last_logits_only = {
             name: 1 for name in ("logits_to_keep", "num_logits_to_keep") if name in forward_args
         }
-        # Those arguments make the model slice its hidden states `[rows, length, hidden]` to the
-        # view `[:, -1:]`, whose rows are `length` apart in memory. Given that strided view, the
-        # output projection of torch 2.13 in bf16 on a CPU costs what all `length` positions would:
-        # 4.3 GB and seconds more per prefill of 16 rows of 665 tokens with Qwen2.5's 151,936-token
-        # head (benchmarks/engine_memory.py), against a few MB for a contiguous copy. So the
-        # engine's model (its own copy, or the one it was given) hands its head a contiguous input.
+        # Those arguments hand the head the strided view `[:, -1:]` of the hidden states, which
+        # torch's bf16 CPU projection costs as much as every position (gigabytes at a 151k-token
+        # vocabulary: docs/real_models.md), so the head gets a contiguous input.
         self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         self._decode = token_decoder(tokenizer)  # stop strings are checked after every token of every row
 
@@ -417,8 +384,8 @@ class TorchEngine:
     ) -> tuple[Cache, torch.Tensor, list[int], int]:
         """Encode `suffixes` (after each row's kept prefix of `prefix[g]` tokens, `reuse[g]`):
         the rows' right-aligned cache, their next-token logits, each row's cache version (-1
-        when mixed) and the version of the weights that computed the logits. Passes of at most `prefill_tokens` tokens (0: one pass) go along the columns,
-        each continuing from the cache of the ones before."""
+        when mixed) and the version of the weights that computed the logits. Passes of at most
+        `prefill_tokens` tokens (0: one pass) go along the columns, each continuing from the last."""
         group, span, width = len(suffixes), max(len(s) for s in suffixes), max(prefix)
         # Identical prompts joining together (the completions of one group) are encoded once and
         # their rows of the cache copied; only when no row reuses a kept cache (all are whole prompts).
@@ -734,17 +701,9 @@ class TorchEngine:
 def _own_memory(model: torch.nn.Module) -> None:
     """Copy every parameter and buffer of `model` (a CPU model the engine was handed) into memory
     of its own, one tensor at a time, keeping the parameter objects (so tied weights stay tied).
-
-    Why: a model loaded from safetensors is a view of the file's memory map, and the mapping (with
-    every page that loading read: all of them, since the weights are checked to be finite) stays
-    resident as long as any one tensor refers to it. The fast decode step re-lays out most weights
-    into new memory (its stacked projections), and the embedding alone keeps the map alive, so
-    without this copy the engine held the weights twice: Qwen2.5-Coder-0.5B in bf16, 1.2 GB of
-    mapped file besides the 1.3 GB it decodes with (benchmarks/engine_memory.py --eval). The map
-    is released when its last tensor is replaced, so building the engine briefly holds both (as
-    the deep copy of `copy_model=True` does); a model already in memory of its own is copied
-    one tensor at a time.
-    """
+    A model loaded from safetensors views the file's memory map, which stays resident while any
+    one tensor refers to it: without this copy the engine held the weights twice
+    (docs/engines.md, "The torch engine's memory")."""
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
