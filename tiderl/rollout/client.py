@@ -1,37 +1,14 @@
 """An asyncio front for an engine: many episodes ask for one completion each, the client
-decodes whatever is waiting together.
+decodes whatever is waiting together (docs/engines.md, "The batching client").
 
-Episodes in a continuous rollout arrive at the engine at different times and with different
-token budgets. `BatchingEngine.generate(prompt, params)` queues the request. Two ways to decode:
-
-- Token-level (an engine whose `continuous()` is true, such as `TorchEngine`): the waiting
-  requests are handed to the engine (`submit`) and the engine `serve`s them; rows leave the
-  batch as they finish and, when the engine decodes on its own thread, a request that arrives
-  meanwhile joins the running batch at the next decode step. Each request keeps its own
-  sampling settings and budget. Each request names its episode (`session`), so the engine
-  reuses the episode's KV cache of the previous turn and encodes only the new tokens; the
-  episode's cache is dropped when the episode ends (`end_session`).
-- Request-level (any other Engine): one decode loop takes every waiting request with compatible
-  sampling settings (the same temperature, top-p, stop strings, stop ids and seed), decodes them with
-  `engine.generate` using the largest `max_new_tokens` asked, and cuts each completion back to
-  its own budget (a sample stopped at that length). Requests that arrive while a batch decodes
-  wait for the next batch. An engine whose `generate` takes `sessions=` gets the episodes.
-
-When to start decoding: episodes that register with `episode()` and mark their environment calls
-with `in_env()` let the client wait until every registered episode has asked for its turn,
-except those that have been inside their environment for longer than `patience_s` (a slow
-tool), and never longer than `gather_s` in all. Episodes that move together therefore start
-together: with fast tools a staleness-0 step decodes one batch per turn, exactly like a
-lock-step loop, while a slow tool holds the others back by `patience_s` at most. Unregistered
-callers are served as soon as they ask.
-
-Where it decodes: on its own thread, so the event loop keeps serving environments, with weight
-updates on another that reach the engine between two decode steps (the engine's lock), so a
-turn in flight may carry two versions, token by token; or on an executor the caller passes
-(synchronous training and `play_episodes` pass an `InlineExecutor`: decoding in the loop's own
-thread, while no episode could run anyway; there the batch decodes until its last row finishes,
-no request can join mid-way, and the sampler's random stream reaches the rows in the same order
-on every run).
+A continuous engine (`continuous()` true, as `TorchEngine`) gets every request at once through
+`submit` and decodes token by token, requests joining its running batch; any other engine gets
+request-level batches of compatible sampling settings through `generate`, each completion cut
+back to its own budget. Registered episodes (`episode()`, `in_env()`) start together: the client
+waits until each has asked, except those in their environment for over `patience_s`, and at most
+`gather_s`. It decodes on its own thread, or on the executor the caller passes (an
+`InlineExecutor` in synchronous training, where batches decode to their last row and the
+sampler's stream reaches the rows in the same order on every run).
 """
 
 from __future__ import annotations
