@@ -1,24 +1,17 @@
 """One decode step (one new token per row) of a Llama-family causal LM without the Hugging Face
 module stack: the same arithmetic as the model's own forward (RMSNorm, rotary embedding from a
 precomputed table, grouped-query SDPA over the batch's KV cache, SiLU-gated MLP), in plain torch
-calls on the model's own parameters.
-
-Why: at the sizes an embedded engine decodes on a CPU (a few layers, a few hundred hidden units,
-a few dozen rows), a decode step's matrix products take microseconds and the Hugging Face forward
-spends most of the step in Python: module calls, keyword plumbing, config look-ups and the 4D
-mask it rebuilds every step. This step issues only the tensor operations, with the q/k/v and
-the gate/up projections each one matrix product over stacked weights (the modules' weights
-become views of the stacked ones, so weights loaded in place reach both).
+calls on the model's own parameters, q/k/v and gate/up each one product over stacked weights. At
+an embedded engine's CPU sizes the Hugging Face forward spends most of a step in Python: module
+calls, keyword plumbing, the 4D mask it rebuilds every step (docs/bench_vs_trl.md).
 
 `DecodeStep.of(model)` returns None for anything it does not reproduce exactly (other
 architectures, sliding windows, q/k norms, non-default rotary scaling, adapters or quantised
 layers wrapped around `nn.Linear`); the engine then uses the model's forward. The parameters are
 read at every call, so weights loaded in place (`load_state_dict`) are used at once; replacing a
-parameter object of the engine's model (rather than copying into it) is not supported.
-
-LoRA terms attached to the linear layers (`tiderl.rollout.low_rank`, how the LoRA engine keeps
-its adapters unmerged) are added after each product, q/k/v and gate/up each as one stacked
-term, in the same arithmetic as the layers' own forward hooks.
+parameter object of the engine's model (rather than copying into it) is not supported. LoRA
+terms attached to the linear layers (`tiderl.rollout.low_rank`) are added after each product,
+stacked like the weights, in the arithmetic of the layers' own forward hooks.
 """
 
 from __future__ import annotations
@@ -130,7 +123,8 @@ class DecodeStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  cache_layers: list[Any]) -> torch.Tensor:
         """tokens, positions: `[B]`; mask: `[B, 1, 1, W + 1]`, bool (True: attend) or additive
-        (0 or -inf, in the model's dtype), W the cache width before this step. Returns the last-position logits `[B, V]` (model dtype)."""
+        (0 or -inf, in the model's dtype), W the cache width before this step. Returns the
+        last-position logits `[B, V]` (model dtype)."""
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)  # [B, 1, hidden]
         cos = self.cos[positions][:, None, None, :]  # [B, 1, 1, D]
@@ -175,22 +169,13 @@ def _linear(x: torch.Tensor, linear: torch.nn.Linear, term: low_rank.LowRankTerm
 def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One stacked weight (and bias) for `linears`, which read the same input, so that one matrix
     product computes all their outputs side by side; the modules' own weights and biases become
-    views of it.
+    views of it, which their own forward uses and `load_state_dict` overwrites in place, so the
+    stacked tensor always holds the current weights (and no second copy is kept).
 
-    `transposed`: the stacked weight `[out, in]` is stored as its transpose (`[in, out]`
-    contiguous; the weight is a view of it) when it has at most `TRANSPOSE_MAX_ELEMENTS`. On a
-    CPU, `x @ W.T` with a handful of rows in `x` makes the BLAS copy (pack) all of a row-major
-    small `W` at every call, which costs as much as the product itself; with `W.T` contiguous it
-    multiplies in place (1.5-4x faster at 16 rows up to 2048 x 256). Larger matrices keep their
-    layout: a 100M-parameter model decoded no faster transposed, and on SmolLM2-135M (float32)
-    a limit of 2^23 elements, which transposes its MLP weights, decoded at 0.94x the speed of
-    this limit (alternated `generate` calls, 16 rows x 32 tokens), although one product alone, its
-    weight hot in the cache, ran 1.4x faster transposed: in a whole model every weight streams
-    from memory once per step, and there the layout does not pay.
-
-    The model is unchanged otherwise: each module keeps a weight of its own shape (a view), which
-    its own forward uses and which `load_state_dict` (or any in-place copy) overwrites in place,
-    so the stacked tensor always holds the current weights, and no second copy is kept.
+    `transposed`: a stacked weight of at most `TRANSPOSE_MAX_ELEMENTS` is stored as its transpose
+    (`[in, out]` contiguous), which a CPU's BLAS multiplies by a handful of rows in place, where it
+    packs all of a row-major `W` at every call; larger ones keep their layout, where a whole model
+    decoded no faster transposed (docs/bench_vs_trl.md has the figures).
     """
     weights = [m.weight.detach() for m in linears]
     whole = torch.cat(weights)
