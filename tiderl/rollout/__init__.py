@@ -3,8 +3,7 @@
 `make_engine` is the one place an engine is built (training, evaluation, Ray workers): it
 resolves `rollout.engine` (`tiderl.registry.ENGINES`, or a user's "module:Class") and calls
 `Class.from_config(cfg, model, tokenizer, seed=seed, copy_model=copy_model)`, which reads the
-engine's own options from `cfg.rollout.options` (its `Options` dataclass). An engine copies the
-model it is given unless the caller hands it over (`copy_model=False`).
+engine's own options from `cfg.rollout.options` (its `Options` dataclass).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The torch engine for a LoRA policy: it decodes with the base model and the adapters beside it,
-unmerged, in the arithmetic of the trainer's peft forward, and its weight syncs carry only the
-adapters (A, B).
-
-`make_engine` builds it when the policy carries peft adapters (`model.lora.r > 0`). Each adapted
-linear layer of the engine's plain model gets a low-rank term (`tiderl.rollout.low_rank`): its
-output is the base layer's output plus (alpha / r) B (A x), computed in the adapters' dtype
-(fp32, as peft keeps them) and rounded to the base's dtype once. Merging instead would round
-W + (alpha / r) B A to the base's dtype, which on a bf16 base drops every update under half a
-bf16 step of its weight and turns the rest into rounding noise (docs/real_models.md). Its
-`state_checksum` is the checksum of the adapters it holds, which is what the trainer sends.
+unmerged, in the arithmetic of the trainer's peft forward (each adapted linear layer gets a
+`tiderl.rollout.low_rank` term, which says why not merged), and its weight syncs and
+`state_checksum` carry only the adapters (A, B). `make_engine` builds it when the policy carries
+peft adapters (`model.lora.r > 0`).
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 forward, so that an engine samples from exactly the policy the trainer scores.
 
 Why not merge: merging rounds W + (alpha / r) B A to the base's dtype, which on a bf16 (or fp16)
-base drops every change under half a step of its weight (about 0.2 % of |W| in bf16) and turns
-the rest into rounding noise. peft's forward instead computes the layer's output, adds the
-low-rank term in the adapters' dtype (fp32) and rounds once; `attach` gives a plain `nn.Linear`
-that same output, so the engine's log-probs are the trainer's. On Qwen2.5-Coder-0.5B in bf16 a
-merged engine's log-probs were 1.1e-2 to 1.4e-2 nats a token off the trainer's
-(`benchmarks/lora_engine.py`). Neither arithmetic resolves an update as small as early LoRA
-updates (median |dW| / |W| 1.6e-4) in bf16; that takes an fp32 base.
+base drops every change under half a step of its weight and turns the rest into rounding noise.
+peft's forward instead adds the low-rank term, in the adapters' dtype (fp32), to the layer's
+output and rounds once; `attach` gives a plain `nn.Linear` that same output, so the engine's
+log-probs are the trainer's (docs/real_models.md, "The LoRA engine applies its adapters unmerged").
 
 A layer with a term keeps it in two non-persistent buffers, `lora_a` `[r, in]` and `lora_b`
 `[out, r]`, each stored column-major (moved with the module, absent from its state dict), and a

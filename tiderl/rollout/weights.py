@@ -53,8 +53,7 @@ def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
     A hash (BLAKE2b) over the tensors in sorted key order of each one's name, shape, dtype and
     the exact values at `sample_positions` (converted to float64, which every float dtype fits
     exactly), returned as a float (the first 52 bits of the digest) so that it compares with `==`.
-    It reads about 130 elements per tensor: a few milliseconds for a 100M-parameter model, where
-    summing every element (the former checksum) took seconds.
+    It reads about 130 elements per tensor: a few milliseconds for a 100M-parameter model.
 
     What it catches: a missing, renamed, reshaped or re-typed tensor, and weights of another
     step or another model (a stale or wrong load): an optimizer step moves essentially every
