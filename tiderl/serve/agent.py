@@ -1,23 +1,16 @@
 """The `agent` rollout backend: an agent written with any framework plays the run's tasks through
-the OpenAI API, and its recorded sessions train through the rollout pool like built-in episodes.
+the OpenAI API, and its recorded sessions train through the rollout pool like built-in episodes
+(docs/serve.md, "Training an external agent").
 
     async def agent(base_url: str, task: tiderl.envs.protocol.Task) -> float:   # the reward
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
         ...
 
-`system.backend=agent` with `system.options.agent=mypkg.agents:solve` (the module must be importable), or
-from Python `tiderl.recipe.train(run, backend=AgentRollout(run, agent))`. The run's task stream,
-staleness bound, retries, checkpoints, metrics and ledger are the pool's, as for any backend.
-
 Each attempt opens one session (`tiderl.serve.session`) on an in-process server in front of the
-run's engine, lets the agent play the task at the session's base_url, and ends the session with
-the reward the agent returns; the session's segments are the attempt's trajectories (one when the
-agent keeps its history, as agents do). The server samples with the run's `rollout.temperature`
-and `top_p` whatever the agent asks for, so the recorded log-probs are those of the behaviour
-distribution the algorithm expects. An agent that raises, returns something that is not a finite
-number, or sends no request has failed the attempt: the pool retries the task
-(`system.max_task_retries`) and reports it, never trains a made-up reward. The environment of
-`env.name` gives only the tasks: the agent brings its own tools and scoring.
+run's engine, which samples with the run's `rollout.temperature` and `top_p` whatever the agent
+asks for; the session's segments are the attempt's trajectories. An agent that raises, returns
+something that is not a finite number, or sends no request has failed the attempt: the pool
+retries the task and reports it, never trains a made-up reward.
 """
 
 from __future__ import annotations

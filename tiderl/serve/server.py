@@ -1,11 +1,6 @@
-"""`tiderl serve`: an OpenAI-compatible chat-completions server in front of any tiderl engine.
-
-Routes (docs/serve.md):
-- `GET  /v1/models`, `POST /v1/chat/completions`: plain serving, nothing recorded;
-- `POST /sessions` -> {"session_id", "base_url"}: open a recorded session;
-- `/sessions/<id>/v1/...`: the same two routes, every request recorded as token ids;
-- `GET /sessions/<id>`: the record; `POST /sessions/<id>/reward {"reward": r}`: end it;
-  `DELETE /sessions/<id>`: drop it; `GET /health`.
+"""`tiderl serve`: an OpenAI-compatible chat-completions server in front of any tiderl engine: plain
+`/v1/...` routes, and the same under `/sessions/<id>/v1/...` with every request recorded (the
+routes: docs/serve.md).
 
 `ChatService` does the work (render with the tokenizer's chat template, sample with the engine
 through a `BatchingEngine`, parse tool calls in `model.tool_call_format`, record); `create_app`
@@ -161,10 +156,6 @@ class ChatService:
                                             "owned_by": "tiderl"}]}
 
 
-def _error(exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
@@ -190,7 +181,7 @@ def create_app(service: ChatService) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc)
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:

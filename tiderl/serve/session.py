@@ -1,16 +1,10 @@
-"""Recorded sessions: every request of an external agent as exact token ids.
+"""Recorded sessions: every request of an external agent as exact token ids (docs/serve.md, "What
+a session records").
 
-A session is one attempt at one task by an agent that talks to tiderl through the OpenAI API.
-Its requests are kept in *segments*, each one growing token sequence in the layout of
-`play_episode`: the rendered prompt (forced), then per turn the engine's sampled ids (loss_mask
-1, their behaviour log-probs and weight versions), a forced end-of-turn when a turn was cut,
-and the template's rendering of whatever messages the client sent next (forced).
-
-Prefix reuse: a request whose messages start with a segment's recorded conversation (its
-messages and the assistant replies tiderl sent, compared by `wire.message_key`) extends that
-segment: the earlier turns keep the ids the engine sampled, only the new messages are rendered
-(`continuation_ids`). Anything else (the client edited or dropped history, changed the tools, or
-a concurrent request of the session extended the segment first) starts a new segment whose
+A session's requests are kept in *segments*, each one growing token sequence in the layout of
+`play_episode`. A request whose messages start with a segment's recorded conversation (compared
+by `wire.message_key`) extends that segment: the earlier turns keep the ids the engine sampled,
+only the new messages are rendered (`continuation_ids`). Anything else starts a new segment whose
 `reason` says why. When the session ends (`finish`, with the reward), each segment becomes one
 `Trajectory`, the record the trainer takes from `play_episode`.
 """
