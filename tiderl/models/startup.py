@@ -92,13 +92,6 @@ def apply_chat_template(tokenizer: Any, option: str) -> str:
     return str(path)
 
 
-def _suggest_budget(prompt: int, max_turns: int, max_new_tokens: int) -> int:
-    """A budget with room for the prompt and every turn plus an observation of similar size,
-    rounded up to a multiple of 256."""
-    need = prompt + max_turns * 2 * max_new_tokens
-    return -(-need // 256) * 256
-
-
 def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions: int | None,
                             model_name: str = "the model") -> StartupReport:
     """Apply `model.chat_template` and `model.tool_call_format` to `tokenizer`, then check that
@@ -147,7 +140,8 @@ def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions:
             f"failed (first: {failures[0]}). Fix the environment (its data, service or credentials) "
             "before training; tiderl checks this before loading any more.")
     if tasks and longest + rollout.max_new_tokens + 1 > env_cfg.max_total_tokens:
-        suggestion = _suggest_budget(longest, env_cfg.max_turns, rollout.max_new_tokens)
+        # Room for the prompt and every turn plus an observation of similar size, rounded up to 256.
+        suggestion = -(-(longest + env_cfg.max_turns * 2 * rollout.max_new_tokens) // 256) * 256
         raise StartupError(
             f"env.max_total_tokens={env_cfg.max_total_tokens} leaves no room for a model turn: the longest "
             f"prompt of {len(tasks)} {setup.name} tasks renders to {longest} tokens with {model_name}'s "
