@@ -57,12 +57,11 @@ def demonstrations(cfg: RunConfig, setup: Setup, tokenizer, count: int, seed: in
 
 
 def warm_start(cfg: RunConfig, out: str | Path, count: int = 256, epochs: float = 2.0, batch_size: int = 8,
-               lr: float = 1e-4, micro_batch_tokens: int = 0, setup: Setup | None = None,
-               log=print) -> WarmStartReport:
+               lr: float = 1e-4, setup: Setup | None = None, log=print) -> WarmStartReport:
     """Fine-tune `model.path` on up to `count` demonstrations for `epochs` passes (AdamW at
     `lr`, warm-up then cosine decay; `batch_size` demonstrations a step, micro-batches of
-    `micro_batch_tokens`, default `train.micro_batch_tokens`) and save it to `out` (which must
-    not exist). With `model.lora.r > 0` only adapters train, and they are merged before saving."""
+    `train.micro_batch_tokens`) and save it to `out` (which must not exist). With
+    `model.lora.r > 0` only adapters train, and they are merged before saving."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists. Fix: pass a new --out directory (the warm start never overwrites).")
@@ -90,7 +89,7 @@ def warm_start(cfg: RunConfig, out: str | Path, count: int = 256, epochs: float 
     steps = max(1, round(epochs * len(demos) / batch_size))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     losses = supervised_finetune(model, demos, pad_id, steps=steps, batch_size=batch_size, lr=lr, seed=cfg.seed,
-                                 log=log, micro_batch_tokens=micro_batch_tokens or cfg.train.micro_batch_tokens,
+                                 log=log, micro_batch_tokens=cfg.train.micro_batch_tokens,
                                  threads=torch.get_num_threads(), packed=packs(model))
     if cfg.model.lora.r > 0:
         model = model.merge_and_unload()
