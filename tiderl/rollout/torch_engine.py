@@ -406,8 +406,8 @@ class TorchEngine:
         cache = None
         if width > 0:
             cache = _cache_of([
-                _GrowingLayer(*(_stack_right_aligned([kept[1][layer][i] if kept else None for kept in reuse],
-                                                     width, prefix, spare=span + _SPARE) for i in (0, 1)), width)
+                _GrowingLayer(*(_stack_rows([kept[1][layer][i] if kept else None for kept in reuse], width,
+                                            spare=span + _SPARE) for i in (0, 1)), width)
                 for layer in range(len(next(k for k in reuse if k)[1]))
             ])
         elif self._plain:
@@ -463,8 +463,8 @@ class TorchEngine:
             return
         width = max(self._width, cache.get_seq_length())
         self._cache = _cache_of([
-            _GrowingLayer(*(_stack_rows(old, new, width) for old, new in
-                            ((own.keys, joined.keys), (own.values, joined.values))), width)
+            _GrowingLayer(_stack_rows([own.keys, joined.keys], width), _stack_rows([own.values, joined.values], width),
+                          width)
             for own, joined in zip(self._cache.layers, cache.layers)  # type: ignore[union-attr]
         ])
         self._width = width
@@ -821,26 +821,20 @@ def _prefill_cost(group: list[int], suffixes: list[list[int]], prefix: list[int]
     return rows * max(len(suffixes[i]) for i in group)
 
 
-def _stack_rows(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
-    """A buffer with `old`'s rows then `new`'s ([batch, heads, length, dim] each), right-aligned at
-    `width` columns (zeros to their left), with spare columns after."""
-    rows = old.shape[0] + new.shape[0]
-    out = old.new_empty(rows, old.shape[1], width + _SPARE, old.shape[3])
-    for start, part in ((0, old), (old.shape[0], new)):
-        stop, pad = start + part.shape[0], width - part.shape[2]
-        out[start:stop, :, :pad] = 0
-        out[start:stop, :, pad:width] = part
-    return out
-
-
-def _stack_right_aligned(parts: list[torch.Tensor | None], width: int, lengths: list[int], spare: int = 0) -> torch.Tensor:
-    """One [len(parts), heads, width + spare, dim] buffer: part g ([1, heads, lengths[g], dim])
-    right-aligned in the first `width` columns, zeros to its left (a missing part: all zeros)."""
+def _stack_rows(parts: list[torch.Tensor | None], width: int, spare: int = _SPARE) -> torch.Tensor:
+    """One buffer of `parts`' rows in order ([rows, heads, length, dim] each; None: one row of
+    zeros), each right-aligned in the first `width` columns with zeros to its left, and `spare`
+    free columns after."""
     like = next(p for p in parts if p is not None)
-    out = like.new_zeros(len(parts), like.shape[1], width + spare, like.shape[3])
-    for g, (part, n) in enumerate(zip(parts, lengths)):
-        if part is not None and n > 0:
-            out[g, :, width - n: width] = part[0]
+    rows = [1 if p is None else p.shape[0] for p in parts]
+    out = like.new_empty(sum(rows), like.shape[1], width + spare, like.shape[3])
+    start = 0
+    for part, n in zip(parts, rows):
+        pad = width - (0 if part is None else part.shape[2])
+        out[start: start + n, :, :pad] = 0
+        if part is not None:
+            out[start: start + n, :, pad:width] = part
+        start += n
     return out
 
 
