@@ -135,9 +135,8 @@ def load_policy(
 ) -> torch.nn.Module:
     """A model directory as `load_model` loads it, or a LoRA adapter directory as the peft model
     the trainer had: its base model (`base_model`, by default the one the adapters name) in
-    `dtype`, the adapters beside it, unmerged and in fp32 as peft keeps them. An engine built from
-    the latter (`make_engine` picks `LoraTorchEngine`) samples what the trainer scored, where a
-    merge into a bf16 base would round a small update away."""
+    `dtype`, the adapters beside it, unmerged and in fp32 as peft keeps them, from which
+    `make_engine` builds a `LoraTorchEngine` that samples what the trainer scored."""
     base = lora_base_of(path)
     if base is None:
         return load_model(path, dtype, device)

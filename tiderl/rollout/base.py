@@ -20,12 +20,10 @@ class SamplingParams:
     max_new_tokens: hard cap on sampled tokens per completion.
     stop: stop strings; generation ends on the token that completes one (that token is kept).
     stop_token_ids: token ids that end generation (kept in the output), e.g. end-of-turn.
-    seed: None draws from the engine's own random stream, shared by every request in the order
-        the rows happen to be batched. An int gives the request its own stream: the draw for
-        the token at sequence position i is `stream_uniform(seed, i)`, so what is sampled does
-        not depend on which other requests share a decode step, or when. The logits still may:
-        in bf16 their rounding depends on the batch, and that flips a token now and then
-        (docs/real_models.md). The agent loop gives each episode one (`episode_seed`).
+    seed: None draws from the engine's own random stream, shared by the rows in batch order. An
+        int gives the request its own stream: the draw at sequence position i is
+        `stream_uniform(seed, i)`, whatever else shares a decode step (bf16 logits may still
+        depend on the batch: docs/real_models.md). The agent loop gives each episode one.
     """
 
     temperature: float = 1.0

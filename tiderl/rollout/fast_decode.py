@@ -198,9 +198,8 @@ def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Te
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)`, in blocks of rows when `dst` is stored transposed (a weight `_fuse`
-    laid out column-major): a whole-matrix transposing copy walks one side with a stride of a
-    full row and runs about 10x slower than a plain copy; blocks of a few rows stay in cache
-    (about 2x a plain copy)."""
+    laid out column-major): a whole-matrix transposing copy walks one side a full row apart,
+    about 10x slower than a plain copy; blocks of a few rows stay in cache."""
     if dst.dim() != 2 or dst.is_contiguous() or dst.stride(0) != 1:
         dst.copy_(src)
         return

@@ -101,10 +101,8 @@ def fuse(*linears: torch.nn.Linear) -> LowRankTerm | None:
 
 def transposed_copy(w: torch.Tensor) -> torch.Tensor:
     """A copy of `w` (`[rows, columns]`) with the same values, stored column-major (a transposed
-    view of a contiguous `[columns, rows]` tensor). `F.linear(x, w)` multiplies by `w.T`; on a
-    CPU, with the few rows of a decode step in `x`, a row-major `w` is repacked at every call,
-    which for the stacked gate/up term ([2 x intermediate, 2r] of fp32) cost more than the
-    products themselves (see also `fast_decode._fuse`)."""
+    view of a contiguous `[columns, rows]` tensor): `F.linear(x, w)` multiplies by `w.T`, and on a
+    CPU, with the few rows of a decode step in `x`, a row-major `w` is repacked at every call."""
     return w.t().contiguous().t()
 
 
