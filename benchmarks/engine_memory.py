@@ -10,7 +10,7 @@ runs in a fresh process, so that its peak resident memory (VmHWM) is its own.
 
 Reported per setting: resident memory once the engine is built (weights), its peak during the
 episodes, the peak of the KV bytes the engine holds (batch cache buffers + kept caches, from
-`TorchEngine.memory()`), and the KV bytes the rows' tokens need (`needed`). A setting stops and
+`tiderl.lab.engine_memory.kv_memory`), and the KV bytes the rows' tokens need (`needed`). A setting stops and
 reports when its resident memory passes `--rss-limit-gb` (default 16).
 
     .venv/bin/python benchmarks/engine_memory.py                 # 8/16/32 in flight, 3-5 turns
@@ -125,6 +125,7 @@ def run_setting(args: argparse.Namespace) -> dict:
     """One setting, in this process: build the engine, play the episodes, return the figures."""
     import torch
 
+    from tiderl.lab.engine_memory import kv_bytes_per_token, kv_memory
     from tiderl.models.loading import load_model, load_tokenizer
     from tiderl.rollout.base import SamplingParams
     from tiderl.rollout.torch_engine import TorchEngine
@@ -163,7 +164,7 @@ def run_setting(args: argparse.Namespace) -> dict:
     gc.collect()
     weights_kb = _status_kb("VmRSS")
     _reset_peak()  # VmHWM from here on: the episodes' peak, not the loading's
-    per_token = engine.kv_bytes_per_token()
+    per_token = kv_bytes_per_token(engine.model)
 
     rng = random.Random(args.seed)
     episodes = []
@@ -186,7 +187,7 @@ def run_setting(args: argparse.Namespace) -> dict:
     def sample() -> None:
         while not stop.is_set():
             rss = _status_kb("VmRSS")
-            mem = engine.memory()
+            mem = kv_memory(engine)
             held = mem["batch_bytes"] + mem["kept_bytes"]
             for key, value in (("held", held), ("needed", mem["needed_bytes"]), ("batch", mem["batch_bytes"]),
                                ("kept", mem["kept_bytes"]), ("rss_kb", rss)):
@@ -275,6 +276,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     import tiderl.evaluate
     import tiderl.rollout
     from tiderl.cli import main as tiderl_main
+    from tiderl.lab.engine_memory import kv_memory
+    from tiderl.rollout.torch_engine import TorchEngine
 
     built: dict = {}
     make_engine = tiderl.rollout.make_engine
@@ -313,8 +316,8 @@ def run_eval(args: argparse.Namespace) -> dict:
             if parts[0] > peak["rss"][0]:
                 peak["rss"] = parts
             engine = built.get("engine")
-            if engine is not None and hasattr(engine, "memory"):
-                mem = engine.memory()
+            if isinstance(engine, TorchEngine):
+                mem = kv_memory(engine)
                 peak["held"] = max(peak["held"], mem["batch_bytes"] + mem["kept_bytes"])
             time.sleep(0.02)
 

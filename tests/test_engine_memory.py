@@ -1,5 +1,5 @@
 """TorchEngine's memory: the prefill projects only the last position, from a contiguous input,
-and the KV caches the engine holds (`memory()`) are the rows' and sessions' tokens, released when
+and the KV caches the engine holds (`kv_memory`) are the rows' and sessions' tokens, released when
 the batch empties and the session ends. The resident-memory figures with a real model are in
 benchmarks/engine_memory.py."""
 
@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from tiderl.lab.engine_memory import kv_bytes_per_token, kv_memory
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine
@@ -55,14 +56,14 @@ def test_prefill_projects_only_the_last_position_from_a_contiguous_input(model, 
 
 def test_memory_counts_kept_caches_exactly_and_releases_them(model, tokenizer, prompts):
     engine = TorchEngine(model, tokenizer, max_batch_size=8)
-    assert engine.memory() == {"batch_bytes": 0, "kept_bytes": 0, "needed_bytes": 0}
-    per_token = engine.kv_bytes_per_token()
+    assert kv_memory(engine) == {"batch_bytes": 0, "kept_bytes": 0, "needed_bytes": 0}
+    per_token = kv_bytes_per_token(engine.model)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     assert per_token == 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # float32
     sessions = [f"episode {i}" for i in range(len(prompts))]
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0), sessions=sessions)
-    memory = engine.memory()
+    memory = kv_memory(engine)
     # The batch is empty: its cache is gone. Each session keeps the KV of every token it fed
     # (prompt + sampled tokens but the last), with no padding or spare columns.
     fed = sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, completions))
@@ -70,10 +71,10 @@ def test_memory_counts_kept_caches_exactly_and_releases_them(model, tokenizer, p
     for session in sessions[:2]:
         engine.end_session(session)
     rest = sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts[2:], completions[2:]))
-    assert engine.memory()["kept_bytes"] == rest * per_token
+    assert kv_memory(engine)["kept_bytes"] == rest * per_token
     for session in sessions[2:]:
         engine.end_session(session)
-    assert engine.memory() == {"batch_bytes": 0, "kept_bytes": 0, "needed_bytes": 0}
+    assert kv_memory(engine) == {"batch_bytes": 0, "kept_bytes": 0, "needed_bytes": 0}
     assert engine.kept_sessions() == 0
 
 
@@ -83,13 +84,13 @@ def test_memory_during_decoding_covers_the_rows_tokens(model, tokenizer, prompts
     original = engine._step
 
     def step() -> None:
-        seen.append((engine.memory(), [len(row.fed) for row in engine._rows], engine._width))
+        seen.append((kv_memory(engine), [len(row.fed) for row in engine._rows], engine._width))
         original()
 
     engine._step = step  # type: ignore[method-assign]
     engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
     assert seen
-    per_token = engine.kv_bytes_per_token()
+    per_token = kv_bytes_per_token(engine.model)
     for memory, fed, width in seen:
         assert memory["needed_bytes"] == sum(fed) * per_token
         # The batch cache is rectangular (rows x the longest row), plus spare columns.

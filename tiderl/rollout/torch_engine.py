@@ -286,32 +286,6 @@ class TorchEngine:
         with self._inbox_lock:
             return len(self._kept)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token takes in the cache (all layers)."""
-        text = self.model.config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        element = torch.empty((), dtype=self.model.dtype).element_size()
-        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * element
-
-    def memory(self) -> dict[str, int]:
-        """What the KV caches hold now, in bytes: `batch_bytes`, the storage of the running batch's
-        cache (padding and spare columns included); `kept_bytes`, the kept prefix caches;
-        `needed_bytes`, the KV of the tokens those rows and kept caches hold (no padding).
-        Any thread (a snapshot; the decoding thread may change the batch meanwhile)."""
-        cache, rows = self._cache, list(self._rows)
-        storages: dict[int, int] = {}
-        for layer in getattr(cache, "layers", None) or []:
-            for t in (getattr(layer, "_key_buffer", None), getattr(layer, "_value_buffer", None),
-                      getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    storage = t.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
-        with self._inbox_lock:
-            kept_bytes = self._kept_bytes
-            kept_tokens = sum(len(k.tokens) for k in self._kept.values())
-        needed = (sum(len(row.fed) for row in rows) + kept_tokens) * self.kv_bytes_per_token()
-        return {"batch_bytes": sum(storages.values()), "kept_bytes": kept_bytes, "needed_bytes": needed}
-
     # ------------------------------------------------------------------ decoding
 
     def _reset_batch(self) -> None:
