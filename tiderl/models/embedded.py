@@ -56,8 +56,6 @@ def _log(message: str) -> None:
 # Bump when the build recipe changes, so stale caches are not reused.
 BUILD_VERSION = 1
 
-COPY_CHECK_KEYS = ("copy_check_threshold", "copy_check_every", "copy_check_size")
-
 
 def warm_start(cfg: RunConfig) -> WarmStart:
     """The warm start of the environment `env.name` names; StartupError naming the fix when it
@@ -99,7 +97,7 @@ def _warmstart_recipe(cfg: RunConfig) -> dict:
     keys, and caches, of builds without it stay what they were before it existed)."""
     recipe = asdict(cfg.model.warmstart)
     if cfg.model.warmstart.copy_check_threshold <= 0:
-        for key in COPY_CHECK_KEYS:
+        for key in ("copy_check_threshold", "copy_check_every", "copy_check_size"):
             del recipe[key]
     else:  # the schedule the check brings (`supervised_finetune(decay=False)`)
         recipe["schedule"] = "constant until the copy check passes"

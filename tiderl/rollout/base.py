@@ -78,6 +78,10 @@ class Completion:
     policy_version: list[int]
 
 
+# What a continuous engine's caller is told when a request finishes: its Completion, or the exception that ended it.
+OnDone = Callable[[Any], None]
+
+
 class Engine(Protocol):
     """A generation backend. `version` is the weight version it currently samples with.
 

@@ -75,7 +75,6 @@ class BatchingEngine:
         self._env_since: dict[int, float] = {}  # of those, inside an environment call: since when
         # (prompt, params, future, episode serial, arrival serial)
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Completion], int, int]] = []
-        self._serials = _SERIALS
         # Token-level decoding through the engine's continuous interface, when it has one.
         continuous = getattr(engine, "continuous", None)
         self._continuous = bool(callable(continuous) and continuous())
@@ -122,7 +121,7 @@ class BatchingEngine:
         if self._task is None:
             raise RuntimeError("BatchingEngine.start() was not called")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        request = (prompt, params, future, _EPISODE.get(), next(self._serials))
+        request = (prompt, params, future, _EPISODE.get(), next(_SERIALS))
         if self._serving and self._own_threads:
             # The engine is decoding on its thread: join its batch at the next step.
             self._submit(request)
@@ -164,7 +163,7 @@ class BatchingEngine:
     def episode(self) -> Iterator[None]:
         """Register one episode for the whole of its life (see "When to decode")."""
         self._episodes += 1
-        token = _EPISODE.set(next(self._serials))
+        token = _EPISODE.set(next(_SERIALS))
         try:
             yield
         finally:

@@ -26,13 +26,14 @@ import shutil
 import threading
 import time
 import zlib
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_seed, token_decoder
+from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_seed,
+                                 token_decoder)
 from tiderl.rollout.options import HttpEngineOptions
 from tiderl.rollout.weights import weights_checksum
 
@@ -45,8 +46,6 @@ PROBE_PROMPT_TOKENS = 16
 PROBE_NEW_TOKENS = 8
 # The temperature of the start-up check that the server reports processed log-probs.
 PROBE_TEMPERATURE = 0.5
-
-OnDone = Callable[[Any], None]
 
 
 class ServerError(RuntimeError):

@@ -20,7 +20,7 @@ import collections
 import copy
 import inspect
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +28,11 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.rollout.base import Completion, SamplingParams, check_request, check_update, stream_uniform, token_decoder
+from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_uniform,
+                                 token_decoder)
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
 from tiderl.rollout.options import TorchEngineOptions
 from tiderl.rollout.weights import weights_checksum
-
-# What a request's caller is told when it finishes: its Completion, or the exception that ended it.
-OnDone = Callable[[Any], None]
 
 
 @dataclass(eq=False)

@@ -47,8 +47,7 @@ class Segment(TokenRecord):
     def matches(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
         """Whether a request with `messages` and tools continues this segment's conversation."""
         n = len(self.messages)
-        return (tools_key == self.tools_key and 0 < n < len(messages)
-                and all(message_key(a) == message_key(b) for a, b in zip(self.messages, messages)))
+        return tools_key == self.tools_key and 0 < n < len(messages) and self.first_difference(messages) == n
 
     def first_difference(self, messages: list[dict[str, Any]]) -> int:
         """The index of the first message of `messages` that differs from the recorded ones."""
