@@ -299,35 +299,22 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{where}: expected true or false, got {value!r}.", where)
-    if tp is int:
-        return _integer(value, where)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.", where)
+    if tp is int or tp is float:  # an int also from a number or string with an integral value (1e3, "4")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value if tp is int else float(value)
         try:
-            return float(value)
+            number = None if isinstance(value, bool) else float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.", where) from None
+            number = None
+        if number is None or (tp is int and not number.is_integer()):
+            kind = "an integer" if tp is int else "a number"
+            raise ConfigError(f"{where}: expected {kind}, got {value!r}.", where)
+        return int(number) if tp is int else number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where}: expected a string, got {value!r}.", where)
         return "" if value is None else str(value)
     raise ConfigError(f"{where}: unsupported field type {getattr(tp, '__name__', str(tp))}", where)
-
-
-def _integer(value: Any, where: str) -> int:
-    """`value` as an int: an int, or a number or string with an integral value (1e3, "4")."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.", where)
-    if isinstance(value, int):
-        return value
-    try:
-        as_float = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.", where) from None
-    if not as_float.is_integer():
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.", where)
-    return int(as_float)
 
 
 # --------------------------------------------------------------------------------------------
