@@ -544,14 +544,9 @@ def _check_source(cfg: RunConfig) -> None:
          f"use one of those{elsewhere}")
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config tree as plain nested dicts (for YAML/JSON dumps)."""
-    return dataclasses.asdict(cfg)
-
-
 def dump_yaml(cfg: Any) -> str:
     """The resolved config as YAML, in declaration order."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
 def describe(cls: type = RunConfig, prefix: str = "", chosen: Any = None) -> list[tuple[str, str, Any]]:
