@@ -282,11 +282,12 @@ def cmd_train(cfg: RunConfig) -> int:
     return 0
 
 
-def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
-               tasks: list, chunk_size: int = 0, watch: Any = None) -> dict[str, Any]:
+def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any, tasks: list, chunk_size: int = 0,
+               watch: Any = None, oracle: bool = False) -> dict[str, Any]:
     """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
-    task and also runs when only eval.pass_k > 1 asks for it. `watch(mode, episodes)`, when
-    given, returns the `on_episode` callback of that mode's run (an `EvalProgress`)."""
+    task and also runs when only eval.pass_k > 1 asks for it. With `oracle` (a scripted engine),
+    greedy only: a script is deterministic. `watch(mode, episodes)`, when given, returns the
+    `on_episode` callback of that mode's run (an `EvalProgress`)."""
     from tiderl.evaluate import evaluate
 
     def run(mode: str, greedy: bool, samples: int) -> dict[str, Any]:
@@ -300,25 +301,23 @@ def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
                 watcher.close()
 
     out = {}
-    if cfg.eval.greedy:
+    if cfg.eval.greedy or oracle:
         out["greedy"] = run("greedy", True, 1)
-    if cfg.eval.sampled or cfg.eval.pass_k > 1:
+    if not oracle and (cfg.eval.sampled or cfg.eval.pass_k > 1):
         out["sampled"] = run("sampled", False, cfg.eval.pass_k)
     return out
 
 
-def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
-                 chunk_size: int, watch: Any = None) -> tuple[dict[str, Any], str, Any]:
-    """The scripted oracle (`Setup.oracle`) through `evaluate` (greedy only: a script is
-    deterministic). Tokenizer: the one of `--model` or `model.path`, else one trained here on
-    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used).
-    Returns (results, where the tokenizer came from, the tokenizer); `watch` as in `_eval_both`."""
-    from tiderl.evaluate import evaluate, oracle_engine, oracle_limits, oracle_texts
+def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, Any, Any, str]:
+    """The scripted oracle (`Setup.oracle`) as an engine, with the config whose episode limits
+    cut no script (`oracle_limits`). Tokenizer: the one of `--model` or `model.path`, else one
+    trained here on the oracle's own texts (the embedded model's, being KG-only and slow to
+    build, is not used). Returns (config, engine, tokenizer, where the tokenizer came from)."""
+    from tiderl.evaluate import oracle_engine, oracle_limits, oracle_texts
 
-    tasks = setup.eval_tasks
     if setup.oracle is None:
         raise ValueError(f"env.name={cfg.env.name}: its Setup has no oracle, so --oracle has nothing to play")
-    scripts = {t.task_id: setup.oracle(t) for t in tasks}
+    scripts = {t.task_id: setup.oracle(t) for t in setup.eval_tasks}
     path = model or (cfg.model.path if cfg.model.path != "tiny" else "")
     if path:
         from tiderl.models.loading import load_tokenizer
@@ -327,18 +326,11 @@ def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
     else:
         from tiderl.models.tiny import train_tokenizer
 
-        tokenizer = train_tokenizer(oracle_texts(make_env(), tasks, scripts),
+        tokenizer = train_tokenizer(oracle_texts(setup.make_env(), setup.eval_tasks, scripts),
                                     vocab_size=cfg.model.tiny.vocab_size)
         source = f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"
     env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
-    watcher = watch("greedy", len(tasks)) if watch else None
-    try:
-        result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
-                          rollout, True, chunk_size=chunk_size or 256, on_episode=watcher)
-    finally:
-        if watcher is not None:
-            watcher.close()
-    return {"greedy": result}, source, tokenizer
+    return dataclasses.replace(cfg, env=env_cfg, rollout=rollout), oracle_engine(tokenizer, scripts), tokenizer, source
 
 
 def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
@@ -356,7 +348,6 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         return 2
     t0 = time.perf_counter()
     setup = load_setup(cfg)
-    make_env, chunk_size = setup.make_env, setup.eval_chunk_size
     watchers: dict[str, Any] = {}
 
     def watch(mode: str, episodes: int) -> Any:
@@ -364,7 +355,9 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         return watchers[mode]
 
     if oracle:
-        results, tokenizer_source, tokenizer = _oracle_eval(cfg, setup, make_env, model, chunk_size, watch)
+        oracle_cfg, engine, tokenizer, tokenizer_source = _oracle(cfg, setup, model)
+        results = _eval_both(oracle_cfg, engine, tokenizer, setup.make_env, setup.eval_tasks,
+                             setup.eval_chunk_size or 256, watch, oracle=True)
         what, label = "oracle", (lambda mode: "oracle")
     else:
         import torch
@@ -390,7 +383,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed, copy_model=False)
         del policy
         with trimmed_heap():  # free heap pages go back to the OS as the engine's caches churn
-            results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
+            results = _eval_both(cfg, engine, tokenizer, setup.make_env, setup.eval_tasks, setup.eval_chunk_size, watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""
