@@ -63,13 +63,6 @@ def is_import_path(name: str) -> bool:
     return bool(sep) and all(p.isidentifier() for p in parts)
 
 
-def check_name(table: dict[str, str], name: str) -> str:
-    """'' when `name` is in `table` or is an import path, else what is wrong with it."""
-    if name in table or is_import_path(name):
-        return ""
-    return f"{name!r} is neither one of {', '.join(map(repr, table))} nor a 'module:attribute' import path"
-
-
 def load_object(target: str, what: str = "object") -> Any:
     """The object an import path "module:attr.sub" names. The errors say which part is missing
     and how to fix it."""
@@ -89,9 +82,9 @@ def load_object(target: str, what: str = "object") -> Any:
 
 def resolve(table: dict[str, str], name: str, what: str) -> Any:
     """The object `name` stands for: a built-in from `table`, or a user's import path."""
-    problem = check_name(table, name)
-    if problem:
-        raise ValueError(f"{what}: {problem}")
+    if name not in table and not is_import_path(name):
+        raise ValueError(f"{what}: {name!r} is neither one of {', '.join(map(repr, table))} nor a 'module:attribute' "
+                         "import path")
     return load_object(table.get(name, name), what)
 
 
