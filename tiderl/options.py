@@ -2,24 +2,15 @@
 (YAML plus dotted overrides) becomes them.
 
 Every setting is a dataclass field declared with `opt(default, help)` beside the code that reads
-it. The run-level sections live in `tiderl/config.py`; a component (an environment, an engine, a
-rollout backend) declares its own options dataclass beside its code, and the config holds them in
-a field declared with `component_options`, whose dataclass is the one the chosen component
-declares (`env.options` follows `env.name`, `rollout.options` `rollout.engine`, `system.options`
-`system.backend`).
-
-`build(cls, mapping, where)` turns a mapping into `cls`: an unknown key is an error with a
-did-you-mean, a value of the wrong type or outside its `choices` names the field and the fix,
-and a component option that the chosen component does not have but another one does is rejected
-with the reason ("only env.name=X reads it"). A section or options dataclass may define
-`check(self, cfg)`, run on the whole loaded config (`check_components`): it raises with
-`need(ok, field, problem, fix)` naming its own fields as they are written inside it
-(`timeout_s`), and the dotted path is put in front, so the user reads `env.options.timeout_s:
-must be > 0. Fix: use 2.0.` It may also define `unread(self, cfg) -> {field: why}`: the fields
-its own values or the run's other choices leave unread (`unread_keys`), which the config rejects
-when set to a value of their own.
-
-This module imports nothing of tiderl and no torch.
+it: the run-level sections in `tiderl/config.py`, a component's (environment, engine, backend) in
+its own options dataclass, held in a `component_options` field that follows the component's
+choice (`env.options` follows `env.name`). `build(cls, mapping, where)` rejects an unknown key
+with a did-you-mean, a wrong type or value naming the field and the fix, and a component option
+that only another component reads, naming it. An options dataclass may define `check(self, cfg)`
+(run on the loaded config by `check_components`; its `need(ok, field, problem, fix)` names its
+own fields and the dotted path is put in front: `env.options.timeout_s: must be > 0. Fix: use
+2.0.`) and `unread(self, cfg) -> {field: why}` (`unread_keys`: fields that its values or the
+run's choices leave unread, which the config rejects when set). No tiderl or torch import.
 """
 
 from __future__ import annotations
