@@ -301,7 +301,6 @@ class CuriosityShaper:
     def bonus(self, units: Iterable[str], success: bool, step: int,
               base_reward: float = 0.0) -> tuple[float, dict[str, float]]:
         """`curiosity_bonus` against the current counts; changes nothing (call `observe` after)."""
-        units = distinct_units(units)
         with self._lock:
             return curiosity_bonus(units, success, step, self._counts, self.settings, base_reward)
 
