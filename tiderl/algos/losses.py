@@ -7,9 +7,7 @@ replaced by torch.where on non-action tokens BEFORE any arithmetic, so -inf padd
 neither nan losses nor nan gradients.
 
 Policy losses are per token: each returns `(token_loss[B, T], metrics)`, the loss of every action
-token and 0 on the others, which `aggregation.aggregate` turns into a scalar with one of its modes
-and a normaliser over the whole optimizer batch (so micro-batch losses add up to the batch loss;
-`token-mean` over all action tokens is SAO's, masked tokens included in the denominator).
+token and 0 on the others, which `aggregation.aggregate` turns into a scalar.
 
 Ratios: r_t = exp(logprobs_t - old_t), where `old` is whatever the caller chose as the policy the
 ratio is taken against: the engine's behaviour log-probs, or the trainer's recomputed (proximal)

@@ -264,13 +264,9 @@ def curiosity_bonus(
 
 
 def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-batch means of the shaped trajectories' curiosity metrics.
-
-    curiosity/bonus, curiosity/raw_bonus, curiosity/novelty, curiosity/units,
-    curiosity/novel_units, curiosity/weight: means per episode; curiosity/gated_frac: the
-    fraction of episodes whose bonus the gate cut. Trajectories that were not shaped are left
-    out; an empty dict when none was.
-    """
+    """Per-batch means of the shaped trajectories' curiosity metrics (docs/curiosity.md), with
+    curiosity/gated_frac, the fraction of episodes whose bonus the gate cut. Trajectories that
+    were not shaped are left out; an empty dict when none was."""
     shaped = [t.env_info for t in trajectories if M_BONUS in t.env_info]
     if not shaped:
         return {}
