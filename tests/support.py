@@ -42,6 +42,14 @@ from tiderl.types import NO_VERSION, Trajectory
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+# -- trajectories (test_agent_loop, test_system_pool, test_system_local, test_system_cores) ------
+
+
+def versions(trajectory: Trajectory) -> set[int]:
+    """The policy versions that sampled any token of `trajectory`."""
+    return {v for v, m in zip(trajectory.policy_version, trajectory.loss_mask) if m}
+
+
 # -- benchmark data ----------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from support import versions
 from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episodes
 from tiderl.envs.protocol import Action, StepResult, Task
@@ -392,7 +393,7 @@ def test_logprobs_and_versions_copied_and_forced_end_on_length(tok):
     assert traj.policy_version[-n - 1 : -1] == [7 + k % 2 for k in range(n)]
     # ... and the end-of-turn the engine did not sample is forced.
     assert (traj.tokens[-1], traj.behavior_logprobs[-1], traj.policy_version[-1]) == (IM_END_ID, 0.0, NO_VERSION)
-    assert traj.versions() == {7, 8}
+    assert versions(traj) == {7, 8}
     # The end-of-turn id is always a stop token of the engine call.
     assert IM_END_ID in engine.calls[0][1].stop_token_ids
 

@@ -43,7 +43,6 @@ from tiderl.algos.losses import (
     gspo_token_loss,
     ppo_loss,
     ppo_token_loss,
-    sequence_ratio,
 )
 from tiderl.config import preset_defaults
 from tiderl.config import AlgoConfig
@@ -332,6 +331,23 @@ def _gspo_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
     lr = torch.tensor([[0, 0.1, 0.3, 0], [0, -0.2, 0.0, -0.1]], dtype=F64)
     adv = torch.tensor([[0, 1, 1, 0], [0, -1, -1, -1]], dtype=F64)
     return old + lr, old, adv, mask
+
+
+def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, action_mask: torch.Tensor
+                   ) -> torch.Tensor:
+    """GSPO's length-normalised sequence ratio, at every action token of the sequence (0 elsewhere):
+
+        s_i = exp( (1 / n_i) sum_{action t in i} (logprobs_t - old_t) )
+            = (pi_theta(y_i) / pi_old(y_i)) ^ (1 / n_i)
+
+    Differentiable in `logprobs` (d s_i / d logprobs_t = s_i / n_i). The reference the
+    per-token form of `gspo_token_loss` is checked against.
+    """
+    is_action = action_mask > 0
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(is_action, logprobs, zeros) - torch.where(is_action, old_logprobs, zeros)
+    s = sequence_mean(log_ratio, action_mask).exp()
+    return torch.where(is_action, s, zeros)
 
 
 def test_gspo_sequence_ratio_and_clip_by_hand() -> None:

@@ -16,7 +16,6 @@ from tiderl.config import (
     config_from_dict,
     load_config,
     preset_defaults,
-    to_dict,
     with_preset,
 )
 
@@ -54,7 +53,7 @@ def test_switching_preset_changes_only_algorithm_options(a: str, b: str) -> None
     algo_user = {"actor_lr": 3e-5}
     cfg_a = config_from_dict({**user, "algo": {"name": a, **algo_user}})
     cfg_b = config_from_dict({**user, "algo": {"name": b, **algo_user}})
-    da, db = to_dict(cfg_a), to_dict(cfg_b)
+    da, db = dataclasses.asdict(cfg_a), dataclasses.asdict(cfg_b)
     assert {k: v for k, v in da.items() if k != "algo"} == {
         k: v for k, v in db.items() if k != "algo"}
     changed = {k for k in da["algo"] if da["algo"][k] != db["algo"][k]}

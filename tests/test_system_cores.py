@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pool_fakes import FakeRollout, FakeTrainer, check_ledger, run_pool
+from support import versions
 from tiderl.config import ConfigError, load_config
 from tiderl.lab.cpu import thread_cpu
 from tiderl.system.cores import (
@@ -123,7 +124,7 @@ def test_over_provisioned_sync_trains_the_first_finishers_on_policy_and_restarts
     s, _ = run_pool(settings, rollout, trainer, steps=6)
     for version, batch, _, _ in trainer.batches:
         for t in batch:
-            assert t.versions() == {version}  # on-policy: sampled by the weights it trains
+            assert versions(t) == {version}  # on-policy: sampled by the weights it trains
     summary = s.summary()
     assert summary["staleness_histogram"].get(0, 0) == 24
     assert s.ledger.restarted + s.ledger.dropped_stale >= 1  # the stragglers were not trained late

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from support import SMALL, rollout, small_config
+from support import SMALL, rollout, small_config, versions
 from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.rollout.client import BatchingEngine
@@ -215,7 +215,7 @@ def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_pa
         for t in batch:
             sampled = [v for v, m in zip(t.policy_version, t.loss_mask) if m]
             assert version - 1 - min(sampled) <= 2  # within the staleness bound
-    mixed = [t for _, _, b in seen for t in b if len(t.versions()) > 1]
+    mixed = [t for _, _, b in seen for t in b if len(versions(t)) > 1]
     assert mixed, "no trained trajectory continued across a weight update"
     ledger = summary["ledger"]
     assert ledger["trained"] == 8 * 4 and ledger["failed"] == 0

@@ -11,6 +11,7 @@ import itertools
 import pytest
 
 from pool_fakes import FakeRollout, FakeTrainer, check_ledger, fake_trajectory, run_pool
+from support import versions
 from tiderl.envs.protocol import Task
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.pool import PoolSettings
@@ -60,7 +61,7 @@ def test_synchronous_mode_trains_only_on_the_current_version():
     assert [v for v, *_ in trainer.batches] == [0, 1, 2, 3, 4]
     for version, batch, _, _ in trainer.batches:
         for t in batch:
-            assert t.versions() == {version}  # every sampled token on the trainer's own weights
+            assert versions(t) == {version}  # every sampled token on the trainer's own weights
     assert s.summary()["staleness_histogram"] == {0: 20}
     # Rollout waits during training: no episode starts while a step runs.
     for _, _, t_start in rollout.starts:
@@ -106,7 +107,7 @@ def test_partial_rollouts_continue_across_versions():
     rollout = FakeRollout(lambda tid: 0.05 + 0.02 * (int(tid[1:]) % 3))
     trainer = FakeTrainer(lambda: 0.02)
     s, _ = run_pool(PoolSettings(batch_size=4, max_staleness=2), rollout, trainer, steps=12)
-    mixed = [t for _, b, _, _ in trainer.batches for t in b if len(t.versions()) > 1]
+    mixed = [t for _, b, _, _ in trainer.batches for t in b if len(versions(t)) > 1]
     assert mixed, "no trained trajectory spans two weight versions"
     assert s.ledger.restarted == 0
     check_ledger(s)
@@ -122,7 +123,7 @@ def test_restart_mode_interrupts_and_requeues_episodes_on_new_weights():
     assert max(rollout.attempts.values()) >= 2
     for _, batch, _, _ in trainer.batches:
         for t in batch:
-            assert len(t.versions()) == 1  # nothing trained spans a weight update
+            assert len(versions(t)) == 1  # nothing trained spans a weight update
     check_ledger(s)
 
 

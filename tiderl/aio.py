@@ -43,10 +43,9 @@ class FreeCores:
     """How many of this process's cores other processes leave free, measured from /proc/stat.
 
     `count()` compares the busy time of the allowed cores with this process's own CPU time since
-    the previous call: cores - round(the cores others kept busy), at least 1. Torch's OpenMP
-    threads wait for each other at every parallel region, so one thread on a core that another
-    process holds stalls all of them (measured here: 4.4 s instead of 0.6 s per step with one
-    core taken); running one thread fewer avoids that. Where /proc is missing it returns `cores`.
+    the previous call: cores - round(the cores others kept busy), at least 1 (`cores` where /proc
+    is missing). Why: one torch OpenMP thread on a core another process holds stalls its whole
+    team at every parallel region (docs/architecture.md, "Threads").
     """
 
     def __init__(self, total: int | None = None, interval_s: float = 0.5):
@@ -83,14 +82,11 @@ class FreeCores:
 
 
 class InlineExecutor(Executor):
-    """An executor that runs each call at once, in the calling thread (the event loop's).
-
-    For synchronous training: decoding, preparation and training never overlap there, and torch
-    runs fastest when one thread (one OpenMP team) does all of its work; a second team, even an
-    idle one, measurably slows the first on a small machine (docs/architecture.md). With
-    `threads=0` each call first sets torch's thread count to the cores other processes leave
-    free (`FreeCores`); with `threads > 0` it stays fixed.
-    """
+    """An executor that runs each call at once, in the calling thread (the event loop's): for
+    synchronous training, where decoding, preparation and training never overlap and one torch
+    thread team is fastest (docs/architecture.md, "Threads"). With `threads=0` each call first
+    sets torch's thread count to the cores other processes leave free (`FreeCores`); with
+    `threads > 0` it stays fixed."""
 
     def __init__(self, threads: int = 0):
         self.free = FreeCores() if threads <= 0 else None

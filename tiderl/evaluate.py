@@ -1,14 +1,11 @@
 """Held-out evaluation: run a policy (or the scripted oracle) on tasks it never trained on.
 
-`evaluate` plays every task through the agent loop (`play_episodes`) and summarises the
-episodes: success with its standard error, F1 (KG), turns, tokens, tool errors, the stop
-reasons, pass@k when several samples per task are drawn, and the same per number of hops (KG)
-and per answer type (`Task.meta["answer_type"]`: AgentBench DB's INSERT, UPDATE, counting, ...).
-`markdown_table` prints the results; docs/evaluation.md defines every number.
-
-The oracle (`Setup.oracle`, `oracle_engine`) replays each task's scripted solution through
-a `ScriptedEngine`, through the very same `evaluate`, so its success is the ceiling of the
-environment with these labels.
+`evaluate` plays every task through the agent loop (`play_episodes`) and summarises the episodes
+(`tiderl.metrics.summary`: success, pass@k, turns, tokens, ...) overall, per number of hops and
+per answer type; docs/evaluation.md defines every number. The oracle (`Setup.oracle`,
+`oracle_engine`) replays each task's scripted solution through the very same `evaluate`, so its
+success is the ceiling of the environment with these labels. Also here: the tables, the progress
+bar and the transcripts of an evaluation, and the training transcripts.
 """
 
 from __future__ import annotations
@@ -179,17 +176,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def trimmed_heap(interval_s: float = HEAP_TRIM_INTERVAL_S) -> Iterator[list[int]]:
     """While the block runs, return the C heap's free pages to the OS every `interval_s` seconds
     (glibc's `malloc_trim(0)`, from a thread of its own; nothing where the C library lacks it).
-    Yields a one-element list: the number of trims done so far.
-
-    Why: glibc serves an allocation below its mmap threshold from its heap, and raises that
-    threshold (up to 32 MiB) each time a larger mapped block is freed, so after the first
-    prefill the engine's KV caches (batch layers of a few MiB, kept caches of a few hundred KiB
-    per layer) come from the heap. Caches of different sizes live and die across turns and
-    leave free holes that glibc keeps resident: in a MetaQA evaluation of the 0.5B model with
-    32 episodes in flight, resident memory grew by ~2.5 GB over 64 episodes while the engine
-    held under 1 GB of KV (benchmarks/engine_memory.py --eval). `malloc_trim` hands the free
-    pages back (the holes too, not only the heap's top); ctypes releases the GIL during the call.
-    """
+    Yields a one-element list: the number of trims done so far. Why: the KV caches of turns that
+    come and go leave free holes in glibc's heap that it keeps resident (docs/engines.md)."""
     calls = [0]
     trim = _malloc_trim()
     if trim is None or interval_s <= 0:

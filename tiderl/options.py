@@ -2,24 +2,15 @@
 (YAML plus dotted overrides) becomes them.
 
 Every setting is a dataclass field declared with `opt(default, help)` beside the code that reads
-it. The run-level sections live in `tiderl/config.py`; a component (an environment, an engine, a
-rollout backend) declares its own options dataclass beside its code, and the config holds them in
-a field declared with `component_options`, whose dataclass is the one the chosen component
-declares (`env.options` follows `env.name`, `rollout.options` `rollout.engine`, `system.options`
-`system.backend`).
-
-`build(cls, mapping, where)` turns a mapping into `cls`: an unknown key is an error with a
-did-you-mean, a value of the wrong type or outside its `choices` names the field and the fix,
-and a component option that the chosen component does not have but another one does is rejected
-with the reason ("only env.name=X reads it"). A section or options dataclass may define
-`check(self, cfg)`, run on the whole loaded config (`check_components`): it raises with
-`need(ok, field, problem, fix)` naming its own fields as they are written inside it
-(`timeout_s`), and the dotted path is put in front, so the user reads `env.options.timeout_s:
-must be > 0. Fix: use 2.0.` It may also define `unread(self, cfg) -> {field: why}`: the fields
-its own values or the run's other choices leave unread (`unread_keys`), which the config rejects
-when set to a value of their own.
-
-This module imports nothing of tiderl and no torch.
+it: the run-level sections in `tiderl/config.py`, a component's (environment, engine, backend) in
+its own options dataclass, held in a `component_options` field that follows the component's
+choice (`env.options` follows `env.name`). `build(cls, mapping, where)` rejects an unknown key
+with a did-you-mean, a wrong type or value naming the field and the fix, and a component option
+that only another component reads, naming it. An options dataclass may define `check(self, cfg)`
+(run on the loaded config by `check_components`; its `need(ok, field, problem, fix)` names its
+own fields and the dotted path is put in front: `env.options.timeout_s: must be > 0. Fix: use
+2.0.`) and `unread(self, cfg) -> {field: why}` (`unread_keys`: fields that its values or the
+run's choices leave unread, which the config rejects when set). No tiderl or torch import.
 """
 
 from __future__ import annotations
@@ -299,35 +290,22 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{where}: expected true or false, got {value!r}.", where)
-    if tp is int:
-        return _integer(value, where)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.", where)
+    if tp is int or tp is float:  # an int also from a number or string with an integral value (1e3, "4")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value if tp is int else float(value)
         try:
-            return float(value)
+            number = None if isinstance(value, bool) else float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.", where) from None
+            number = None
+        if number is None or (tp is int and not number.is_integer()):
+            kind = "an integer" if tp is int else "a number"
+            raise ConfigError(f"{where}: expected {kind}, got {value!r}.", where)
+        return int(number) if tp is int else number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where}: expected a string, got {value!r}.", where)
         return "" if value is None else str(value)
     raise ConfigError(f"{where}: unsupported field type {getattr(tp, '__name__', str(tp))}", where)
-
-
-def _integer(value: Any, where: str) -> int:
-    """`value` as an int: an int, or a number or string with an integral value (1e3, "4")."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.", where)
-    if isinstance(value, int):
-        return value
-    try:
-        as_float = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.", where) from None
-    if not as_float.is_integer():
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.", where)
-    return int(as_float)
 
 
 # --------------------------------------------------------------------------------------------

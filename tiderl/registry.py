@@ -1,21 +1,11 @@
 """Every extension point of tiderl, by name: one table each, and how a name becomes an object.
 
 A config names a built-in by its short name (a key of a table) or a user's own object by its
-import path (`env.name: mypkg.myenv:MyEnv`), so extending tiderl never needs an edit inside
-it. The tables hold import paths, not objects: this module imports no torch and nothing of
-tiderl but `tiderl.options`, so the config loader can check names and build each component's
-options without loading models, Ray or SQL.
-
-| config key | table | what the name must give | its options | contract |
-| --- | --- | --- | --- | --- |
-| `env.name` | `ENVIRONMENTS` | `setup(cfg) -> Setup`, optionally `Options`, `sources`, `warm_start` | `env.options` | `tiderl.envs.registration` |
-| `rollout.engine` | `ENGINES` | an `Engine` class with `from_config(cfg, model, tokenizer, *, seed, copy_model)` | `rollout.options` | `tiderl.rollout.make_engine` |
-| `system.backend` | `BACKENDS` | a `RolloutBackend` class with `from_run(run, preparations, executor)` | `system.options` | `tiderl.system.pool` |
-| `algo.advantage`, `algo.policy_loss` | `tiderl.algos.registry` | pure functions | flat `algo.*` | `docs/extending.md` |
-
-A component's options are a dataclass declared beside its code: a built-in's in a torch-free
-module named by `ENGINE_OPTIONS` / `BACKEND_OPTIONS` (and set as the class's `Options`), a user's
-class's `Options` attribute. docs/extending.md walks through each with a complete example.
+import path (`env.name: mypkg.myenv:MyEnv`), so extending tiderl never needs an edit inside it.
+The tables hold import paths, not objects: this module imports no torch and nothing of tiderl
+but `tiderl.options`, so the config loader can check names and build each component's options
+without loading models, Ray or SQL. What each name must give: docs/architecture.md, "Extension
+points"; docs/extending.md walks through each with a complete example.
 """
 
 from __future__ import annotations
@@ -63,13 +53,6 @@ def is_import_path(name: str) -> bool:
     return bool(sep) and all(p.isidentifier() for p in parts)
 
 
-def check_name(table: dict[str, str], name: str) -> str:
-    """'' when `name` is in `table` or is an import path, else what is wrong with it."""
-    if name in table or is_import_path(name):
-        return ""
-    return f"{name!r} is neither one of {', '.join(map(repr, table))} nor a 'module:attribute' import path"
-
-
 def load_object(target: str, what: str = "object") -> Any:
     """The object an import path "module:attr.sub" names. The errors say which part is missing
     and how to fix it."""
@@ -89,9 +72,9 @@ def load_object(target: str, what: str = "object") -> Any:
 
 def resolve(table: dict[str, str], name: str, what: str) -> Any:
     """The object `name` stands for: a built-in from `table`, or a user's import path."""
-    problem = check_name(table, name)
-    if problem:
-        raise ValueError(f"{what}: {problem}")
+    if name not in table and not is_import_path(name):
+        raise ValueError(f"{what}: {name!r} is neither one of {', '.join(map(repr, table))} nor a 'module:attribute' "
+                         "import path")
     return load_object(table.get(name, name), what)
 
 

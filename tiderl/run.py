@@ -59,6 +59,7 @@ class TaskStream:
         if not tasks:
             raise ValueError("no training tasks: check data.source and the environment's options (env.options.*)")
         self.tasks = tasks
+        self.by_id = {t.task_id: t for t in tasks}
         self.rng = random.Random(seed)
         self.order: list[int] = []
 
@@ -84,12 +85,10 @@ class TaskStream:
 
     def task(self, task_id: str) -> Task:
         """The training task with this id (to queue a checkpoint's attempts again)."""
-        if not hasattr(self, "_by_id"):
-            self._by_id = {t.task_id: t for t in self.tasks}
-        if task_id not in self._by_id:
+        if task_id not in self.by_id:
             raise ValueError(f"the checkpoint names task {task_id!r}, which this run's training tasks lack: "
                              "resume with the data.* settings it was trained with")
-        return self._by_id[task_id]
+        return self.by_id[task_id]
 
 
 @dataclass
@@ -290,20 +289,23 @@ class TrainerThread:
 def open_pool(run: Run, backend: RolloutBackend, preparations: list[Preparation], threads: RunThreads) -> RolloutPool:
     """The rollout pool of `run` around `backend`: its tasks, reward shaping, preparations (on
     `threads`), ledger file, and, on resume, the checkpoint's schedule; `run.pool` from now on."""
-    cfg = run.cfg
-
-    def informative(group: list[Trajectory]) -> bool:  # dynamic sampling: equal rewards teach nothing
-        return has_signal([t.reward for t in group])
-
-    # Reproducible runs prepare one trajectory at a time: a batch's padded shape would depend on
-    # which trajectories happened to be waiting, and that changes float sums in the last bits.
+    cfg, path = run.cfg, Path(run.cfg.run_dir) / "ledger.jsonl"
+    # Dynamic sampling: a group of equal rewards teaches nothing. Reproducible runs prepare one
+    # trajectory at a time: a batch's padded shape would depend on which trajectories happened to
+    # be waiting, and that changes float sums in the last bits.
+    informative = (lambda group: has_signal([t.reward for t in group])) if cfg.algo.dynamic_sampling else None
     buffer = ReadyBuffer(preparations, group_size=cfg.algo.group_size,
                          max_prep_batch=1 if cfg.train.reproducible else 64, thread_init=threads.prep_init,
-                         accept_group=informative if cfg.algo.dynamic_sampling else None, executor=threads.compute)
-    ledger, lost = open_ledger(run)  # run_dir/ledger.jsonl, cut back to the checkpoint on resume
-    run.pool = RolloutPool(PoolSettings.from_config(cfg), lambda: run.tasks.take(1)[0], backend, buffer,
-                           shape=run.shape, ledger_log=ledger, start_version=run.step)
+                         accept_group=informative, executor=threads.compute)
+    # On resume in the run dir that wrote it, the ledger is cut back to the checkpoint; the attempts
+    # the cut removes count as lost.
     schedule = (run.resume_state or {}).pop("scheduler", None)
+    lost: list[dict[str, Any]] = []
+    if schedule is not None and schedule.get("ledger_offset") is not None \
+            and run.resume_state.get("run_dir") == str(Path(cfg.run_dir).resolve()):
+        lost = cut_back(path, schedule["ledger_offset"], run.step, run.resumed_from)
+    run.pool = RolloutPool(PoolSettings.from_config(cfg), lambda: run.tasks.take(1)[0], backend, buffer,
+                           shape=run.shape, ledger_log=LedgerLog(path), start_version=run.step)
     if schedule is not None:
         run.pool.load_state_dict(schedule, run.tasks.task, lost)
     return run.pool
@@ -355,18 +357,6 @@ class Checkpoints:
         self.last = time.monotonic()
         prune_checkpoints(self.root, t.keep_last)
         return path
-
-
-def open_ledger(run: Run) -> tuple[LedgerLog, list[dict[str, Any]]]:
-    """The run's ledger file (`run_dir/ledger.jsonl`), cut back to the checkpoint when the run
-    resumes in the run dir that wrote it; returns it and the attempts the cut counts as lost."""
-    path = Path(run.cfg.run_dir) / "ledger.jsonl"
-    lost: list[dict[str, Any]] = []
-    sched = (run.resume_state or {}).get("scheduler")
-    if sched is not None and sched.get("ledger_offset") is not None \
-            and run.resume_state.get("run_dir") == str(Path(run.cfg.run_dir).resolve()):
-        lost = cut_back(path, sched["ledger_offset"], run.step, run.resumed_from)
-    return LedgerLog(path), lost
 
 
 def sync_weights(run: Run) -> None:

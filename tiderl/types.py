@@ -59,10 +59,6 @@ class Trajectory:
         """Tokens the policy sampled (the ones that carry loss)."""
         return sum(self.loss_mask)
 
-    def versions(self) -> set[int]:
-        """The policy versions that sampled any token of this trajectory."""
-        return {v for v, m in zip(self.policy_version, self.loss_mask) if m}
-
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 

@@ -46,7 +46,8 @@ class ChatFormat:
 
     Construction checks that the template is prefix-consistent: rendering the prompt with a
     generation prompt, appending an assistant turn's content and the end-of-turn token, gives
-    the same text as rendering the conversation with that assistant turn.
+    the same text as rendering the conversation with that assistant turn. Rendered text is
+    encoded without added special tokens: it holds every one the model expects (a BOS included).
     """
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, end_of_turn: str | None = None):
@@ -90,18 +91,9 @@ class ChatFormat:
             messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=False
         ))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of rendered template text.
-
-        add_special_tokens=False because the rendered text already holds every special token
-        the model expects (BOS included, where a template has one); adding them again would put
-        a second BOS in front.
-        """
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation so far followed by the generation prompt, as token ids."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.tokenizer.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False)
 
     def observation_ids(self, tool_messages: list[str]) -> list[int]:
         """Tokens that follow a finished assistant turn (ended by the end-of-turn token) when the
@@ -143,7 +135,7 @@ class ChatFormat:
                 "the chat template is not prefix-consistent: adding messages after an assistant turn "
                 f"changes how the earlier turns render.\nbefore: {self._turn_prefix!r}\nafter: {full!r}"
             )
-        return self.encode(full[len(self._turn_prefix) :])
+        return self.tokenizer.encode(full[len(self._turn_prefix) :], add_special_tokens=False)
 
     def _find_end_of_turn(self, after_content: str) -> str:
         """The special token the template writes right after an assistant turn's content."""

@@ -1,14 +1,9 @@
 """The multi-turn agent loop: episodes of (model turn -> tool calls -> environment answer).
 
 `play_episode` is the one episode runner: a coroutine that plays one task at its own pace,
-asking a `BatchingEngine` for each model turn (concurrent episodes decode together).
-`play_episodes` runs a list of tasks through it from plain code. It owns the tokens: the prompt
-and the environment's answers are rendered with the tokenizer's chat template (`chat.py`,
-loss_mask 0), the model's turns are the engine's own sampled ids (loss_mask 1), never
-re-tokenized.
-
-`ScriptedEngine` is an `Engine` that replays given assistant texts; it builds supervised
-warm-start data and drives the tests.
+asking a `BatchingEngine` for each model turn; `play_episodes` runs a list of tasks through it
+from plain code. `ScriptedEngine` is an `Engine` that replays given assistant texts; it builds
+supervised warm-start data and drives the tests.
 """
 
 from __future__ import annotations
@@ -189,50 +184,19 @@ async def play_episode(
 ) -> Trajectory:
     """Play one episode, turn after turn, at its own pace, and return its Trajectory.
 
-    This is tiderl's one episode runner: training (every backend), evaluation, demonstrations
-    and value pretraining all play episodes through it. Each model turn awaits
-    `client.generate` (the client batches concurrent episodes into one decode); each
-    environment call runs in a worker thread, so a slow tool blocks only its own episode (an
-    environment that defines a coroutine `astep(action)` is awaited directly instead).
-
-    Per episode: `env = make_env()`, the first user message from `env.reset(task)`, the system
-    message from `env.system_prompt()`, the tools from `env.tool_schemas()`; the prompt is the
-    tokenizer's chat template rendering of them. Each turn the engine samples a completion
-    (loss_mask 1, its log-probs and per-token versions kept as they are). The turn text (the kept
-    sampled ids decoded; `Completion.text` is not used, so a cut turn reads as what was kept) is
-    parsed into an Action (`parse_tool_calls` in the tokenizer's `tool_call_format_of`, "auto"
-    unless set) and given to `env.step`; its observations are appended as tool messages rendered
-    by the template (loss_mask 0). A turn without any tool call (well-formed or not) gets the
-    environment's observations (its nudge) as one user turn instead, and `CONTINUE_MESSAGE` as
-    a user turn when the environment returns no observation.
-
-    Promises:
-    - every turn ends with the end-of-turn token: when a completion stops without it (hit its
-      token limit, or a stop string), the token is appended as a *forced* token (loss_mask 0,
-      log-prob 0.0, version NO_VERSION), so the sequence stays a well-formed conversation and
-      the trainer never learns to emit a token the policy did not sample;
-    - `len(tokens) <= max_total_tokens` always: each turn may sample at most
-      min(params.max_new_tokens, budget left - 1) tokens (one is kept for a forced
-      end-of-turn), and an observation that would not leave room for another turn is not
-      appended: the episode stops there with stop_reason "max_tokens";
-    - at most `max_turns` model turns, then stop_reason "max_turns"; on either limit
-      `env.finish(reason)` scores the episode;
-    - an answer (`done`) ends with stop_reason "answer"; reward = the final reward plus any
-      shaping rewards of earlier (non-final) steps; reward_parts = the final info's
-      "reward_parts", or {"outcome": final reward} without it, plus "shaping" when there was
-      any; env_info = the final info plus "turns" and "no_call_turns" (turns with no tool call,
-      well-formed or not, that the environment did not take as an answer: they got its nudge),
-      the same on a limit, from `env.finish`;
-    - every text rendered into the conversation is valid for the tokenizer (`ChatFormat.render`
-      replaces code points UTF-8 cannot encode, e.g. a lone surrogate a tool echoed);
-    - an exception in `make_env` or any environment method, or an answer that cannot be
-      rendered (observations that are not a list of str), ends only that episode:
-      stop_reason "error", reward 0, env_info["error"] = repr(exception) (and "error_in"),
-      logged as a warning; its tokens so far are kept (the rollout pool retries such a task or
-      counts it as failed). Engine and template (`TemplateError`) errors propagate;
-    - a prompt that leaves no room for a turn (fewer than 2 tokens of budget) ends the episode
-      at once through `env.finish("max_tokens")`: stop_reason "max_tokens", no tokens at all,
-      env_info["prompt_tokens"] = the prompt's length;
+    tiderl's one episode runner (training on every backend, evaluation, demonstrations, value
+    pretraining). Each model turn awaits `client.generate` (concurrent episodes decode together);
+    each environment call runs in a worker thread (or awaits `env.astep`), so a slow tool blocks
+    only its own episode. docs/extending.md ("How the agent loop plays an episode") states the
+    whole contract; in short:
+    - sampled ids are kept as sampled (loss_mask 1), never re-tokenized; prompt and answers are
+      the chat template's (loss_mask 0); a turn that stops without the end-of-turn token gets it
+      as a forced token;
+    - `len(tokens) <= max_total_tokens` and at most `max_turns` turns; at a limit
+      `env.finish(reason)` scores the episode (stop_reason "max_tokens" / "max_turns"), an
+      answer ends it with "answer" (reward: the final one plus earlier shaping rewards);
+    - an exception of the environment ends only its episode (stop_reason "error", reward 0,
+      env_info["error"]); engine and template (`TemplateError`) errors propagate;
     - group_id = `group_id` or task.task_id.
     """
     if max_turns < 1:
@@ -283,11 +247,10 @@ def play_episodes(
 ) -> list[Trajectory]:
     """Play one episode per task concurrently (`play_episode`) on `engine`; blocking.
 
-    At most `max_in_flight` episodes are under way at once (None: twice `max_batch_size`; 0: all
-    of them), the next task starting as one ends. Twice the engine's batch keeps its decode
-    slots full while some episodes wait on their tools. With all of them at once, every episode
-    holds its KV cache between turns and the queue serves them round-robin: 100 tasks of a
-    5-turn evaluation all finish near the end, and memory grows with the number of tasks.
+    At most `max_in_flight` episodes are under way at once (None: twice `max_batch_size`, which
+    keeps the decode slots full while some episodes wait on their tools; 0: all of them), the
+    next task starting as one ends (why not all at once: docs/real_models.md, "episodes in
+    flight are bounded").
 
     Returns the trajectories in the order of `tasks`; `group_ids[i]` (default: the task id)
     becomes trajectory i's group_id. Runs its own event loop; called from inside a running one
@@ -346,22 +309,17 @@ class ScriptedEngine:
     """An Engine that emits given assistant turns instead of sampling.
 
     `turns_by_prompt` maps a key to the assistant texts of one episode, in turn order. The key
-    is any text that occurs in the episode's first prompt and identifies it (the task's
-    question is the natural choice); when several keys occur, the longest wins, so a key that
-    is a substring of another ("q1", "q10") still resolves. Later turns are matched to their
-    episode by prefix: a prompt continues the episode whose last prompt + completion it
-    extends. Several episodes with the same key (a group of rollouts of one task) each replay
-    the script.
+    is any text of the episode's first prompt that identifies it (the task's question); when
+    several occur, the longest wins ("q1" inside "q10"). A later prompt continues the episode
+    whose last prompt + completion it extends; several episodes with one key (a group of
+    rollouts of one task) each replay the script.
 
-    Each completion is the tokenization of the turn text followed by the tokenizer's
-    `eos_token` (which must be the template's end-of-turn token), cut to
-    `params.max_new_tokens` (finish_reason "length") if longer; log-probs 0.0; every token
-    carries `self.version`. This is the one place where text becomes "sampled" tokens, only
-    because a script has no tokens of its own. An episode that asks for more turns than its
-    script holds gets an empty turn (just the end-of-turn token), so it runs into the turn
-    limit rather than crashing the batch; filter such episodes by stop_reason or success.
-    Matching a prompt costs one comparison per episode seen so far: for a large data set, use
-    one engine per batch of tasks.
+    A completion is the turn text's tokens plus the tokenizer's `eos_token` (which must be the
+    template's end-of-turn token), cut to `params.max_new_tokens` (finish_reason "length");
+    log-probs 0.0, every token of version `self.version`. Past the end of its script an episode
+    gets an empty turn (the end-of-turn token alone), so it runs into the turn limit rather than
+    crashing the batch. Matching costs one comparison per episode seen so far: use one engine
+    per batch of tasks for a large data set.
     """
 
     def __init__(self, tokenizer: Any, turns_by_prompt: dict[str, list[str]], version: int = 0):

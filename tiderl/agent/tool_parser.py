@@ -34,21 +34,14 @@ _EXPECTED_JSON = 'expected ```json {"name": <tool name>, "arguments": {...}}```'
 
 
 def parse_hermes_tool_calls(text: str, strip: Iterable[str] = ()) -> Action:
-    """Split one model turn into its well-formed tool calls and one error per malformed call.
-
-    `strip`: strings removed from `text` before anything else (the end-of-turn token, e.g.
-    `("<|im_end|>",)`); the returned `Action.text` is the turn without them.
-
-    Promises:
-    - `tool_calls` holds every well-formed `<tool_call>` block in order of appearance, with
-      `arguments` always a dict (a JSON-encoded string of an object is decoded; missing or
-      null arguments mean `{}`, a tool without parameters);
-    - `parse_errors` holds one message per malformed block, numbered by the block's position
-      among all blocks ("tool call 2: ..."): invalid JSON (with line and column), a value that
-      is not an object, a missing/empty/non-string `name`, arguments that are not an object,
-      a block opened again before it was closed, a block never closed;
-    - text outside the blocks (reasoning, a final answer) is left to the environment;
-    - never raises, whatever the input.
+    """`parse_tool_calls(text, "hermes", strip)`: every well-formed `<tool_call>` block in order
+    (`arguments` always a dict: a JSON-encoded string of an object is decoded, missing or null
+    arguments mean `{}`), and one parse error per malformed block, numbered by the block's
+    position among all blocks ("tool call 2: ..."): invalid JSON (with line and column), a value
+    that is not an object, a missing/empty/non-string `name`, arguments that are not an object, a
+    block opened again before it was closed, a block never closed. `strip`: strings removed from
+    `text` first (the end-of-turn token); `Action.text` is the turn without them. Text outside
+    the blocks is left to the environment; never raises, whatever the input.
     """
     return parse_tool_calls(text, "hermes", strip)
 

@@ -11,11 +11,9 @@ The estimators the config names (`algo.advantage`, `tiderl.algos.registry`) all 
 signature, `fn(AdvantageInputs, AlgoConfig) -> advantages [B, T]`; they are thin wrappers at the
 end of this module over the functions with explicit arguments above them.
 
-Sources: SAO, "Single-rollout Asynchronous Optimization" (arXiv 2607.07508), components 3 and 4
-as summarised in `shared/papers.md`: skip-observation token-level GAE, outcome reward on the
-last model-generated token, decoupled lambda for the policy, gamma = 1. GRPO, Shao et al. 2024
-(DeepSeekMath, arXiv 2402.03300); Dr.GRPO, Liu et al. 2025 (arXiv 2503.20783); RLOO, Ahmadian
-et al. 2024 (arXiv 2402.14740); REINFORCE++, Hu 2025 (arXiv 2501.03262).
+Sources (docs/algorithms.md cites each paper): SAO's components 3 and 4 (skip-observation
+token-level GAE, outcome reward on the last model-generated token, decoupled lambda for the
+policy, gamma = 1), GRPO, Dr.GRPO, RLOO and REINFORCE++.
 
 Group statistics over group g with n_g members (population mean, Bessel-corrected std):
 

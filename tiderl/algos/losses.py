@@ -7,9 +7,7 @@ replaced by torch.where on non-action tokens BEFORE any arithmetic, so -inf padd
 neither nan losses nor nan gradients.
 
 Policy losses are per token: each returns `(token_loss[B, T], metrics)`, the loss of every action
-token and 0 on the others, which `aggregation.aggregate` turns into a scalar with one of its modes
-and a normaliser over the whole optimizer batch (so micro-batch losses add up to the batch loss;
-`token-mean` over all action tokens is SAO's, masked tokens included in the denominator).
+token and 0 on the others, which `aggregation.aggregate` turns into a scalar.
 
 Ratios: r_t = exp(logprobs_t - old_t), where `old` is whatever the caller chose as the policy the
 ratio is taken against: the engine's behaviour log-probs, or the trainer's recomputed (proximal)
@@ -39,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PolicyLossInputs", "cispo_loss", "cispo_token_loss", "decoupled_ppo_loss",
            "decoupled_ppo_token_loss", "dis_loss", "dis_token_loss", "gspo_loss", "gspo_token_loss",
-           "ppo_loss", "ppo_token_loss", "sequence_ratio", "value_loss"]
+           "ppo_loss", "ppo_token_loss", "value_loss"]
 
 
 def _check_normalizer(normalizer: float | int | torch.Tensor) -> None:
@@ -214,22 +212,6 @@ def cispo_token_loss(
     clipped = is_action & ((ratio > 1.0 + eps_high) | (ratio < 1.0 - eps_low))
     metrics["clip_frac"] = _frac(clipped, metrics["num_action_tokens"])
     return token_loss, metrics
-
-
-def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, action_mask: torch.Tensor
-                   ) -> torch.Tensor:
-    """GSPO's length-normalised sequence ratio, at every action token of the sequence (0 elsewhere):
-
-        s_i = exp( (1 / n_i) sum_{action t in i} (logprobs_t - old_t) )
-            = (pi_theta(y_i) / pi_old(y_i)) ^ (1 / n_i)
-
-    Differentiable in `logprobs` (d s_i / d logprobs_t = s_i / n_i).
-    """
-    is_action = action_mask > 0
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(is_action, logprobs, zeros) - _masked(is_action, old_logprobs, logprobs)
-    s = sequence_mean(log_ratio, action_mask).exp()
-    return torch.where(is_action, s, zeros)
 
 
 def gspo_token_loss(

@@ -6,14 +6,10 @@ needs (a critic, a reference model, groups of rollouts) or leaves unread without
 model code. The functions themselves are named by import path ("module:function") and imported
 on first use.
 
-Adding an estimator or a loss is one function plus one name:
-
-- write the function with the uniform signature (`tiderl.algos.advantages.AdvantageInputs` or
-  `tiderl.algos.losses.PolicyLossInputs`, plus the `AlgoConfig`), in any module;
-- add a line to the table below (a built-in, with the options it reads: new ones become keys of
-  `algo.*` once their dataclass is among AlgoConfig's bases), or write the import path itself in
-  the config (`algo.advantage: mypkg.adv:my_estimator`), in which case the function may carry
-  `needs_critic = True` / `needs_groups = True` as attributes (and may read any `algo.*` key).
+Adding an estimator or a loss is one function with the uniform signature plus one name: a line
+in the table below (with the options it reads, a dataclass among AlgoConfig's bases), or its
+import path in the config, in which case the function may carry `needs_critic = True` /
+`needs_groups = True` (docs/extending.md has an example of each).
 
 The trainer (`tiderl.train.step.train_step`) looks the configured names up here and never
 branches on `algo.name`, which is only the preset that filled in the options.

@@ -35,7 +35,8 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        # JSON-safe scalars: tensors and numpy numbers become Python numbers.
+        record = {"step": step, **{k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -56,32 +57,20 @@ class MetricsLogger:
         self._file.close()
 
 
-def cut_metrics(path: str | Path, step: int) -> int:
+def cut_metrics(path: str | Path, step: int) -> None:
     """Keep only the rows of `path` (a metrics.jsonl) up to `step`: a run resumed from step
-    `step` logs the later steps again, so each step keeps one row. A torn last line is dropped.
-    Returns the number of rows removed."""
+    `step` logs the later steps again, so each step keeps one row. A torn last line is dropped."""
     p = Path(path)
     if not p.is_file():
-        return 0
-    kept, removed = [], 0
+        return
+    kept = []
     for line in p.read_text().splitlines():
         try:
             row_step = json.loads(line).get("step")
         except json.JSONDecodeError:
-            removed += 1
             continue
-        if isinstance(row_step, int) and row_step > step:
-            removed += 1
-        else:
+        if not (isinstance(row_step, int) and row_step > step):
             kept.append(line + "\n")
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(p)
-    return removed
-
-
-def _plain(v: Any) -> Any:
-    """JSON-safe scalars (tensors and numpy numbers become floats)."""
-    if hasattr(v, "item"):
-        return v.item()
-    return v

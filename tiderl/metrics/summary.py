@@ -24,7 +24,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
     success = [float(t.env_info.get("success", 0.0)) for t in trajectories]
     p = sum(success) / n
     tool_errors = [float(t.env_info.get("tool_errors", 0)) for t in trajectories]
-    out: dict[str, Any] = {
+    return {
         "n": n,
         "success": p,
         "stderr": math.sqrt(p * (1 - p) / n),
@@ -38,7 +38,6 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
         "no_call_turns": sum(float(t.env_info.get("no_call_turns", 0)) for t in trajectories) / n,
         "stop_reasons": dict(Counter(t.stop_reason for t in trajectories)),
     }
-    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -263,25 +263,10 @@ def curiosity_bonus(
     return bonus, details
 
 
-def episode_units(trajectory: Trajectory) -> list[str]:
-    """The trajectory's knowledge units (none when the environment reported none, e.g. an
-    episode that ended in an error)."""
-    return distinct_units(trajectory.env_info.get(UNITS_KEY) or [])
-
-
-def episode_success(trajectory: Trajectory) -> bool:
-    """Solved iff env_info["success"] is truthy (environments report 0.0 / 1.0)."""
-    return bool(trajectory.env_info.get("success", 0))
-
-
 def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-batch means of the shaped trajectories' curiosity metrics.
-
-    curiosity/bonus, curiosity/raw_bonus, curiosity/novelty, curiosity/units,
-    curiosity/novel_units, curiosity/weight: means per episode; curiosity/gated_frac: the
-    fraction of episodes whose bonus the gate cut. Trajectories that were not shaped are left
-    out; an empty dict when none was.
-    """
+    """Per-batch means of the shaped trajectories' curiosity metrics (docs/curiosity.md), with
+    curiosity/gated_frac, the fraction of episodes whose bonus the gate cut. Trajectories that
+    were not shaped are left out; an empty dict when none was."""
     shaped = [t.env_info for t in trajectories if M_BONUS in t.env_info]
     if not shaped:
         return {}
@@ -312,7 +297,6 @@ class CuriosityShaper:
     def bonus(self, units: Iterable[str], success: bool, step: int,
               base_reward: float = 0.0) -> tuple[float, dict[str, float]]:
         """`curiosity_bonus` against the current counts; changes nothing (call `observe` after)."""
-        units = distinct_units(units)
         with self._lock:
             return curiosity_bonus(units, success, step, self._counts, self.settings, base_reward)
 
@@ -339,8 +323,8 @@ class CuriosityShaper:
                 f"trajectory {trajectory.task_id!r} already has a '{PART}' reward part: shape "
                 "each trajectory once"
             )
-        units = episode_units(trajectory)
-        success = episode_success(trajectory)
+        units = distinct_units(trajectory.env_info.get(UNITS_KEY) or [])  # none: e.g. an episode that failed
+        success = bool(trajectory.env_info.get("success", 0))  # environments report 0.0 / 1.0
         with self._lock:
             bonus, details = curiosity_bonus(units, success, step, self._counts, self.settings,
                                              trajectory.reward)
@@ -351,11 +335,6 @@ class CuriosityShaper:
             reward_parts={**trajectory.reward_parts, PART: bonus},
             env_info={**trajectory.env_info, **details},
         )
-
-    def count(self, unit: str) -> int:
-        """n(unit): the episodes observed so far that touched `unit`."""
-        with self._lock:
-            return self._counts.get(unit, 0)
 
     def summary(self) -> dict[str, float]:
         """Run-level numbers: curiosity/seen_units (distinct units ever touched) and

@@ -12,10 +12,7 @@ nothing moves. Evaluation never shapes: held-out success stays the environment's
   episode, so it is never charged.
 
 With every outcome 0, penalties are an objective of their own, and the policy finds the cheapest
-way around them (0.5B DB recipe, 20 steps each, docs/real_models.md): the tool-error penalty
-alone taught it to write prose instead of calling tools; both penalties together taught it to
-commit a guessed answer in its first turn, without a query (90 of 100 held-out episodes). Use
-them beside an outcome signal that is not all 0, not instead of one.
+way around them (docs/real_models.md): use them beside an outcome signal that is not all 0.
 """
 
 from __future__ import annotations
