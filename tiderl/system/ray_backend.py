@@ -391,7 +391,7 @@ class RayRollout:
     def resize(self, units: int, reason: str = "") -> None:
         """Head for `units` workers (kept within `worker_range`): start new ones in the
         background (each joins when booted on the latest weights), or stop booting additions
-        and then retire the least-loaded live workers (they drain, see the module docstring).
+        and then retire the least-loaded live workers (they drain: `_drain`).
         Returns at once."""
         low, high = self.worker_range
         target = min(high, max(low, units))
