@@ -106,9 +106,9 @@ async def _await_ref(ref: Any, timeout_s: float, what: str) -> Any:
         raise
 
 
-def connect(address: str, num_cpus: int | None = None) -> bool:
+def connect(address: str) -> bool:
     """Make sure this process is connected to Ray. An already initialised Ray is used as it is;
-    `address` '' starts a local cluster (with `num_cpus`, default all cores); anything else
+    `address` '' starts a local cluster on all cores; anything else
     ('auto', 'ray://host:10001', 'host:6379') joins that cluster. Returns True when this call
     did the connecting, so the caller knows to `ray.shutdown()` at the end."""
     if ray.is_initialized():
@@ -117,7 +117,7 @@ def connect(address: str, num_cpus: int | None = None) -> bool:
         ray.init(address=address)
     else:
         # "local" rather than None: None would join a cluster named by $RAY_ADDRESS.
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False)
     return True
 
 
@@ -729,13 +729,8 @@ class CriticWorker:
 
 class RemoteCritic:
     """A Preparation (puts `annotations["values"]` on trajectories) whose critic forward runs in
-    a `CriticWorker` actor, so it takes no compute from the driver's trainer.
-
-    `start()` creates the actor with the trainer critic's current weights; `refresh_async()`
-    (awaited by `RayRollout.update_weights`, i.e. right after each trainer step) ships the
-    trainer critic's new weights and checks them by checksum. (It has no blocking `refresh`: the
-    Ray backend refreshes it while the trainer is idle, not the trainer itself.)
-    """
+    a `CriticWorker` actor, so it takes no compute from the driver's trainer. It has no blocking
+    `refresh`: the Ray backend refreshes it (`refresh_async`) while the trainer is idle."""
 
     def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
                  timeout_s: float, actor_options: dict[str, Any] | None = None):
@@ -772,6 +767,8 @@ class RemoteCritic:
             trajectory.annotations["values"] = v
 
     async def refresh_async(self) -> None:
+        """Ship the trainer critic's new weights and check them by checksum (awaited by
+        `RayRollout.update_weights`, right after each trainer step)."""
         state = _cpu_state(self.source.state_dict())
         # Serialised now: the caller guarantees the trainer is not stepping at this moment.
         ref, sent = ray.put(state), weights_checksum(state)
