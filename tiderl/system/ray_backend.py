@@ -575,9 +575,7 @@ class RayRollout:
             latest = self._latest
             assert latest is not None
             if w.version != latest.version:
-                held = await self._call(w, w.handle.update_weights.remote(latest.ref, latest.version),
-                                        f"loading weights version {latest.version}")
-                w.version = latest.version
+                held = await self._load(w, latest)
             else:
                 held = await self._call(w, w.handle.checksum.remote(), "checksum")
             expected = await latest.checksum
