@@ -242,13 +242,12 @@ class RolloutPool:
             raise RuntimeError(f"weight sync to version {version} failed: the rollout side holds "
                                f"checksum {held!r}, the trainer sent {sent!r}")
         self.version = version
-        trained, self._taken = self._taken, []
-        self._settle("trained", trained)
         # At max_staleness=0 an episode still running on the old weights could never train: restart
         # it now (only an over-provisioned admission leaves any in flight there).
         if self.settings.partial_rollout == "restart" or self.settings.max_staleness == 0:
             self._restart_older_than(version)
-        self._changed.set()
+        trained, self._taken = self._taken, []
+        self._settle("trained", trained)  # wakes the fill loop, after the cancellations above
 
     def step_metrics(self, batch: list[Trajectory], trainer_metrics: dict[str, float]) -> dict[str, float]:
         """The step's system metrics (time, slots, staleness, ledger, throughput; docs/metrics.md),
@@ -432,6 +431,7 @@ class RolloutPool:
         except CapacityRemoved as exc:  # an elastic shrink removed its worker: queued again, no retry used
             attempt.over = True
             self._requeue(attempt, "requeued", str(exc))
+            self._changed.set()
             return
         except Exception as exc:  # noqa: BLE001 - a worker failure costs one attempt, not the run
             attempt.over = True
@@ -491,7 +491,6 @@ class RolloutPool:
         setattr(self.ledger, bucket, getattr(self.ledger, bucket) + 1)
         self._event(bucket, **attempt.record(), reason=reason)
         self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt + retry))
-        self._changed.set()
 
     def _settle(self, bucket: str, group: list[Trajectory]) -> None:
         """Count finished trajectories in ledger `bucket` (trained, filtered or dropped_stale)."""
