@@ -1,10 +1,6 @@
-"""The readiness-aware buffer: finished trajectories wait here until they are ready to train.
-
-A trajectory is *ready* once every preparation its algorithm needs has run on it (critic
-values, reference log-probs, ...); its reward is already in it when it arrives. Preparations
-run on their own thread, batched over whatever has arrived, so they overlap with actor
-training and with rollout instead of forming a serial phase. SAO takes single trajectories;
-group algorithms (`group_size > 1`) take only complete groups, all of whose members are ready.
+"""The readiness-aware buffer: finished trajectories wait here until their preparations (critic
+values, reference log-probs) have run, on their own thread, overlapped with training and rollout
+(docs/architecture.md, "Readiness").
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""Explicit core budgets per component: which cores decoding, training and preparation run on.
-
-A disaggregated deployment gives the trainer and the rollout engines devices of their own, so
-an asynchronous run overlaps two workloads that never compete. On one machine the threads that
-do the torch work (`tiderl.aio`: the decode thread, the trainer thread, the preparation thread)
-otherwise share every core and nothing decides about it. `system.cores` makes the
-split explicit:
-
-- `shared` (default): no pinning; thread counts come from `system.*_threads` as before.
-- `auto`: asynchronous training (`max_staleness > 0`) on two or more cores splits them: the
-  trainer gets the first `n - n // 2` cores, rollout (decoding, the event loop with episode
-  bookkeeping and tool calls, preparations) the other `n // 2`. Synchronous training never
-  overlaps decoding and training, so it keeps one compute thread on every core (no pinning):
-  each phase then has the whole machine, which is what a lock-step loop gets.
-- an explicit plan, `trainer=0;rollout=1` or `trainer=0-3;rollout=4-7;prep=4`: core ids as
-  `os.sched_getaffinity` lists them, `a-b` ranges and `,` lists; `prep` defaults to the
-  rollout cores. Under synchronous training the one compute thread runs on the union.
-
-A pinned component's torch thread count defaults to its number of cores (an explicit
-`system.*_threads` still wins). Pinning is per thread (`os.sched_setaffinity` on the thread's
-native id, called from inside the thread); threads it creates afterwards (torch's OpenMP team)
-inherit the mask.
+"""Explicit core budgets per component (`system.cores`): which cores decoding, training and
+preparation run on (docs/architecture.md, "Threads"). `shared` (the default) pins nothing; `auto`
+splits an asynchronous run's cores between the trainer (the first `n - n // 2`) and rollout; an
+explicit plan (`trainer=0-3;rollout=4-7;prep=4`) names core ids as `os.sched_getaffinity` lists
+them. Pinning is per thread (`os.sched_setaffinity` on its native id, from inside it).
 """
 
 from __future__ import annotations
@@ -44,21 +27,18 @@ def available_cores() -> list[int]:
 
 
 def _parse_ids(text: str, component: str) -> tuple[int, ...]:
-    ids: list[int] = []
+    ids: set[int] = set()
     for part in text.split(","):
-        part = part.strip()
+        first, dash, last = part.partition("-")
         try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                ids.extend(range(lo, hi + 1))
-            else:
-                ids.append(int(part))
+            span = range(int(first), int(last if dash else first) + 1)
         except ValueError:
+            span = range(0)
+        if not span:  # not a number, or a descending range
             raise ValueError(f"{FIELD}: {component}={text!r} is not a core list. Fix: write core ids as "
-                             "'0', '0,2' or '0-3', e.g. trainer=0;rollout=1") from None
-    return tuple(sorted(set(ids)))
+                             "'0', '0,2' or '0-3', e.g. trainer=0;rollout=1")
+        ids.update(span)
+    return tuple(sorted(ids))
 
 
 def parse_plan(spec: str) -> dict[str, tuple[int, ...]]:

@@ -1,44 +1,17 @@
-"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness.
+"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness (docs/elastic.md).
 
-A *unit* of capacity is what the run can add or remove: a Ray rollout worker (each serving
-`slots_per_unit` episodes at once, `system.options.min_workers`/`max_workers`), or, for the local
-backend, one rollout slot (`system.min_slots`/`max_slots`, `slots_per_unit` = 1).
-
-The decision is one pure function, `decide`, of the current units, their bounds
-(`capacity_bounds`), the load measured over the last interval and a small hysteresis memory.
-The rollout pool (`tiderl/system/pool.py`) and the discrete-event model (`tiderl/lab/simulate.py`)
-call the same function, so what the simulator predicts is what a run does.
-
-Readiness, the signal: who waited on whom over the last interval.
-
-- The trainer waited for a batch (`trainer_idle_frac` high, less than a batch ready) and the
-  staleness gate was not what held rollout back: rollout is the bottleneck -> vote to grow.
-- Finished work piles up (two batches or more ready), or rollout capacity sat idle because the
-  gate refused new tasks while the trainer was busy: the trainer (or the gate) is the
-  bottleneck, and the extra capacity only costs resources and makes trajectories staler ->
-  vote to shrink.
-- Otherwise (the dead band between the two) -> no vote.
-
-Hysteresis: a vote must hold for `patience` intervals in a row before the units change, for
-`cooldown` intervals after a change no vote is counted, and no grow vote is counted while an
-added unit is still booting (the queue must react to the new capacity before the next
-measurement means anything).
-
-Sizes: growing is proportional to the starvation (the trainer waited a fraction f of the
-interval, so rollout delivered about 1 - f of what it needed: units / (1 - f), at most four
-times the units, at least one more); shrinking is by a quarter (at least one). Fast up, slow down: a
-starving trainer costs the whole run, a spare worker costs one worker.
+A *unit* of capacity is a Ray rollout worker (`slots_per_unit` episodes each,
+`system.options.min_workers`/`max_workers`) or, for the local backend, one slot
+(`system.min_slots`/`max_slots`). The decision is one pure function, `decide`, of the units, their
+bounds (`capacity_bounds`), the load of the last interval (who waited on whom: `vote`) and a small
+hysteresis memory; the rollout pool and the discrete-event model (`tiderl/lab/simulate.py`) call
+the same function, so what the simulator predicts is what a run does.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-# Thresholds, chosen so that a balanced pipeline (trainer mostly busy, about one batch waiting)
-# sits between them and does not oscillate.
-STARVED_IDLE_FRAC = 0.2  # trainer idle this much of the interval: it is waiting for data
-GATE_BOUND_FRAC = 0.5  # capacity idle this much because the staleness gate refuses new tasks
 
 
 class CapacityRemoved(RuntimeError):
@@ -50,21 +23,13 @@ class CapacityRemoved(RuntimeError):
 
 @dataclass(frozen=True)
 class LoadSignals:
-    """What the rollout pool measured over the last interval.
+    """What the rollout pool measured over the last interval."""
 
-    trainer_idle_frac: fraction of the interval the trainer waited for a batch.
-    ready: finished trajectories waiting for the trainer (queue depth) at the interval's end.
-    gate_blocked_frac: fraction of the interval with free rollout capacity that the staleness
-        gate would not fill.
-    batch_size: trajectories per optimizer step.
-    booting: units added and not yet serving (a worker still starting).
-    """
-
-    trainer_idle_frac: float
-    ready: int
-    gate_blocked_frac: float
-    batch_size: int
-    booting: int = 0
+    trainer_idle_frac: float  # fraction of the interval the trainer waited for a batch
+    ready: int  # finished trajectories waiting for the trainer at the interval's end
+    gate_blocked_frac: float  # fraction of it with free rollout capacity the staleness gate would not fill
+    batch_size: int  # trajectories per optimizer step
+    booting: int = 0  # units added and not yet serving (a worker still starting)
 
 
 @dataclass(frozen=True)
@@ -113,10 +78,11 @@ def capacity_bounds(batch_size: int, max_staleness: int, slots_per_unit: int,
 
 @dataclass(frozen=True)
 class Policy:
-    """The thresholds and hysteresis of `decide`."""
+    """The thresholds and hysteresis of `decide`. A balanced pipeline (trainer mostly busy, about
+    one batch waiting) sits between the thresholds and does not oscillate."""
 
-    starved_idle_frac: float = STARVED_IDLE_FRAC
-    gate_bound_frac: float = GATE_BOUND_FRAC
+    starved_idle_frac: float = 0.2  # trainer idle this much of the interval: it is waiting for data
+    gate_bound_frac: float = 0.5  # capacity idle this much because the staleness gate refuses new tasks
     patience: int = 2  # intervals in a row a vote must hold before the units change
     cooldown: int = 2  # intervals after a change during which no vote is counted
     step_frac: float = 0.25  # a shrink removes this fraction of the units (at least 1)
@@ -140,8 +106,7 @@ class Decision:
 
 
 def vote(load: LoadSignals, policy: Policy = Policy()) -> tuple[int, str]:
-    """+1 (grow), -1 (shrink) or 0, and why, from one interval's readiness (see the module
-    docstring)."""
+    """+1 (grow), -1 (shrink) or 0, and why, from one interval's readiness (docs/elastic.md)."""
     b = load.batch_size
     idle, blocked = load.trainer_idle_frac, load.gate_blocked_frac
     if idle > policy.starved_idle_frac and load.ready < b and blocked <= policy.gate_bound_frac:
@@ -161,7 +126,7 @@ def decide(units: int, bounds: Bounds, load: LoadSignals, memory: Memory = Memor
 
     Units outside `bounds` are brought inside at once. Otherwise a change needs `patience`
     matching votes in a row (outside a cooldown, and for growing with nothing booting) and moves
-    by the sizes of the module docstring, never past a bound; a vote at the bound it points to
+    by the sizes of docs/elastic.md, never past a bound; a vote at the bound it points to
     changes nothing and is not kept (it would fire the moment the bound moved)."""
     if units < bounds.low:
         return Decision(bounds.low, f"grow {units}->{bounds.low}: below the lower bound ({bounds.low_why})",

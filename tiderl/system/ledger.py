@@ -1,21 +1,7 @@
-"""The ledger on disk: one JSON line per task attempt event, appended as it happens.
-
-`system.json` summarises the ledger at the end of a run; this file is the ledger *while* the run
-goes, so a run killed with SIGKILL still has one. Each line is one event:
-
-    {"ev": "started", "task": id, "group": group id, "attempt": n, "version": v}
-    {"ev": "trained" | "dropped_stale" | "filtered", "task": id, "group": group id, "version": v}
-    {"ev": "retried" | "failed" | "restarted" | "requeued", "task": id, "group": ..., "attempt": n,
-     "reason": why}
-    {"ev": "lost", "task": id, "group": ..., "attempt": n, "reason": why}
-    {"ev": "checkpoint", "step": k, "path": dir}
-    {"ev": "resume", "step": k, "checkpoint": dir, "counts": {...}}
-
-A `lost` line stands for an attempt that started and was lost: a resume cuts the file back to
-its checkpoint (the killed run's later lines describe work whose weights were never saved) and
-writes one `lost` line, with the reason, per attempt the cut removed a `started` line of. A
-`resume` line carries the counts the checkpoint restored, so replaying the file gives the same
-counts as the pool's ledger (`tests/test_checkpoint_resume.py` checks both).
+"""The ledger on disk: one JSON line per task attempt event, appended as it happens, so a run
+killed with SIGKILL still has its ledger (`system.json` summarises it at the end). The line format
+and how a resume cuts the file back (one `lost` line per attempt started after the checkpoint)
+are in docs/architecture.md, "Checkpoints and resume".
 """
 
 from __future__ import annotations

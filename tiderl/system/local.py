@@ -1,10 +1,5 @@
-"""The local backend: episodes as coroutines in this process, over the run's own engine.
-
-Episodes are asyncio coroutines (`tiderl.agent.loop.play_episode`); the engine decodes on its
-own thread behind a `BatchingEngine`, the trainer steps on another, preparations (critic values,
-reference log-probs) run on a third. Torch releases the GIL inside its kernels, so decoding,
-training and preparation overlap on a multi-core machine; `system.cores` can pin each to cores of
-its own (`tiderl.system.cores`), as a disaggregated deployment would place them.
+"""The local backend: episodes as coroutines in this process, over the run's own engine, which
+decodes on its own thread behind a `BatchingEngine` (docs/architecture.md, "Threads").
 """
 
 from __future__ import annotations

@@ -7,33 +7,14 @@
     metrics = pool.step_metrics(batch, trainer_metrics)
     await pool.close()
 
-Behind that interface, on the event loop:
-
-- **Slots** (continuous task batching): up to `slots` episodes run at once; the moment one
-  finishes, its slot takes the next task (a retried or requeued attempt first) if the
-  `StalenessGate` admits it. No batch barrier on the rollout side.
-- **The readiness buffer** (`ReadyBuffer`): a finished episode's reward is shaped, its
-  preparations run (critic values, reference log-probs), and it waits there until
-  `next_batch` takes it; group algorithms take whole groups. `next_batch` drops (and counts)
-  what the gate judges too stale.
-- **Publishing** hands the new weights to the backend and checks the checksum the backend
-  reports against the trainer's; the batch is then settled as trained. At staleness 0 (and in
-  `restart` mode) the episodes that started on older weights are cancelled and queued again.
-- **Elastic capacity**: every `elastic_interval_s`, readiness (did the trainer wait on rollout,
-  or rollout on the trainer and the gate?) resizes the capacity with `elastic.decide`: the
-  backend's workers when it can add and remove them (Ray, `min_workers < max_workers`; the slots
-  then follow the live workers), else the slots within [min_slots, max_slots].
-- **Retries and the ledger**: every task attempt ends in exactly one bucket: trained, dropped as
-  stale, failed (its retries used up), retried (it faulted and went back to the queue), restarted
-  (cancelled by new weights), filtered (its complete group carried no signal, with dynamic
-  sampling), requeued (in flight at the checkpoint a run resumed from, or cut by an elastic
-  shrink), lost (started after the checkpoint a run resumed from), or still unsettled when the run
-  stops. Every event is appended to the ledger file as it happens (`tiderl.system.ledger`).
-
-Where episodes run is the backend's business (`RolloutBackend`: this process, Ray actors, an
-external agent behind `tiderl serve`); the pool only needs `run_episode`, `update_weights` and
-`version`. Tests drive it with fakes. `state_dict` / `load_state_dict` carry it through a
-checkpoint.
+Behind that interface, on the event loop (docs/architecture.md, "System: the rollout pool"): up
+to `slots` episodes run at once, each slot taking the next task the `StalenessGate` admits; a
+finished episode is shaped and waits in the `ReadyBuffer` until `next_batch` takes it; `publish`
+checks the checksum the backend reports; every `elastic_interval_s` readiness resizes the
+capacity (`elastic.decide`). Every task attempt ends in exactly one bucket of the `Ledger`, and
+every event is appended to the ledger file as it happens (`tiderl.system.ledger`). Where episodes
+run is the backend's business (`RolloutBackend`); `state_dict` / `load_state_dict` carry the pool
+through a checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiderl.aio import cancel_and_wait
 from tiderl.envs.protocol import Task
 from tiderl.rollout.weights import published_checksum
 from tiderl.system.buffer import ReadyBuffer
@@ -124,7 +104,8 @@ class PoolSettings:
 
 @dataclass
 class Ledger:
-    """Where every task attempt went (see the module docstring)."""
+    """Where every task attempt went: each one started ends in exactly one bucket, or is still
+    unsettled (in flight, or waiting in the buffer) when the run stops."""
 
     started: int = 0
     trained: int = 0
@@ -174,7 +155,7 @@ class RolloutPool:
         self.next_task = next_task
         self.backend = backend
         self.buffer = buffer
-        buffer.on_reject = self._filtered
+        buffer.on_reject = lambda group: self._settle("filtered", group)
         self.shape = shape
         self.ledger_log = ledger_log
         self.version = start_version  # the trainer's: the weights last published
@@ -208,7 +189,7 @@ class RolloutPool:
         self.critic_lag_histogram: dict[int, int] = {}  # run totals of `critic_value_lags`
         self._prep_seen = 0  # preparation intervals already counted in `time/prep_s`
         self._start_version = start_version  # the critic snapshot counts its refreshes from here
-        self._t0 = self._last_end = self._t_wait = self._t_got = self._t_publish = self._t_published = 0.0
+        self._t0 = self._last_end = self._t_wait = self._t_got = self._t_publish = 0.0
 
     # ------------------------------------------------------------------ the trainer's interface
 
@@ -261,23 +242,18 @@ class RolloutPool:
             raise RuntimeError(f"weight sync to version {version} failed: the rollout side holds "
                                f"checksum {held!r}, the trainer sent {sent!r}")
         self.version = version
-        trained, self._taken = self._taken, []
-        self.gate.settled(len(trained))
-        self.ledger.trained += len(trained)
-        for t in trained:
-            self._event("trained", task=t.task_id, group=t.group_id, version=version)
         # At max_staleness=0 an episode still running on the old weights could never train: restart
         # it now (only an over-provisioned admission leaves any in flight there).
         if self.settings.partial_rollout == "restart" or self.settings.max_staleness == 0:
             self._restart_older_than(version)
-        self._changed.set()
-        self._t_published = time.monotonic()
+        trained, self._taken = self._taken, []
+        self._settle("trained", trained)  # wakes the fill loop, after the cancellations above
 
     def step_metrics(self, batch: list[Trajectory], trainer_metrics: dict[str, float]) -> dict[str, float]:
         """The step's system metrics (time, slots, staleness, ledger, throughput; docs/metrics.md),
         once per step after `publish`. A step whose trainer metrics say it changed no weights
         (skipped) adds nothing to goodput."""
-        if not _skipped(trainer_metrics):
+        if not any(trainer_metrics.get(k) for k in _SKIP_KEYS):
             self.trained_tokens += sum(t.num_action_tokens for t in batch)
             self.trained_sequence_tokens += sum(len(t.tokens) for t in batch)
         for lag in self._lags:
@@ -454,7 +430,8 @@ class RolloutPool:
             raise
         except CapacityRemoved as exc:  # an elastic shrink removed its worker: queued again, no retry used
             attempt.over = True
-            self._requeue(attempt, str(exc))
+            self._requeue(attempt, "requeued", str(exc))
+            self._changed.set()
             return
         except Exception as exc:  # noqa: BLE001 - a worker failure costs one attempt, not the run
             attempt.over = True
@@ -487,13 +464,11 @@ class RolloutPool:
 
     def _fault(self, attempt: _Attempt, reason: str) -> None:
         """Queue the task again, or count it as failed once its retries are used up."""
-        self.gate.settled()
         if attempt.attempt < self.settings.max_task_retries:
-            self.ledger.retried += 1
-            self._event("retried", **attempt.record(), reason=reason)
-            self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt + 1))
+            self._requeue(attempt, "retried", reason, retry=1)
             logger.warning("task %s attempt %d failed (%s); retrying", attempt.task.task_id, attempt.attempt, reason)
             return
+        self.gate.settled()
         self.ledger.failed += 1
         self.ledger.failures.append({"task_id": attempt.task.task_id, "attempts": attempt.attempt + 1,
                                      "reason": reason})
@@ -509,28 +484,26 @@ class RolloutPool:
                 "Fix: the environment's error above (run `tiderl check-env` on it)"))
             self._changed.set()
 
-    def _requeue(self, attempt: _Attempt, reason: str) -> None:
-        """Queue an attempt's task again with the same attempt count (counted `requeued`)."""
+    def _requeue(self, attempt: _Attempt, bucket: str, reason: str, retry: int = 0) -> None:
+        """Queue an attempt's task again, first, counted in ledger `bucket` (retried, restarted or
+        requeued); `retry` 1 uses one of its retries."""
         self.gate.settled()
-        self.ledger.requeued += 1
-        self._event("requeued", **attempt.record(), reason=reason)
-        self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt))
-        self._changed.set()
+        setattr(self.ledger, bucket, getattr(self.ledger, bucket) + 1)
+        self._event(bucket, **attempt.record(), reason=reason)
+        self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt + retry))
 
-    def _filtered(self, group: list[Trajectory]) -> None:
+    def _settle(self, bucket: str, group: list[Trajectory]) -> None:
+        """Count finished trajectories in ledger `bucket` (trained, filtered or dropped_stale)."""
         self.gate.settled(len(group))
-        self.ledger.filtered += len(group)
+        setattr(self.ledger, bucket, getattr(self.ledger, bucket) + len(group))
         for t in group:
-            self._event("filtered", task=t.task_id, group=t.group_id, version=self.version)
+            self._event(bucket, task=t.task_id, group=t.group_id, version=self.version)
         self._changed.set()
 
     def _episode_done(self, task: asyncio.Task[None]) -> None:
         attempt = self._inflight.pop(task, None)
         if task.cancelled() and attempt is not None and not self._closing:
-            self.gate.settled()
-            self.ledger.restarted += 1
-            self._event("restarted", **attempt.record(), reason=f"new weights (version {self.version})")
-            self._queue.appendleft(_Attempt(attempt.task, attempt.group_id, attempt.attempt))
+            self._requeue(attempt, "restarted", f"new weights (version {self.version})")
         self._changed.set()
 
     def _restart_older_than(self, version: int) -> None:
@@ -562,11 +535,7 @@ class RolloutPool:
                     continue
                 # A group's advantages depend on every member: a stale member spoils it.
                 self.gate.dropped += verdicts.count(True)
-                self.gate.settled(len(group))
-                self.ledger.dropped_stale += len(group)
-                for t in group:
-                    self._event("dropped_stale", task=t.task_id, group=t.group_id, version=self.version)
-                self._changed.set()
+                self._settle("dropped_stale", group)
         return fresh
 
     def _prep_seconds_since_last_step(self) -> float:
@@ -667,10 +636,6 @@ def _attempt_problem(trajectories: list[Trajectory], group_size: int) -> str:
 
 # Trainer metrics that mean the step changed no weights: its trajectories are not goodput.
 _SKIP_KEYS = ("nonfinite/skipped_step", "skipped_no_signal", "skipped_no_action_tokens")
-
-
-def _skipped(metrics: dict[str, float]) -> bool:
-    return any(metrics.get(k) for k in _SKIP_KEYS)
 
 
 def critic_value_lags(batch: list[Trajectory], refreshes: int) -> list[int]:

@@ -1,38 +1,18 @@
-"""The Ray backend: rollout workers are Ray actors, the trainer stays in the driver.
+"""The Ray backend: rollout workers are Ray actors, the trainer stays in the driver (docs/ray.md).
 
-The rollout pool and the loop are the ones the local backend uses; only the `RolloutBackend`
-changes. `RayRollout` owns a pool of `RolloutWorker` actors, each with its own `TorchEngine`
-behind a `BatchingEngine`, its own environments and its own sampler seed, so the episodes routed
-to one worker are decoded together. What travels through the object store: once per run a
-`WorkerBundle` (config, policy model, tokenizer, task setup), and once per optimizer step the
-policy weights (`ray.put` once, loaded by every worker).
-
-Faults: a worker that dies (any `RayActorError`, or the `OutOfMemoryError` of Ray's memory
-monitor, on a call to it) is removed from the pool at once, every call in flight on it raises
-`WorkerLost` (the pool retries those tasks on the live workers), and a fresh actor is
-started in the background with the latest weights and version; it joins the pool only after its
-weight checksum matches the trainer's. Every wait on a Ray reference is bounded by
-`system.wait_timeout_s`.
-
-Elastic pool (`system.options.min_workers` < `max_workers`): the pool's elastic loop calls
-`resize(units)` with what `tiderl.system.elastic.decide` chose from readiness. Growing starts new
-actors exactly as a replacement starts (latest weights, checksum verified) and admits each when it
-is ready; shrinking takes the least-loaded workers out of routing at once and lets them finish
-their episodes for up to `worker_drain_s`, then kills them: an episode still running then
-raises `CapacityRemoved` and the pool queues its task again (ledger `requeued`). The slots
-follow the live workers (`slots_per_worker` each, through `on_live_change`), and `worker_seconds()`
-integrates the actors held (booting, live or draining): the resource an elastic run is charged.
-
-`RayRollout.from_run(run, preparations, executor)` is how the recipe builds it for
-`system.backend=ray`, whose options (`system.options.*`) are `RayOptions`
-(`tiderl.system.ray_options`; with `remote_critic`, the critic-values preparation becomes a
-`RemoteCritic` actor).
-See docs/ray.md.
+`RayRollout` is the `RolloutBackend` over a pool of `RolloutWorker` actors, each with its own
+engine, environments and sampler seed; the rollout pool and the loop are the local backend's.
+A worker that dies is replaced in the background on the latest weights (it joins once its
+checksum matches the trainer's); with `system.options.min_workers` < `max_workers` the pool's
+elastic loop grows and shrinks it (`resize`, docs/elastic.md). Every wait on a Ray reference is
+bounded by `system.wait_timeout_s`. `RemoteCritic` computes critic values in an actor
+(`system.options.remote_critic`). Its options are `RayOptions` (`tiderl.system.ray_options`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -89,19 +69,12 @@ class WorkerLost(RuntimeError):
     """A rollout worker died while serving a call (the call's task can be retried elsewhere)."""
 
 
-def worker_seed(seed: int, serial: int) -> int:
-    """The sampler and latency seed of worker number `serial`: distinct per worker, so two
-    workers never draw the same token stream, and a replacement does not replay the stream of
-    the worker it replaces."""
-    return seed + 1000 * (serial + 1)
-
-
 def _cpu_state(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     """`state_dict` with every tensor on the CPU (no copy for tensors already there)."""
     return {k: v.detach().to("cpu") for k, v in state_dict.items()}
 
 
-def _cpu_module(module: torch.nn.Module) -> torch.nn.Module:
+def cpu_module(module: torch.nn.Module) -> torch.nn.Module:
     """`module` itself when it lives on the CPU, else a CPU copy (what is shipped to actors, so a
     worker on a machine without the driver's device can still unpickle it)."""
     if all(p.device.type == "cpu" for p in itertools.chain(module.parameters(), module.buffers())):
@@ -111,17 +84,13 @@ def _cpu_module(module: torch.nn.Module) -> torch.nn.Module:
 
 def _cancel(ref: Any) -> None:
     """Ask Ray to cancel the task behind `ref` (best effort: it may have finished or died)."""
-    try:
+    with contextlib.suppress(Exception):
         ray.cancel(ref)
-    except Exception:  # noqa: BLE001 - cancelling a finished or lost task is not an error here
-        pass
 
 
-def _kill(handle: Any) -> None:
-    try:
+def kill_actor(handle: Any) -> None:
+    with contextlib.suppress(Exception):  # the actor may already be gone
         ray.kill(handle, no_restart=True)
-    except Exception:  # noqa: BLE001 - the actor may already be gone
-        pass
 
 
 async def _await_ref(ref: Any, timeout_s: float, what: str) -> Any:
@@ -137,9 +106,9 @@ async def _await_ref(ref: Any, timeout_s: float, what: str) -> Any:
         raise
 
 
-def connect(address: str, num_cpus: int | None = None) -> bool:
+def connect(address: str) -> bool:
     """Make sure this process is connected to Ray. An already initialised Ray is used as it is;
-    `address` '' starts a local cluster (with `num_cpus`, default all cores); anything else
+    `address` '' starts a local cluster on all cores; anything else
     ('auto', 'ray://host:10001', 'host:6379') joins that cluster. Returns True when this call
     did the connecting, so the caller knows to `ray.shutdown()` at the end."""
     if ray.is_initialized():
@@ -148,7 +117,7 @@ def connect(address: str, num_cpus: int | None = None) -> bool:
         ray.init(address=address)
     else:
         # "local" rather than None: None would join a cluster named by $RAY_ADDRESS.
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False)
     return True
 
 
@@ -180,7 +149,8 @@ class RolloutWorker:
                  version: int | None = None, max_concurrency: int = 64):
         cfg = bundle.cfg
         self.serial = serial
-        seed = worker_seed(cfg.seed, serial)
+        # Distinct per worker: no two draw the same token stream, nor a replacement its predecessor's.
+        seed = cfg.seed + 1000 * (serial + 1)
         torch.manual_seed(seed)
         self.engine = make_engine(cfg, bundle.model, bundle.tokenizer, seed=seed)
         # The bundle's model already holds the weights of `bundle.version`.
@@ -233,9 +203,6 @@ class RolloutWorker:
     async def checksum(self) -> float:
         """`weights_checksum` of the weights this worker samples with."""
         return await self._ensure_client().call(self.engine.state_checksum)
-
-    async def version(self) -> int:
-        return self.engine.version
 
     async def stop(self) -> dict[str, Any]:
         """Stop the decode loop (before the actor is killed) and return the final `ping`."""
@@ -297,21 +264,10 @@ class _Worker:
 
 
 class RayRollout:
-    """The RolloutBackend over a pool of `RolloutWorker` Ray actors.
-
-    - `start()` connects to Ray (`system.options.address`; '' starts a local cluster unless Ray is
-      already initialised), puts the `WorkerBundle` in the object store, starts `workers` actors
-      and checks that each holds the trainer's weights.
-    - `run_episode` goes to the live worker with the fewest episodes in flight.
-    - `update_weights` puts the weights in the object store once, loads them on every live worker,
-      and returns their common checksum (RuntimeError when the workers disagree).
-    - `version` is the lowest weight version over the live workers.
-    - A dead worker is replaced in the background (`worker_restarts` counts the replacements
-      started; `events` records each loss and replacement).
-
-    `critic`, when given, is a `RemoteCritic` that is started with the pool and refreshed with the
-    trainer's critic at every weight update (the trainer is idle then).
-    """
+    """The RolloutBackend over a pool of `RolloutWorker` Ray actors. A dead worker is replaced in
+    the background (`worker_restarts` counts the replacements started; `events` records each loss
+    and replacement). `critic`, when given, is a `RemoteCritic` started with the pool and refreshed
+    with the trainer's critic at every weight update (the trainer is idle then)."""
 
     Options = RayOptions  # system.options with system.backend=ray
 
@@ -378,6 +334,7 @@ class RayRollout:
 
     @property
     def version(self) -> int:
+        """The lowest weight version over the live workers."""
         if self._workers:
             return min(w.version for w in self._workers.values())
         # No live worker: the replacements on their way will hold the latest weights.
@@ -403,9 +360,11 @@ class RayRollout:
         return self._held.integral()
 
     async def start(self) -> None:
+        """Connect to Ray (`connect`), put the `WorkerBundle` in the object store, start `workers`
+        actors and check that each holds the trainer's weights."""
         self.connected_here = connect(self.cfg.system.options.address)
         self._check_resources()
-        model = _cpu_module(self._model)
+        model = cpu_module(self._model)
         self._latest = _Weights(self._start_version, None,
                                 asyncio.ensure_future(asyncio.to_thread(weights_checksum, policy_state(model))))
         self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup))
@@ -432,7 +391,7 @@ class RayRollout:
     def resize(self, units: int, reason: str = "") -> None:
         """Head for `units` workers (kept within `worker_range`): start new ones in the
         background (each joins when booted on the latest weights), or stop booting additions
-        and then retire the least-loaded live workers (they drain, see the module docstring).
+        and then retire the least-loaded live workers (they drain: `_drain`).
         Returns at once."""
         low, high = self.worker_range
         target = min(high, max(low, units))
@@ -606,7 +565,7 @@ class RayRollout:
         if not w.released:
             w.released = True
             self._held.set(self._held.value - 1)
-        _kill(w.handle)
+        kill_actor(w.handle)
 
     async def _boot(self, w: _Worker) -> None:
         """Wait until `w` has started and holds the latest weights, verified by checksum. Loops
@@ -616,9 +575,7 @@ class RayRollout:
             latest = self._latest
             assert latest is not None
             if w.version != latest.version:
-                held = await self._call(w, w.handle.update_weights.remote(latest.ref, latest.version),
-                                        f"loading weights version {latest.version}")
-                w.version = latest.version
+                held = await self._load(w, latest)
             else:
                 held = await self._call(w, w.handle.checksum.remote(), "checksum")
             expected = await latest.checksum
@@ -770,13 +727,8 @@ class CriticWorker:
 
 class RemoteCritic:
     """A Preparation (puts `annotations["values"]` on trajectories) whose critic forward runs in
-    a `CriticWorker` actor, so it takes no compute from the driver's trainer.
-
-    `start()` creates the actor with the trainer critic's current weights; `refresh_async()`
-    (awaited by `RayRollout.update_weights`, i.e. right after each trainer step) ships the
-    trainer critic's new weights and checks them by checksum. (It has no blocking `refresh`: the
-    Ray backend refreshes it while the trainer is idle, not the trainer itself.)
-    """
+    a `CriticWorker` actor, so it takes no compute from the driver's trainer. It has no blocking
+    `refresh`: the Ray backend refreshes it (`refresh_async`) while the trainer is idle."""
 
     def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
                  timeout_s: float, actor_options: dict[str, Any] | None = None):
@@ -799,7 +751,7 @@ class RemoteCritic:
 
     async def start(self) -> None:
         """Create the critic actor (Ray must be connected) and wait until it is up."""
-        critic = _cpu_module(self.source)
+        critic = cpu_module(self.source)
         self._handle = ray.remote(CriticWorker).options(**self.actor_options).remote(
             critic, self.pad_id, self.micro_batch_tokens, self.device)
         await _await_ref(self._handle.ping.remote(), self.timeout_s, "starting the critic actor")
@@ -812,23 +764,19 @@ class RemoteCritic:
         for trajectory, v in zip(trajectories, values):
             trajectory.annotations["values"] = v
 
-    def _ship(self, critic: torch.nn.Module) -> tuple[Any, float]:
-        state = _cpu_state(critic.state_dict())
+    async def refresh_async(self) -> None:
+        """Ship the trainer critic's new weights and check them by checksum (awaited by
+        `RayRollout.update_weights`, right after each trainer step)."""
+        state = _cpu_state(self.source.state_dict())
         # Serialised now: the caller guarantees the trainer is not stepping at this moment.
-        return ray.put(state), weights_checksum(state)
-
-    def _check(self, held: float, sent: float) -> None:
+        ref, sent = ray.put(state), weights_checksum(state)
+        held = await _await_ref(self._handle.load.remote(ref), self.timeout_s, "critic weight refresh")
         if held != sent:
             raise RuntimeError(f"critic weight refresh failed: the critic actor holds checksum {held!r}, "
                                f"the trainer sent {sent!r}")
         self.refreshes += 1
 
-    async def refresh_async(self) -> None:
-        ref, sent = self._ship(self.source)
-        held = await _await_ref(self._handle.load.remote(ref), self.timeout_s, "critic weight refresh")
-        self._check(held, sent)
-
     def close(self) -> None:
         if self._handle is not None:
-            _kill(self._handle)
+            kill_actor(self._handle)
             self._handle = None

@@ -1,22 +1,11 @@
-"""The data-parallel trainer on Ray: `train.world_size` ranks (`TrainerRank` actors in one
-placement group) run `tiderl.train.parallel.ParallelLearner`s over the one `train_step`.
-
-The driver's side is `RayParallelTrainer`, the recipe's trainer (`train`, `weights`, `close`).
-Each step it sends the batch to every rank (one object-store copy), and the ranks train it
-together (DDP or FSDP2 over gloo on the CPU, NCCL on GPUs). Then rank 0 gathers the full policy
-weights, computes their checksum and puts them in the object store itself: the pool publishes
-that reference (`PublishedWeights`) to the rollout workers, so the weights go from rank 0 to the
-engines without passing through the driver, and each worker's checksum is compared with rank
-0's. The driver keeps a mirror of the actor (and critic) for evaluation and checkpoints: the
-critic is pulled every step when the driver computes critic values ahead (its preparations),
-the actor at checkpoint steps and when the trainer closes. Every wait on a rank is bounded by
-`system.wait_timeout_s`.
-
-Checkpoints are sharded: `save_sharded(dir)` has every rank write its shards of the weights
-and AdamW states with `torch.distributed.checkpoint` into `dir` (`run.save_run_checkpoint` puts
-it inside the usual atomic checkpoint layout); a resumed run's ranks load them right after they
-form their group (`tiderl.train.checkpoint.load_sharded`, resharding to this run's world size),
-while the driver's mirror has already read the whole weights.
+"""The data-parallel trainer on Ray (docs/ray.md, "The data-parallel trainer"): `train.world_size`
+ranks (`TrainerRank` actors in one placement group) run `tiderl.train.parallel.ParallelLearner`s
+over the one `train_step`. `RayParallelTrainer` is the driver's side, the recipe's trainer: each
+step rank 0 puts the new policy weights in the object store and the pool publishes that reference
+(`PublishedWeights`), so they reach the engines without the driver, which keeps a mirror of the
+actor (and critic) for evaluation and checkpoints. Checkpoints are sharded (`save_sharded`; a
+resumed run's ranks load them with `tiderl.train.checkpoint.load_sharded`). Every wait on a rank
+is bounded by `system.wait_timeout_s`.
 """
 
 from __future__ import annotations
@@ -35,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tiderl.config import RunConfig
 from tiderl.rollout.weights import weights_checksum
-from tiderl.system.ray_backend import PublishedWeights, connect
+from tiderl.system.ray_backend import PublishedWeights, connect, cpu_module, kill_actor
 from tiderl.train.checkpoint import load_sharded, save_sharded
 from tiderl.train.forward import logprob_temperature
 from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
@@ -59,11 +48,6 @@ class RankBundle:
     pad_id: int
 
 
-def _rank_device(cfg: RunConfig) -> str:
-    # Ray gives each GPU rank one visible device: cuda:0 inside the actor.
-    return "cuda:0" if cfg.model.device.startswith("cuda") else "cpu"
-
-
 class TrainerRank:
     """One rank of the data-parallel trainer (a Ray actor): its `ParallelLearner`s for the actor
     and the critic, a replicated frozen reference, and `train_step`."""
@@ -71,10 +55,10 @@ class TrainerRank:
     def __init__(self, rank: int, world_size: int, bundle: RankBundle, threads: int = 1):
         torch.set_num_threads(max(1, threads))
         self.rank, self.world_size, self.bundle = rank, world_size, bundle
-        self.device = _rank_device(bundle.cfg)
+        # Ray gives each GPU rank one visible device: cuda:0 inside the actor.
+        self.device = "cuda:0" if bundle.cfg.model.device.startswith("cuda") else "cpu"
         self.actor: ParallelLearner | None = None
         self.critic: ParallelLearner | None = None
-        self.steps = 0
 
     def endpoint(self) -> str:
         """A TCP address on this rank's node for the process group's rendezvous (rank 0's)."""
@@ -107,13 +91,11 @@ class TrainerRank:
         assert self.actor is not None, "TrainerRank.join() was not called"
         cfg = self.bundle.cfg
         with trainer_autocast(cfg.train.autocast, self.device):
-            metrics = train_step(batch, self.actor, self.critic, self.ref, cfg.algo, pad_id=self.bundle.pad_id,
-                                 micro_batch_tokens=cfg.train.micro_batch_tokens,
-                                 train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device,
-                                 skip_zero_advantage=cfg.train.skip_zero_advantage,
-                                 temperature=logprob_temperature(cfg.rollout.temperature))
-        self.steps += 1
-        return metrics
+            return train_step(batch, self.actor, self.critic, self.ref, cfg.algo, pad_id=self.bundle.pad_id,
+                              micro_batch_tokens=cfg.train.micro_batch_tokens,
+                              train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device,
+                              skip_zero_advantage=cfg.train.skip_zero_advantage,
+                              temperature=logprob_temperature(cfg.rollout.temperature))
 
     def publish(self, version: int) -> tuple[list[Any] | None, float | None]:
         """Gather the full policy weights (a collective); rank 0 puts them in the object store
@@ -191,8 +173,9 @@ class RayParallelTrainer:
         self._get(self.pg.ready(), f"placing {self.world_size} ranks ({bundle} each; the cluster has "
                                    f"{ray.cluster_resources()})")
         run = self.run
-        models = RankBundle(self.cfg, _cpu(run.actor.model), _cpu(run.critic.model) if run.critic else None,
-                            _cpu(run.ref) if run.ref is not None else None, run.tokenizer.pad_token_id)
+        models = RankBundle(self.cfg, cpu_module(run.actor.model),
+                            cpu_module(run.critic.model) if run.critic else None,
+                            cpu_module(run.ref) if run.ref is not None else None, run.tokenizer.pad_token_id)
         bundle_ref = ray.put(models)
         cls = ray.remote(TrainerRank)
         self.ranks = [cls.options(num_cpus=1, num_gpus=1 if gpu else 0,
@@ -267,16 +250,7 @@ class RayParallelTrainer:
                 self._get([r.close.remote() for r in self.ranks], "closing")
         finally:
             for r in self.ranks:
-                try:
-                    ray.kill(r, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+                kill_actor(r)
             if self.pg is not None and ray.is_initialized():
                 remove_placement_group(self.pg)
             self.ranks, self.pg = [], None
-
-
-def _cpu(module: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    return copy.deepcopy(module).to("cpu")

@@ -15,14 +15,8 @@ With N = `max_staleness` and B = the batch size (trajectories per optimizer step
   and waiting, or in the batch being trained). Settling = trained (after the step and the
   weight sync), dropped as stale, or failed.
 
-Why both rules: at most (N + 1) B trajectories are unsettled at any time and each step settles
-B of them, so in first-in first-out order a task started while the trainer is at `v` is trained
-by a step no later than `v + N`; with the engine in step with the trainer (the backends hand
-over the weights after every step) its tokens are then at most N versions old. Episodes
-finish out of order, though (a slow one is overtaken by fast ones), so admission alone cannot
-promise the bound: the drop rule is the guarantee, admission keeps drops rare. N = 0 is
-synchronous on-policy training: B tasks start per version, all on that version's weights, and
-all are trained before the next B start.
+The drop rule is the guarantee, admission keeps drops rare (why both: docs/architecture.md,
+"The staleness rule"). N = 0 is synchronous on-policy training.
 """
 
 from __future__ import annotations

@@ -79,14 +79,8 @@ def slice_batch(batch: Batch, rows: list[int]) -> Batch:
     """The sub-batch of `rows`, trimmed to its own longest sequence."""
     idx = torch.tensor(rows, dtype=torch.long)
     width = int(batch.attention_mask[idx].sum(dim=1).max().item())
-    return Batch(
-        input_ids=batch.input_ids[idx, :width],
-        attention_mask=batch.attention_mask[idx, :width],
-        action_mask=batch.action_mask[idx, :width],
-        behavior_logprobs=batch.behavior_logprobs[idx, :width],
-        rewards=batch.rewards[idx],
-        num_action_tokens=batch.num_action_tokens[idx],
-    )
+    # The [B, T] tensors trimmed to `width`, the [B] ones (rewards, num_action_tokens) picked.
+    return Batch(*(t[idx, :width] if t.dim() == 2 else t[idx] for t in batch.__dict__.values()))
 
 
 @dataclass

@@ -1,35 +1,15 @@
-"""Checkpoints that resume: the actor as a normal Hugging Face model dir, the critic, the
-optimizers, and whatever else the caller hands over (RNG states, the schedule, curiosity counts).
-
-Layout of a checkpoint directory:
-    actor/                 loadable by `AutoModelForCausalLM.from_pretrained` (and `tiderl eval`)
-    critic/                `ValueModel.save` (backbone dir + value head), when the algorithm has one
-    trainer_state.pt       both optimizers' states, the step, and the caller's `state` (RNGs,
-                           task stream, rollout pool, ...)
-    curiosity.json         the curiosity counts (when given)
-    tiderl_checkpoint.json the completion marker, written last
-
-A data-parallel run (`train.parallel=ddp|fsdp2`) writes a sharded checkpoint instead: its
-ranks save the actor's and the critic's weights and AdamW states together with
-`torch.distributed.checkpoint` (DCP), each rank its own shards, in parallel:
-    sharded/               the DCP checkpoint ({"actor": {model, optim}, "critic": ...}) and each
-                           rank's torch RNG state (rng_rank{R}.pt)
-    actor_config/          the actor's config and tokenizer, without weights (`export_actor`
-                           consolidates the plain Hugging Face dir from them and sharded/)
-    trainer_state.pt       as above, without the optimizer states (they are in sharded/)
-The marker records `sharded: {parallel, world_size}`.
-
-`export_actor` turns any checkpoint's actor into a plain Hugging Face model directory (what
-`AutoModelForCausalLM.from_pretrained`, `tiderl eval --model` and other tools read): it
-consolidates a sharded checkpoint's weights, and merges a LoRA policy's adapters into its base
-weights (peft `merge_and_unload`); `tiderl export --checkpoint DIR --out DIR` runs it. DCP reshards on load: such a checkpoint
-resumes under any `train.world_size`, and under `train.parallel=none` (one process reads every
-shard); on multiple nodes the ranks need a shared file system for `run_dir`.
+"""Checkpoints that resume (docs/architecture.md, "Checkpoints and resume"; docs/scale.md for the
+sharded layout): the actor as a normal Hugging Face model dir (`actor/`), the critic (`critic/`),
+the optimizers and whatever else the caller hands over (`trainer_state.pt`: RNG states, the task
+stream, the rollout pool), the curiosity counts, and the completion marker `tiderl_checkpoint.json`,
+written last. A data-parallel run's ranks write `sharded/` (DCP) and `actor_config/` instead
+(`save_sharded`, `load_sharded`; DCP reshards on load). `export_actor` turns any checkpoint's
+actor into a plain Hugging Face model directory (`tiderl export`).
 
 Writes are atomic: everything goes into a hidden temporary directory beside the target, the
 marker last, then one rename makes it the checkpoint. A directory without the marker is a
-half-written checkpoint (the process died while saving): `latest_checkpoint` skips it with a log
-line and `load_checkpoint` refuses it, naming `train.resume=auto`.
+half-written checkpoint: `latest_checkpoint` skips it with a log line and `load_checkpoint`
+refuses it, naming `train.resume=auto`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The value model: the policy's backbone plus a scalar head, trained as SAO's critic.
-
-With `model.critic_lora=lora` the backbone carries peft LoRA adapters (`tiderl.train.lora.
-apply_critic_lora`): only they and the value head train. Such a critic saves its adapters for
-resuming and, beside them, the merged backbone, so that its directory stays a plain value model
-(`ValueModel.load`, `algo.value_init`)."""
+"""The value model: the policy's backbone plus a scalar head, trained as SAO's critic; with
+`model.critic_lora=lora` its backbone carries LoRA adapters (docs/scale.md, "A LoRA critic")."""
 
 from __future__ import annotations
 

@@ -3,14 +3,9 @@ the critic.
 
 Both return right-padded `[B, T]` float32 tensors aligned with the tokens: position t holds the
 quantity for token t (the log-prob of sampling token t; the value of the state just before token
-t). Position 0 has no predecessor and holds 0.
-
-Log-probs are those of the distribution the engine samples from at `temperature` (softmax of the
-logits divided by it), because the engines report their behaviour log-probs after temperature:
-a trainer that scored tokens at temperature 1 would see a ratio far from 1 on every token of a
-rollout sampled at 0.7, and SAO's token mask would drop them. Top-p is not applied here (a
-rollout with top_p < 1 has behaviour log-probs of a truncated distribution; see
-`config.validate`).
+t). Position 0 has no predecessor and holds 0. Log-probs are those of the distribution the engine
+samples from at `temperature` (softmax of the logits divided by it), as the engines' behaviour
+log-probs are (docs/algorithms.md, "Notation"); top-p is not applied.
 """
 
 from __future__ import annotations
@@ -76,16 +71,11 @@ def token_values(
     return _shift(v[:, :-1].float())
 
 
-# --- packed sequences ------------------------------------------------------------------------------
+# --- packed sequences (docs/bench_vs_trl.md, "Packed sequences") -----------------------------------
 #
-# A micro-batch runs as one row of its real tokens (`batching.pack`): embeddings, projections,
-# MLPs and norms see no padding, and a prefix several sequences share (the prompt of a GRPO
-# group) is in the row once. Attention must not cross sequences: instead of a dense
-# block-diagonal [L, L] mask (quadratic in the packed length), the attention function lays the
-# packed queries, keys and values out padded again, `[B, H, T, D]` by one gather (a sequence
-# reads its shared prefix from the one copy), runs causal SDPA per sequence and packs the result
-# back. Only the positions whose next token is scored go through the output layer
-# (`logits_to_keep`).
+# A micro-batch runs as one row of its real tokens (`batching.pack`); the attention function lays
+# the packed queries, keys and values out padded again by one gather (a sequence reads its shared
+# prefix from the one copy) and runs causal SDPA per sequence.
 
 PACKED_ATTENTION = "tiderl_packed"
 

@@ -11,13 +11,8 @@ LossFn = Callable[[Any], tuple[torch.Tensor, dict[str, float]]]
 
 def fused_adam_supported(params: Sequence[torch.Tensor]) -> bool:
     """Whether AdamW's fused kernel takes these parameters: plain floating-point tensors (not the
-    DTensors of FSDP2) on the CPU or a CUDA device.
-
-    The fused kernel updates each parameter in one pass instead of a dozen elementwise ops: on the
-    tiny models of `benchmarks/vs_trl.py` the optimizer step took 0.95 ms instead of 8.6 ms
-    (hidden 128, one thread, a loaded machine). Its update equals the default one up to float
-    rounding.
-    """
+    DTensors of FSDP2) on the CPU or a CUDA device. It updates each parameter in one pass instead of
+    a dozen elementwise ops, equal to the default up to float rounding (docs/bench_vs_trl.md)."""
     return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point()
                and p.device.type in ("cpu", "cuda") for p in params)
 

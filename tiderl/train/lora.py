@@ -1,10 +1,7 @@
-"""LoRA on the policy through `peft` (the optional extra `lora`): adapters in, adapters out.
-
-`apply_lora` wraps a causal LM so that only its LoRA adapters train (the base weights are
-frozen); `policy_state` is what a weight sync sends: the adapters alone for a LoRA policy (a few
-MiB instead of the whole model), the full state dict otherwise. The torch engine applies them
-beside its own base weights, unmerged (`tiderl.rollout.lora.LoraTorchEngine`). `LoraSettings`
-(`model.lora.*`) are checked when a config loads, so this module imports torch only for types.
+"""LoRA on the policy through `peft` (the optional extra `lora`; docs/scale.md): `apply_lora` wraps
+a causal LM so that only its adapters train; `policy_state` is what a weight sync sends, the
+adapters alone for a LoRA policy. `LoraSettings` (`model.lora.*`) are checked when a config loads,
+so this module imports torch only for types.
 """
 
 from __future__ import annotations

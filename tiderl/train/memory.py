@@ -1,11 +1,6 @@
-"""Trading compute for memory in training passes (`train.activation_checkpointing`).
-
-With it on, each decoder layer of the policy and of the critic's backbone keeps only its input
-for the backward pass and runs its forward again there, instead of keeping every intermediate
-(attention projections, the MLP's `[tokens, intermediate]` activations). A real model's
-activations then shrink from about `layers x tokens x 20-30 values` to `layers x tokens x hidden`
-at the price of one more forward of the layers per backward (about a third more compute).
-Gradients are the same up to float rounding.
+"""Trading compute for memory in training passes (`train.activation_checkpointing`, docs/scale.md):
+each decoder layer of the policy and of the critic's backbone keeps only its input for the
+backward pass and runs its forward again there. Gradients are the same up to float rounding.
 """
 
 from __future__ import annotations
@@ -21,10 +16,7 @@ from tiderl.train.forward import attention_implementation
 
 def _replay_with_the_same_attention(config: Any) -> tuple[contextlib.AbstractContextManager[None], ...]:
     """Checkpoint contexts (forward, recompute): the recompute runs under the attention kernel
-    the forward ran under. Packed training switches the kernel only for the duration of its
-    forward call (`tiderl.train.forward.packed_token_logprobs`), and the backward that replays
-    the layers comes later; without this the replay would use the model's default kernel and
-    save different tensors."""
+    the forward ran under, which packed training has switched back by then (docs/scale.md)."""
     return contextlib.nullcontext(), attention_implementation(config, config._attn_implementation)
 
 

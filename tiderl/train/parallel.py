@@ -1,19 +1,12 @@
-"""Data-parallel training: the same `train_step` on every rank of a torch.distributed group.
+"""Data-parallel training: the same `train_step` on every rank of a torch.distributed group
+(docs/ray.md, "The data-parallel trainer").
 
-Every rank receives the whole batch of trajectories and computes everything batch-wide itself
-(rewards, masks, the loss normaliser, advantages): these are cheap and deterministic, so all
-ranks agree on them bit for bit. Only the model passes are split: the batch's micro-batches are
-shared out by tokens (`assign_micro_batches`), each rank runs its share, the no-grad passes
-(critic values, reference and recomputed log-probs) fill their own rows of a zero `[N, T]`
-tensor that is then summed across ranks, and the gradients are summed across ranks by DDP or
-FSDP2. Every micro-batch loss is already divided by the whole batch's normaliser, so the sum
-over ranks of the per-rank gradient sums is the single-process gradient: the loss, the
-gradients and the optimizer step equal the single-process ones up to float rounding
-(`tests/test_parallel.py` checks 2 gloo ranks against 1 process to 1e-6).
-
-Process groups use gloo on the CPU and NCCL on CUDA (`backend_for`). Where the ranks run (Ray
-actors, `tiderl.system.ray_trainer`; or any launcher that starts one process per rank) is not
-this module's concern.
+Every rank computes everything batch-wide itself (rewards, masks, the loss normaliser,
+advantages: cheap and deterministic, so the ranks agree bit for bit); only the model passes are
+split, by micro-batch (`assign_micro_batches`), and their results summed across ranks, so the
+loss, the gradients and the step equal the single-process ones up to float rounding
+(`tests/test_parallel.py`). Process groups use gloo on the CPU and NCCL on CUDA (`backend_for`);
+where the ranks run (Ray actors, `tiderl.system.ray_trainer`) is not this module's concern.
 """
 
 from __future__ import annotations
@@ -116,12 +109,6 @@ def full_state_dict(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor
     return {k: v.detach().to("cpu") for k, v in unwrapped(model).state_dict().items()}
 
 
-def _all_sum_objects(values: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, values)
-    return out
-
-
 class ParallelLearner(Learner):
     """A `Learner` on one rank of a data-parallel group (DDP or FSDP2).
 
@@ -186,7 +173,8 @@ class ParallelLearner(Learner):
             loss_total += float(loss.detach())
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        everyone = _all_sum_objects((loss_total, count, totals))
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (loss_total, count, totals))
         summed: dict[str, float] = {}
         for _, _, t in everyone:
             for k, v in t.items():

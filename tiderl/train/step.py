@@ -1,30 +1,16 @@
-"""One optimizer step of any algorithm: the trainer's side of `tiderl.algos`.
+"""One optimizer step of any algorithm: the trainer's side of `tiderl.algos` (docs/algorithms.md).
 
 `train_step` reads the options of `AlgoConfig` and looks the advantage estimator and the policy
-loss up in `tiderl.algos.registry`; it never branches on `algo.name`, which is only the preset
-that filled in the options (SAO is the preset `sao`). In order:
+loss up in `tiderl.algos.registry`; it never branches on `algo.name`. In order:
 
-1. rewards: the trajectory's reward plus DAPO's overlong penalty (`algo.overlong_*`); dynamic
-   sampling drops groups whose rewards are all equal (`algo.dynamic_sampling`);
-2. one right-padded batch of all trajectories (`collate`), split into micro-batches by padded
-   tokens; batch-wide per-token quantities live in `[N, T]` tensors on the CPU. The policy's
-   forward passes run each micro-batch packed (one row of its real tokens, a prefix shared by
-   several sequences held once, attention within each sequence, logits only where a token is
-   scored) when the model supports it (`packed`);
-3. no-grad passes: recomputed old log-probs (`registry.recomputes_old_logprobs`), reference
-   log-probs (`registry.needs_ref`), critic values (`registry.needs_critic`). Reference
-   log-probs and critic values that the asynchronous buffer computed ahead
-   (`Trajectory.annotations["ref_logprobs"]` / `["values"]`, one float per token) replace the
-   forward pass when every trajectory carries them;
-4. the KL penalty in the reward (`algo.kl_in_reward`); with a critic, `algo.critic_updates`
-   critic steps towards skip-observation GAE targets (`algo.critic_lambda`); then the
-   advantages of the whole batch from the configured estimator (`AdvantageInputs`), whitened
-   with `masked_whiten` when `algo.normalize_advantages`;
-5. unless `train_actor` is False (the critic-only warm-up), `algo.actor_updates` actor steps:
-   the configured policy loss (`PolicyLossInputs`) aggregated with `algo.loss_agg`, plus
-   kl_coef * the KL term (KL in the loss), minus entropy_coef * the entropy term. Trajectories
-   whose advantages are all 0 are left out of these passes when that cannot change the gradient
-   (`skip_zero_advantage`).
+1. rewards: DAPO's overlong penalty (`algo.overlong_*`), dynamic sampling (`algo.dynamic_sampling`);
+2. one right-padded batch (`collate`) in micro-batches by padded tokens; batch-wide per-token
+   quantities live in `[N, T]` CPU tensors; the policy's passes run packed when the model can;
+3. no-grad passes: recomputed old log-probs, reference log-probs, critic values, or instead the
+   annotations the asynchronous buffer computed ahead, when every trajectory carries them;
+4. the KL penalty in the reward, the critic's steps towards skip-observation GAE targets, then the
+   advantages of the whole batch from the configured estimator;
+5. unless `train_actor` is False (the critic-only warm-up), the actor's steps on the policy loss.
 
 Every loss is normalised over the whole batch (`aggregation.loss_normalizer`) and a trajectory
 never straddles micro-batches, so the micro-batch split changes neither loss nor gradient.
@@ -92,9 +78,8 @@ def _finite_guard(learner: Learner, what: str, trajectories: list[Trajectory]) -
 
     def check(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # One batched norm over all (plain) gradients is finite whenever every element is (a NaN
-        # or inf element makes it non-finite): 0.4 ms instead of 4.6 ms for the 27 tensors of a
-        # hidden-128 model. Only when it is not (or overflows) is each gradient checked.
+        # One batched norm is finite iff every element is (docs/bench_vs_trl.md); only when it is
+        # not (or overflows) is each gradient checked.
         if grads and all(type(g) is torch.Tensor for g in grads) and bool(
                 torch.isfinite(torch.nn.utils.get_total_norm(grads))):
             return
@@ -191,18 +176,11 @@ def train_step(
     nonfinite: "error" raises `NonFiniteError` naming the trajectory (task) whose reward, or the
     tasks of the micro-batch whose loss or gradient, is NaN/inf; "skip" leaves such trajectories
     out (`nonfinite/skipped_trajectories`) or skips the optimizer step (`nonfinite/skipped_step`).
-    packed: run the policy's forward passes on packed micro-batches (`forward.packed_token_logprobs`:
-    no padding tokens, logits only where a token is scored); None = whenever the model supports
-    it (`forward.packs`), False = right-padded; both give the same losses and gradients.
-    skip_zero_advantage: leave trajectories whose advantages are all exactly 0 out of the actor's
-    forward/backward passes when they cannot change its gradient
-    (`registry.zero_advantage_rows_skippable`: e.g. GRPO groups of equal rewards with no KL or
-    entropy term in the loss). The loss normaliser stays the whole batch's, so the update is the
-    same up to float rounding; the actor's per-token metrics (entropy, ratios) then cover only
-    the trajectories trained on (`policy/zero_adv_skipped_frac` says how many were left out).
-    temperature: the one the trajectories were sampled at (`forward.logprob_temperature` of
-    `rollout.temperature`): the policy and the reference score tokens at it, as the engine's
-    behaviour log-probs do, so the importance ratio is 1 on fresh data at any temperature.
+    packed: run the policy's passes packed (`forward.packed_token_logprobs`); None = whenever the
+    model supports it (`forward.packs`), False = right-padded; both give the same gradients.
+    skip_zero_advantage: leave trajectories whose advantages are all 0 out of the actor's passes
+    when that cannot change its gradient (docs/algorithms.md, "Zero-advantage trajectories").
+    temperature: the one the trajectories were sampled at (`forward.logprob_temperature`).
     """
     skip = nonfinite == "skip"
     try:

@@ -1,12 +1,8 @@
-"""Value pretraining: fit a critic to the Monte-Carlo returns of a dataset of trajectories.
-
-SAO starts its critic from the policy with a zero head; on long tasks the first steps then
-learn against a critic that knows nothing. Pretraining fits the critic offline on trajectories
-the policy (or any policy) produced, with targets = Monte-Carlo returns over model tokens
-(skip-observation GAE with lambda = 1), the same targets SAO's critic learns online. The result
-is a normal `ValueModel` directory that `algo.value_init` loads.
-
-Trajectories are stored as JSON lines (`Trajectory.to_dict()`), one per line.
+"""Value pretraining (`tiderl pretrain-value`, docs/algorithms.md): fit a critic to the
+Monte-Carlo returns of a dataset of trajectories, the targets SAO's critic learns online, so that
+its first steps do not learn against a critic that knows nothing. The result is a normal
+`ValueModel` directory that `algo.value_init` loads. Trajectories are stored as JSON lines
+(`Trajectory.to_dict()`), one per line.
 """
 
 from __future__ import annotations
