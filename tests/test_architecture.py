@@ -215,20 +215,22 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2780,
-    "agent": 950,
-    "algos": 1620,
-    "metrics": 210,
-    "models": 1370,
-    "rewards": 470,
-    "rollout": 2640,
-    "serve": 1070,
-    "system": 2870,
-    "train": 1950,
+    "tiderl": 2670,
+    "agent": 890,
+    "algos": 1580,
+    "metrics": 190,
+    "models": 1320,
+    "rewards": 440,
+    "rollout": 2440,
+    "serve": 1020,
+    "system": 2660,
+    "train": 1860,
 }
-# The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29):
-# lower this as the work on the rollout pool, the component options and the tests lands.
-CORE_LINE_BUDGET = 15_800
+# The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
+# honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
+# to tiderl/lab, essays moved from docstrings to docs/) took it from 17,175 to 15,010: lower this as
+# the core shrinks, never by squeezing lines.
+CORE_LINE_BUDGET = 15_100
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:
