@@ -212,7 +212,8 @@ ADVERSARIAL = [
     "DO $$ BEGIN DELETE FROM singer; END $$", "PREPARE p AS DELETE FROM singer", "EXECUTE p", "CALL evil()",
     "GRANT ALL ON singer TO PUBLIC", "REVOKE SELECT ON singer FROM tiderl_reader", "LISTEN x", "NOTIFY x",
     "KILL 1", "HANDLER singer OPEN", "SHOW TABLES", "FLUSH TABLES", "DELETE FROM public.singer",
-    "DELETE FROM music.singer", "SELECT repeat('x', 50000000)", "SELECT * FROM generate_series(1, 100000000)",
+    "UPDATE public.singer SET name = 'x'", "INSERT INTO public.concert (id) VALUES (99)", "DELETE FROM music.singer",
+    "UPDATE music.concert SET year = 0", "SELECT repeat('x', 50000000)", "SELECT * FROM generate_series(1, 100000000)",
     "SELECT seq FROM seq_1_to_100000000",
     "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
     "SELECT U&\"\\0070g_terminate_backend\"(1)",
@@ -222,10 +223,12 @@ ADVERSARIAL = [
 # PostgreSQL's).
 COPY_WRITES = {"DELETE FROM singer", "INSERT INTO singer (id, name) VALUES (99, 'x')", "UPDATE singer SET name = 'x'"}
 COPY_WRITES_OF = {"postgresql": COPY_WRITES | {"WITH c AS (SELECT 1) DELETE FROM singer"},
-                  "mysql": COPY_WRITES | {"REPLACE INTO singer (id, name) VALUES (1, 'x')", "DELETE FROM music.singer"}}
+                  "mysql": COPY_WRITES | {"REPLACE INTO singer (id, name) VALUES (1, 'x')", "DELETE FROM music.singer",
+                                    "UPDATE music.concert SET year = 0"}}
 LIMITS = Limits(timeout_s=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["admin", "reader"])
 def test_adversarial_statements_leave_every_table_unchanged(server, role):
     before = checksums(server)
@@ -252,6 +255,7 @@ def test_adversarial_statements_leave_every_table_unchanged(server, role):
           f"checksums unchanged: {sorted((k, v[0], v[1][:12]) for k, v in before.items())}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writable", [False, True])
 def test_the_server_alone_holds_without_the_session_check(server, writable, monkeypatch):
     """The same statements straight at a session with its own statement check switched off, as the
@@ -304,6 +308,7 @@ def test_writes_are_seen_by_the_episode_and_by_nobody_else(server):
     assert checksums(server)["singer"][0] == len(SINGERS)
 
 
+@pytest.mark.slow
 def test_oracle_ceiling_equals_the_sqlite_copy_through_the_cli(server, tmp_path):
     from tiderl.cli import main
 
@@ -382,6 +387,7 @@ def test_server_urls_and_mistakes_name_the_fix(server):
     assert backend.tables and {t.name for t in backend.tables} == set(TABLES)
 
 
+@pytest.mark.slow
 def test_concurrent_episodes_against_one_server(server):
     """Many episodes in flight at once (threads, as the rollout runs them), each isolated: every
     oracle episode succeeds. Measures episodes/s against the same episodes on the SQLite copy."""

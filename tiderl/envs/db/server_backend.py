@@ -22,11 +22,12 @@ The database's own tables (of the URL's database; on PostgreSQL of `current_sche
    second statement hidden in a quoting trick.
 2. Every episode is one transaction that is rolled back when the session closes, opened
    REPEATABLE READ (one consistent snapshot for the episode) and READ ONLY before the agent's
-   first statement; PostgreSQL cannot make it read-write again once a query ran, and on MySQL
-   the session's default access mode is read-only too, so even a transaction that ended would
-   be followed by read-only ones. Each statement runs under a savepoint, so an error undoes
-   only that statement and the episode goes on. After each statement the session checks that
-   its transaction is still open, and otherwise closes the connection and ends the episode.
+   first statement; PostgreSQL cannot make it read-write again once a query ran, and the
+   session's default access mode is read-only too, so even a transaction that ended would be
+   followed by read-only ones. Each statement runs under a savepoint, so an error undoes only
+   that statement and the episode goes on. After each statement the session checks that its
+   transaction is still open and (MySQL, where `SET SESSION TRANSACTION READ WRITE` is possible)
+   the session still read-only, and otherwise closes the connection and ends the episode.
 3. Write tasks: before the transaction turns read-only, each table is copied into a TEMPORARY
    table of the same name, which hides the real one for the session (PostgreSQL searches its
    temporary schema first; MySQL resolves the name to the temporary table). Writes go to the
@@ -36,8 +37,10 @@ The database's own tables (of the URL's database; on PostgreSQL of `current_sche
    after the copied rows), so an INSERT that leaves the key out works as on the source.
 4. The server's permissions: connect as a role that may only read (PostgreSQL: SELECT on the
    tables, TEMP on the database, PUBLIC's default; MySQL: SELECT and CREATE TEMPORARY TABLES).
-   The layers above hold with any role (tests run them as the superuser too); a read-only role
-   is what keeps the data safe from anything no test thought of.
+   On PostgreSQL the layers above hold with any role (tested as the superuser, also with layer
+   1 off); on MySQL a statement layer 1 refuses (a session setting, then DDL, whose implicit
+   commit ends the transaction) could get past layers 2-3, so there the role is part of the
+   guarantee. Everywhere it is what keeps the data safe from anything no test thought of.
 
 Limits: the statement's time limit is set on the server before each statement
 (`statement_timeout`; MariaDB `max_statement_time`, MySQL `max_execution_time`, which covers
