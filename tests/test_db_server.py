@@ -416,3 +416,16 @@ def test_concurrent_episodes_against_one_server(server):
         assert failures == []
         rates[name] = len(episodes) / elapsed
     print("\nepisodes/s with 8 in flight: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
+
+
+def test_the_server_setup_passes_the_environment_contract(server):
+    from tiderl.config import load_config
+    from tiderl.envs.check import assert_environment
+    from tiderl.envs.setup import load_setup
+
+    overrides = ("data.source=db_file", f"env.options.db_path={server.reader_url}",
+                 f"env.options.questions={server.questions}", "data.eval_size=6")
+    assert assert_environment("db", *overrides, episodes=3).ok
+    setup = load_setup(load_config(None, ["env.name=db", *overrides]))
+    assert setup.eval_chunk_size == 32  # at most max_sessions episodes at once in tiderl eval
+    assert {t.meta["database"] for t in setup.eval_tasks} == {server.reader_url}

@@ -78,6 +78,10 @@ def file_setup(cfg: "RunConfig") -> Setup:
     limits = Limits(max_rows=env.max_items, timeout_s=options.timeout_s,
                     max_observation_chars=env.max_observation_chars)
     out.backend(("db", path), lambda: source)  # the backend the questions were loaded with
+    if server_dialect(path):
+        # A server backend holds at most max_sessions sessions; evaluating more episodes at once
+        # would leave the rest waiting for a session in the threads the running ones step in.
+        out.eval_chunk_size = source.max_sessions
     out.make_env = _DBFactory(out, path, limits, env.system_prompt or None, build=open_database)
     out.oracle = lambda task: oracle_turns(task, db_backend(out, path, open_database))
     return out
