@@ -429,3 +429,30 @@ def test_the_server_setup_passes_the_environment_contract(server):
     setup = load_setup(load_config(None, ["env.name=db", *overrides]))
     assert setup.eval_chunk_size == 32  # at most max_sessions episodes at once in tiderl eval
     assert {t.meta["database"] for t in setup.eval_tasks} == {server.reader_url}
+
+
+def test_missing_servers_and_drivers_name_the_fix(monkeypatch):
+    """Without the binaries the fixture skips with the fix (`make db-servers`, TIDERL_PG_BIN);
+    without a driver the backend says which package to install. No server is started."""
+    import sys
+
+    from tiderl.envs.db import servers
+
+    monkeypatch.delenv("TIDERL_PG_BIN", raising=False)
+    monkeypatch.delenv("TIDERL_MYSQL_BIN", raising=False)
+    monkeypatch.setattr(servers.shutil, "which", lambda name: None)
+    monkeypatch.setattr(servers.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(servers, "_executable", lambda folder, name: None)
+    with pytest.raises(SkipServer, match="make db-servers.*TIDERL_PG_BIN"):
+        ThrowawayPostgres()
+    with pytest.raises(SkipServer, match="make db-servers.*TIDERL_MYSQL_BIN"):
+        ThrowawayMariaDB()
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    monkeypatch.setitem(sys.modules, "pymysql", None)
+    with pytest.raises(ImportError, match=r"pip install 'psycopg\[binary\]'"):
+        ServerBackend("postgresql://u@/db")
+    with pytest.raises(ImportError, match="pip install 'PyMySQL'"):
+        ServerBackend("mysql://u@localhost/db")
+    with pytest.raises(ValueError, match="not a PostgreSQL or MySQL URL") as info:
+        ServerBackend("oracle://u:secret@h/db")
+    assert "secret" not in str(info.value)
