@@ -78,7 +78,8 @@ QUESTIONS = [
     ("latest", "Latest concert year per venue.", "SELECT venue, max(year) FROM concert GROUP BY venue"),
     ("empty", "Singers born in 2050.", "SELECT name FROM singer WHERE birth_year = 2050"),
     ("takings", "Sum of the ticket prices.", "SELECT sum(ticket_price) FROM concert"),
-    ("debuts", "Debuts after 1980, in order.", "SELECT name, debut FROM singer WHERE debut > '1980-01-01' ORDER BY debut"),
+    ("debuts", "Debuts after 1980, in order.",
+     "SELECT name, debut FROM singer WHERE debut > '1980-01-01' ORDER BY debut"),
     ("case", "Chilean singers (identifiers in another case).",
      "SELECT Name, Birth_Year FROM singer WHERE COUNTRY = 'Chile'"),
     ("quote", "The singer with an apostrophe.", "SELECT name FROM singer WHERE name LIKE '%O''Neil%'"),
@@ -243,7 +244,8 @@ def test_adversarial_statements_leave_every_table_unchanged(server, role):
             allowed = task_id == "delete" and statement in COPY_WRITES_OF[server.kind]
             assert observation.startswith("OK: ") == allowed, (task_id, statement, observation[:300])
             if not observation.startswith(("OK: ", "Error: ")):  # a result: only plain reads get one
-                assert statement.startswith(("SELECT", "WITH")) and "INTO" not in statement, (statement, observation[:300])
+                assert statement.startswith(("SELECT", "WITH")) and "INTO" not in statement, \
+                    (statement, observation[:300])
         env.finish("max_turns")
     elapsed = time.perf_counter() - started
     assert checksums(server) == before
@@ -385,6 +387,9 @@ def test_server_urls_and_mistakes_name_the_fix(server):
     session.close()
     backend.open([], False).close()
     assert backend.tables and {t.name for t in backend.tables} == set(TABLES)
+    expected = {"postgresql": "PostgreSQL: quote names with double quotes",
+                "mysql": "MariaDB: quote names with backticks"}
+    assert expected[server.kind] in DBEnv(backend).system_prompt()
 
 
 @pytest.mark.slow

@@ -220,7 +220,10 @@ class DBEnv:
         self.backend = backend if backend is not None else default_backend()
         self.limits = limits
         self.rel_tol = rel_tol
-        self._system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        if system_prompt is None:  # a server backend says which SQL dialect the agent writes
+            note = getattr(self.backend, "prompt_note", "")
+            system_prompt = DEFAULT_SYSTEM_PROMPT + (" " + note if note else "")
+        self._system_prompt = system_prompt
         self.toolbox: DBToolbox | None = None
         self._task: Task | None = None
         self._tables: list[TableSpec] = []

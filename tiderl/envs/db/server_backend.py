@@ -97,6 +97,14 @@ DENIED = {
 # A foreign key line of MySQL's SHOW CREATE TABLE (temporary tables cannot have them).
 _FOREIGN_KEY = re.compile(r",\n\s*(CONSTRAINT\s+`(?:[^`]|``)*`\s+)?FOREIGN KEY[^\n]*")
 
+# Added to the default system prompt (DBEnv): the dialect the agent writes.
+PROMPT_NOTES = {
+    "postgresql": "The database is PostgreSQL: quote names with double quotes (\"School Name\"); strings take "
+                  "single quotes.",
+    "mysql": "The database is MySQL/MariaDB: quote names with backticks (`School Name`); double quotes make "
+             "strings, and table names are case-sensitive.",
+}
+
 # Seconds the backend's own queries (schema, copies, hashes) may run.
 OWN_QUERY_TIMEOUT_S = 60.0
 _SAVEPOINT = "tiderl_statement"
@@ -419,6 +427,7 @@ class ServerBackend:
         self.wait_s = wait_s
         self._dialect = _dialect(url)
         self.dialect = self._dialect.name
+        self.prompt_note = PROMPT_NOTES[self.dialect]
         self._slots = threading.BoundedSemaphore(max_sessions)
         try:
             conn = self._dialect.connect(url)
