@@ -23,12 +23,14 @@ hold test data), and stopped with a fast shutdown, then SIGKILL if they do not s
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -114,6 +116,27 @@ def _chown_tree(path: Path, user: pwd.struct_passwd | None) -> None:
             os.chown(os.path.join(root, name), user.pw_uid, user.pw_gid, follow_symlinks=False)
 
 
+def _die_with_parent(sig: int) -> Any:
+    """A preexec_fn asking Linux to send `sig` to the server when this process dies (a test run
+    that is killed leaves no server behind); None where prctl is not available. It runs in the
+    child after the switch to the service user, which would clear an earlier setting."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), int(sig))
+
+    return arm
+
+
 class _Server:
     """What both servers share: a private folder, a child process, start and stop."""
 
@@ -144,7 +167,8 @@ class _Server:
         log = open(self.log, "ab")
         try:
             self.process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                            cwd=self.folder, start_new_session=True, **self._as_user())
+                                            cwd=self.folder, start_new_session=True,
+                                            preexec_fn=_die_with_parent(self._stop_signal), **self._as_user())
         finally:
             log.close()
 
