@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-fast test-shuffled clean
+.PHONY: setup demo test test-fast test-shuffled db-servers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,17 @@ test-shuffled: setup
 	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
 	echo "test order: shuffled with seed $$seed (replay: make test-shuffled SEED=$$seed)"; \
 	$(PY) -m pytest -q -m "not slow" --random-order-bucket=module --random-order-seed=$$seed tests
+
+# PostgreSQL and MariaDB from the distribution's packages (Debian/Ubuntu: apt-get; as root or with
+# sudo), for tests/test_db_server.py, which starts throwaway servers from them and skips without them
+# (about 35 s more on 2 cores). The services are not started or enabled here: the tests start their own.
+db-servers: setup
+	@if command -v apt-get >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    postgresql mariadb-server >/dev/null; \
+	else echo "db-servers: no apt-get here; install PostgreSQL and MariaDB (or MySQL) from your system's packages" >&2; exit 1; fi
+	$(PY) -m pip install --quiet -e ".[db-server]"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

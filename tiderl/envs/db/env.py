@@ -119,6 +119,17 @@ def open_database_file(path: str | Path) -> Backend:
                      ".duckdb file.")
 
 
+def open_database(source: str | Path) -> Backend:
+    """A read-only backend on a database the user already has: a PostgreSQL or MariaDB/MySQL
+    server URL (`ServerBackend`: every episode in a rolled-back read-only transaction) or a
+    SQLite/DuckDB file (`open_database_file`)."""
+    from tiderl.envs.db.server_backend import ServerBackend, server_dialect
+
+    if isinstance(source, str) and server_dialect(source):
+        return ServerBackend(source)
+    return open_database_file(source)
+
+
 def make_backend(kind: str = "sqlite", cache_dir: str | None = None) -> Backend:
     """A backend by name: "sqlite" (default), "duckdb", a SQLAlchemy URL (contains "://"), or
     the path of an existing SQLite/DuckDB file (opened read-only: `open_database_file`)."""
@@ -209,7 +220,10 @@ class DBEnv:
         self.backend = backend if backend is not None else default_backend()
         self.limits = limits
         self.rel_tol = rel_tol
-        self._system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        if system_prompt is None:  # a server backend says which SQL dialect the agent writes
+            note = getattr(self.backend, "prompt_note", "")
+            system_prompt = DEFAULT_SYSTEM_PROMPT + (" " + note if note else "")
+        self._system_prompt = system_prompt
         self.toolbox: DBToolbox | None = None
         self._task: Task | None = None
         self._tables: list[TableSpec] = []

@@ -145,8 +145,18 @@ def gold_matches_answer_md5(task: Task, backend: Backend | None = None) -> bool 
     try:
         for statement in split_statements(gold_sql):
             session.execute(statement, max_rows=0, timeout_s=10.0)
-        rows = session.execute(f"SELECT * FROM {quote_identifier(tables[0].name)}",
+        rows = session.execute(f"SELECT * FROM {_quoted_for(backend, tables[0].name)}",
                                max_rows=_ORACLE_MAX_ROWS, timeout_s=10.0).rows
     finally:
         session.close()
     return agentbench_table_md5(rows) == expected
+
+
+def _quoted_for(backend: Backend, name: str) -> str:
+    """A table name quoted for the backend's SQL: backticks on MySQL/MariaDB (a SQLAlchemy URL
+    or a server backend), double quotes elsewhere."""
+    engine = getattr(backend, "engine", None)
+    dialect = getattr(getattr(engine, "dialect", None), "name", None) or getattr(backend, "dialect", "")
+    if dialect in ("mysql", "mariadb"):
+        return "`" + name.replace("`", "``") + "`"
+    return quote_identifier(name)

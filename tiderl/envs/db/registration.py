@@ -20,8 +20,8 @@ class DBOptions:
     backend: str = opt("sqlite", "data.source=agentbench_db: where the task databases live: 'sqlite', "
                        "'duckdb' or an SQLAlchemy URL (a server; evaluated one task at a time).")
     timeout_s: float = opt(2.0, "Statement timeout in seconds.")
-    db_path: str = opt("", "data.source=db_file: an existing SQLite or DuckDB database file (opened "
-                       "read-only; write tasks run on a scratch copy).")
+    db_path: str = opt("", "data.source=db_file: an existing SQLite or DuckDB database file, or a PostgreSQL/"
+                       "MariaDB/MySQL URL (opened read-only; write tasks run on a scratch copy).")
     questions: str = opt("", "data.source=db_file: questions file, JSON lines of {question, sql or "
                          "answer} (docs/env_db.md).")
 
@@ -35,8 +35,8 @@ ENVIRONMENT = BuiltinEnvironment(
     sources=SOURCES,
     eval_flags=(
         EvalFlag("--db", ("data.source=db_file", "env.options.db_path={}"),
-                 "shortcut for data.source=db_file env.options.db_path=... (an existing SQLite/DuckDB file, "
-                 "read-only; with --env db)"),
+                 "shortcut for data.source=db_file env.options.db_path=... (an existing SQLite/DuckDB file or "
+                 "a postgresql:// / mysql:// URL, read-only; with --env db)"),
         EvalFlag("--questions", ("env.options.questions={}",),
                  "shortcut for env.options.questions=... (JSONL questions on --db)"),
     ),

@@ -10,11 +10,12 @@ overlap. At most `data.eval_size` eval tasks are kept (a fixed-seed sample). The
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from tiderl.envs.db.env import DBEnv, make_backend
+from tiderl.envs.db.env import DBEnv, make_backend, open_database
 from tiderl.envs.db.oracle import oracle_turns
 from tiderl.envs.db.questions import load_questions
+from tiderl.envs.db.server_backend import redact_url, server_dialect
 from tiderl.envs.db.tasks import DBBENCH_DIR, dbbench_dir, load_dbbench_tasks
 from tiderl.envs.db.tools import Limits
 from tiderl.envs.setup import Setup, data_root, sample_tasks
@@ -67,29 +68,39 @@ def file_setup(cfg: "RunConfig") -> Setup:
         missing = "env.options.db_path" if not options.db_path else "env.options.questions"
         raise ValueError(f"data.source=db_file needs {missing}. Fix: pass --db path/to.sqlite --questions q.jsonl "
                          "(or env.options.db_path=... env.options.questions=...).")
-    path = str(Path(options.db_path).expanduser().resolve())
-    tasks = load_questions(options.questions, make_backend(path), database=path)
+    path = options.db_path if server_dialect(options.db_path) else str(Path(options.db_path).expanduser().resolve())
+    source = open_database(path)
+    tasks = load_questions(options.questions, source, database=redact_url(path))
     held_out = sample_tasks(tasks, data.eval_size, data.seed)
     kept = {t.task_id for t in held_out}
     train = [t for t in tasks if t.task_id not in kept]
     out = Setup(train, held_out, DBEnv, "db_file", split=Path(options.questions).stem)
     limits = Limits(max_rows=env.max_items, timeout_s=options.timeout_s,
                     max_observation_chars=env.max_observation_chars)
-    out.make_env = _DBFactory(out, path, limits, env.system_prompt or None)
-    out.oracle = lambda task: oracle_turns(task, db_backend(out, path))
+    out.backend(("db", path), lambda: source)  # the backend the questions were loaded with
+    if server_dialect(path):
+        # A server backend holds at most max_sessions sessions; evaluating more episodes at once
+        # would leave the rest waiting for a session in the threads the running ones step in.
+        out.eval_chunk_size = source.max_sessions
+    out.make_env = _DBFactory(out, path, limits, env.system_prompt or None, build=open_database)
+    out.oracle = lambda task: oracle_turns(task, db_backend(out, path, open_database))
     return out
 
 
-def db_backend(setup: Setup, name: str) -> Any:
-    """The setup's database backend `name` (built once per setup and process)."""
-    return setup.backend(("db", name), lambda: make_backend(name))
+def db_backend(setup: Setup, name: str, build: Callable[[str], Any] = make_backend) -> Any:
+    """The setup's database backend `name`, made by `build(name)` once per setup and process
+    (`make_backend` for task databases, `open_database` for the user's file or server)."""
+    return setup.backend(("db", name), lambda: build(name))
 
 
 class _DBFactory:
     """`make_env` of a DB setup: a `DBEnv` on the setup's backend (built on first use)."""
 
-    def __init__(self, setup: Setup, backend: str, limits: Limits, system_prompt: str | None):
+    def __init__(self, setup: Setup, backend: str, limits: Limits, system_prompt: str | None,
+                 build: Callable[[str], Any] = make_backend):
         self.setup, self.backend, self.limits, self.system_prompt = setup, backend, limits, system_prompt
+        self.build = build
 
     def __call__(self) -> DBEnv:
-        return DBEnv(db_backend(self.setup, self.backend), limits=self.limits, system_prompt=self.system_prompt)
+        return DBEnv(db_backend(self.setup, self.backend, self.build), limits=self.limits,
+                     system_prompt=self.system_prompt)

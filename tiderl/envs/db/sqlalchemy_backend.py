@@ -29,7 +29,9 @@ a progress handler also stops statements inside the worker, and values are cappe
 `MAX_VALUE_BYTES` (`SQLITE_LIMIT_LENGTH`). A killed worker's connection closes, but a server
 may go on running the statement: for servers also set the statement timeout in the URL (e.g.
 PostgreSQL `?options=-c%20statement_timeout%3D2000`). Results holding a value over
-`MAX_VALUE_BYTES` are refused on every database. Only SQLite URLs are tested here.
+`MAX_VALUE_BYTES` are refused on every database. SQLite URLs are tested here; MariaDB and
+PostgreSQL scratch databases were measured with dbbench (docs/env_db.md). To ask questions about
+an existing server database, read-only, use `ServerBackend` (server_backend.py) instead.
 
 Knowledge units come from `referenced_units` (a conservative reading of the SQL text).
 """
@@ -104,7 +106,8 @@ class SQLAlchemyBackend:
                 "not created by tiderl, which creates and drops task tables in the database it is given. "
                 "Fix: point the URL at a new SQLite file (sqlite:///new.sqlite), sqlite:// (in memory) or "
                 "an empty database you dedicate to tiderl; to ask questions about an existing database "
-                "file, open it read-only with --db FILE (SQLiteFileBackend / DuckDBFileBackend).")
+                "file or server, open it read-only with --db FILE or --db URL (SQLiteFileBackend / "
+                "DuckDBFileBackend / ServerBackend).")
         with self.engine.begin() as conn:
             conn.exec_driver_sql(f"CREATE TABLE {MARKER_TABLE} (created_by VARCHAR(32))")
             conn.exec_driver_sql(f"INSERT INTO {MARKER_TABLE} VALUES ('tiderl')")
