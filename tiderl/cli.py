@@ -271,32 +271,6 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any, tasks: list, chunk_size: int = 0,
-               watch: Any = None, oracle: bool = False) -> dict[str, Any]:
-    """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
-    task and also runs when only eval.pass_k > 1 asks for it. With `oracle` (a scripted engine),
-    greedy only: a script is deterministic. `watch(mode, episodes)`, when given, returns the
-    `on_episode` callback of that mode's run (an `EvalProgress`)."""
-    from tiderl.evaluate import evaluate
-
-    def run(mode: str, greedy: bool, samples: int) -> dict[str, Any]:
-        watcher = watch(mode, len(tasks) * samples) if watch else None
-        try:
-            return evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, greedy,
-                            samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher,
-                            seed=cfg.seed)
-        finally:
-            if watcher is not None:
-                watcher.close()
-
-    out = {}
-    if cfg.eval.greedy or oracle:
-        out["greedy"] = run("greedy", True, 1)
-    if not oracle and (cfg.eval.sampled or cfg.eval.pass_k > 1):
-        out["sampled"] = run("sampled", False, cfg.eval.pass_k)
-    return out
-
-
 def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, Any, Any, str]:
     """The scripted oracle (`Setup.oracle`) as an engine, with the config whose episode limits
     cut no script (`oracle_limits`). Tokenizer: the one of `--model` or `model.path`, else one
@@ -328,7 +302,7 @@ def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
     reason, write the results to `--json` (else print them) and, with `--transcripts N`, that
     many episodes per mode as JSONL and Markdown (`--transcripts-out`_<mode>)."""
     from tiderl.envs.setup import load_setup
-    from tiderl.evaluate import (EvalProgress, markdown_table, result_rows, stop_reason_table,
+    from tiderl.evaluate import (EvalProgress, evaluate_modes, markdown_table, result_rows, stop_reason_table,
                                  trimmed_heap, write_transcripts)
 
     model, transcripts = args.model, args.transcripts
@@ -345,8 +319,8 @@ def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     if args.oracle:
         oracle_cfg, engine, tokenizer, tokenizer_source = _oracle(cfg, setup, model)
-        results = _eval_both(oracle_cfg, engine, tokenizer, setup.make_env, setup.eval_tasks,
-                             setup.eval_chunk_size or 256, watch, oracle=True)
+        results = evaluate_modes(oracle_cfg, engine, tokenizer, setup.make_env, setup.eval_tasks,
+                                 setup.eval_chunk_size or 256, watch, oracle=True)
         what, label = "oracle", (lambda mode: "oracle")
     else:
         import torch
@@ -372,7 +346,8 @@ def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
         engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed, copy_model=False)
         del policy
         with trimmed_heap():  # free heap pages go back to the OS as the engine's caches churn
-            results = _eval_both(cfg, engine, tokenizer, setup.make_env, setup.eval_tasks, setup.eval_chunk_size, watch)
+            results = evaluate_modes(cfg, engine, tokenizer, setup.make_env, setup.eval_tasks, setup.eval_chunk_size,
+                                     watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""
@@ -470,7 +445,7 @@ def cmd_pretrain_value(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Evaluate the warm-started policy, train it, evaluate again, write summary.json."""
-    from tiderl.evaluate import markdown_table
+    from tiderl.evaluate import evaluate_modes, markdown_table
     from tiderl.recipe import train
     from tiderl.run import build_run, save_run_checkpoint
 
@@ -480,12 +455,12 @@ def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
     tasks = run.setup.eval_tasks
     print(f"[tiderl] model {run.model_path}\n[tiderl] {len(run.setup.train_tasks)} training "
           f"tasks, {len(tasks)} held-out tasks ({run.setup.name})")
-    before = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
+    before = evaluate_modes(cfg, run.engine, run.tokenizer, run.make_env, tasks)
     print(markdown_table([(f"before {m}", r) for m, r in before.items()]))
     t_train = time.perf_counter()
     history, _ = train(run)
     train_s = time.perf_counter() - t_train
-    after = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
+    after = evaluate_modes(cfg, run.engine, run.tokenizer, run.make_env, tasks)
     ckpt = (save_run_checkpoint(run, run_dir / "checkpoints" / "final") if cfg.train.parallel == "none"
             else run_dir / "checkpoints" / "final")  # the ranks saved it at the last step
     wall = time.perf_counter() - t0

@@ -155,6 +155,8 @@ class TrainConfig:
                                          "last one (checked after each step; 0 = off).")
     keep_last: int = opt(0, "Keep only the newest N step checkpoints (0 = keep all; `final` is kept).")
     save_final: bool = opt(True, "Save the full checkpoint `checkpoints/final` at the end of the run.")
+    keep_best: bool = opt(False, "Keep `checkpoints/best`: the full checkpoint of the step whose held-out "
+                          "eval/success (eval.every) is the highest so far.")
     skip_zero_advantage: bool = opt(
         True, "Leave trajectories whose advantages are all exactly 0 (e.g. a GRPO group of equal rewards) "
               "out of the actor's forward/backward when that cannot change the gradient: a policy loss "
@@ -194,6 +196,10 @@ class EvalConfig:
     greedy: bool = opt(True, "Report greedy decoding.")
     sampled: bool = opt(True, "Report sampling at the rollout temperature.")
     pass_k: int = opt(1, "Also report pass@k from k samples per task (1 = off).")
+    every: int = opt(0, "During training, evaluate the trained weights on held-out tasks every N steps and at the "
+                     "last step, in the modes above (0 = off): eval/* in metrics.jsonl (docs/metrics.md).")
+    n: int = opt(0, "Held-out tasks per evaluation during training: the first n of the setup's (0 = all of them, "
+                 "at most data.eval_size).")
 
 
 @dataclass
@@ -387,6 +393,7 @@ def _ignored_keys(cfg: RunConfig) -> dict[str, str]:
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
          f"env.tool_latency={e.tool_latency} has no spread"),
+        (("eval.n", "train.keep_best"), cfg.eval.every > 0, "eval.every=0 evaluates nothing during training"),
     ]
     return {key: why for keys, used, why in rules if not used for key in keys}
 
@@ -518,6 +525,9 @@ def validate(cfg: RunConfig) -> None:
          "http drains and reloads its servers from one process, and Ray workers would each reload them",
          "use system.backend=local with rollout.engine=http")
     need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
+    need(cfg.eval.every >= 0 and cfg.eval.n >= 0, "eval.every/eval.n", "must be >= 0", "use 0 (off / all tasks)")
+    need(not cfg.eval.every or cfg.eval.greedy or cfg.eval.sampled or cfg.eval.pass_k > 1, "eval.every",
+         "asks for evaluations with every mode off", "set eval.greedy=true or eval.sampled=true")
     need(e.max_items >= 1, "env.max_items", "must be >= 1", "use 100")
     need(e.max_observation_chars >= 100, "env.max_observation_chars", "must be >= 100", "use 4000")
     need(e.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")
