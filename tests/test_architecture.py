@@ -215,7 +215,7 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2730,
+    "tiderl": 2750,
     "agent": 890,
     "algos": 1580,
     "metrics": 190,

@@ -74,6 +74,24 @@ class DataConfig:
     data_dir: str = opt("", "Root of the shared benchmark data ('' = $TIDERL_DATA_DIR or ../shared/data).")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
+    train_files: list[str] = opt([], "Your own training tasks, in place of the source's: JSONL files (Parquet too with "
+                                 "pyarrow, the `data` extra), for an environment that reads files (the others refuse "
+                                 "them). A relative path not found from the working directory is read under the data "
+                                 "root (data.data_dir), e.g. [gsm8k/train.jsonl].")
+    eval_files: list[str] = opt([], "Your own held-out tasks, likewise, in place of the source's (a fixed-seed sample of "
+                                "at most data.eval_size).")
+    fields: dict[str, str] = opt({}, "Which field of a record holds the question, the answer and the id, e.g. {question: "
+                                 "problem, answer: solution} ({} = question/problem/prompt, answer/solution, "
+                                 "id/unique_id).")
+
+    def check(self, cfg: Any) -> None:
+        need(set(self.fields) <= {"question", "answer", "id"}, "fields", f"names {sorted(self.fields)}",
+             "map only question, answer and id to a record's field names")
+
+    def unread(self, cfg: Any) -> dict[str, str]:
+        files = environments.reads_task_files(cfg.env.name)
+        return {} if files else dict.fromkeys(("train_files", "eval_files", "fields"),
+                                              f"env.name={cfg.env.name} reads no task files")
 
 
 @dataclass
@@ -360,7 +378,7 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     when it is not a config section, e.g. curiosity.kind_weights)."""
     out: set[str] = set()
     for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources"):
+        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources", "fields"):
             out |= _leaf_keys(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")
