@@ -23,6 +23,7 @@ from tiderl.algos import registry as algo_registry
 from tiderl.algos.presets import PRESETS, TRAINER_KEYS
 from tiderl.algos.registry import AlgoConfig
 from tiderl.envs import registration as environments
+from tiderl.metrics.trackers import check_trackers
 from tiderl.models.options import TinyModelConfig, WarmStartConfig
 from tiderl.options import (
     ConfigError,
@@ -274,6 +275,12 @@ class LogConfig:
     transcripts: int = opt(0, "Training episodes per step written as transcripts (0 = none): appended to "
                            "run_dir/transcripts/train.jsonl with their step, the latest step's also as "
                            "transcripts/train_latest.md. Rewarded episodes first, then in batch order.")
+    trackers: list[str] = opt([], "Experiment trackers that also get every step's metrics and the resolved config: "
+                              "wandb (WANDB_MODE=offline works, WANDB_DIR), mlflow (MLFLOW_TRACKING_URI, a local store "
+                              "works); the `trackers` extra installs both.")
+
+    def check(self, cfg: Any) -> None:
+        check_trackers(self.trackers)
 
 
 @dataclass

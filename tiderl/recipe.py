@@ -94,7 +94,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     pool = open_pool(run, backend, preparations, threads)
     run.trainer = learner = _learner(run, preparations)  # data-parallel ranks write their checkpoint shards
     trainer = TrainerThread(run, learner, threads.trainer)
-    logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
+    logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress, cfg.log.trackers, cfg)
     after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
     if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.options.drift)
         run.setup.on_step(run.step)
