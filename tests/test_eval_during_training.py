@@ -14,14 +14,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiderl.config import ConfigError, load_config
 from tiderl.evaluate import evaluate_modes, held_out_metrics
 from tiderl.models.loading import save_model_dir
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.recipe import train
-from tiderl.run import build_run
+from tiderl.rollout.weights import weights_checksum
+from tiderl.run import HeldOut, build_run
 from tiderl.train.checkpoint import MARKER
+from tiderl.train.lora import policy_state
 
 import user_env
 
@@ -141,6 +144,30 @@ def test_eval_during_asynchronous_training(model, tmp_path):
     assert last["step"] == 3 and 0 <= last["eval/success"] <= 1 and "eval/sampled/success" in last
     results = evaluate_modes(run.cfg, run.engine, run.tokenizer, run.make_env, run.setup.eval_tasks[:6])
     assert held_out_metrics(results)["eval/greedy/success"] == last["eval/greedy/success"]
+
+
+@pytest.mark.slow
+def test_a_lagging_engine_gets_the_trainers_weights_before_it_evaluates(model, tmp_path):
+    """Where rollouts run elsewhere (system.backend=ray), the driver's engine lags the trainer:
+    HeldOut hands it the trainer's weights first, so it evaluates the step's weights."""
+    run = build_run(load_config(None, overrides(model, tmp_path, "train.steps=2", "eval.every=1", f"eval.n={EVAL_N}")))
+    train(run)
+
+    def now() -> dict[str, float]:
+        return held_out_metrics(evaluate_modes(run.cfg, run.engine, run.tokenizer, run.make_env,
+                                               run.setup.eval_tasks[:EVAL_N]))
+
+    published = now()
+    assert published == {k: v for k, v in rows(tmp_path)[-1].items() if k.startswith("eval/")}
+    # A trainer step the engine has not seen: the actor moves to version 3, the engine stays at 2.
+    noise = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in run.actor.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    run.step = 3
+    evaluated = {k: v for k, v in HeldOut(run)(3).items() if k.startswith("eval/")}
+    assert run.engine.version == 3 and run.engine.state_checksum() == weights_checksum(policy_state(run.actor.model))
+    assert evaluated == now() and evaluated != published, (evaluated, published)
 
 
 @pytest.mark.parametrize("more, field", [
