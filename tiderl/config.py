@@ -23,6 +23,7 @@ from tiderl.algos import registry as algo_registry
 from tiderl.algos.presets import PRESETS, TRAINER_KEYS
 from tiderl.algos.registry import AlgoConfig
 from tiderl.envs import registration as environments
+from tiderl.metrics.trackers import check_trackers
 from tiderl.models.options import TinyModelConfig, WarmStartConfig
 from tiderl.options import (
     ConfigError,
@@ -74,6 +75,24 @@ class DataConfig:
     data_dir: str = opt("", "Root of the shared benchmark data ('' = $TIDERL_DATA_DIR or ../shared/data).")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
+    train_files: list[str] = opt([], "Your own training tasks, in place of the source's: JSONL files (Parquet too with "
+                                 "pyarrow, the `data` extra), for an environment that reads files (the others refuse "
+                                 "them). A relative path not found from the working directory is read under the data "
+                                 "root (data.data_dir), e.g. [gsm8k/train.jsonl].")
+    eval_files: list[str] = opt([], "Your own held-out tasks, likewise, in place of the source's (a fixed-seed sample of "
+                                "at most data.eval_size).")
+    fields: dict[str, str] = opt({}, "Which field of a record holds the question, the answer and the id, e.g. {question: "
+                                 "problem, answer: solution} ({} = question/problem/prompt, answer/solution, "
+                                 "id/unique_id).")
+
+    def check(self, cfg: Any) -> None:
+        need(set(self.fields) <= {"question", "answer", "id"}, "fields", f"names {sorted(self.fields)}",
+             "map only question, answer and id to a record's field names")
+
+    def unread(self, cfg: Any) -> dict[str, str]:
+        files = environments.reads_task_files(cfg.env.name)
+        return {} if files else dict.fromkeys(("train_files", "eval_files", "fields"),
+                                              f"env.name={cfg.env.name} reads no task files")
 
 
 @dataclass
@@ -155,6 +174,8 @@ class TrainConfig:
                                          "last one (checked after each step; 0 = off).")
     keep_last: int = opt(0, "Keep only the newest N step checkpoints (0 = keep all; `final` is kept).")
     save_final: bool = opt(True, "Save the full checkpoint `checkpoints/final` at the end of the run.")
+    keep_best: bool = opt(False, "Keep `checkpoints/best`: the full checkpoint of the step whose held-out "
+                          "eval/success (eval.every) is the highest so far.")
     skip_zero_advantage: bool = opt(
         True, "Leave trajectories whose advantages are all exactly 0 (e.g. a GRPO group of equal rewards) "
               "out of the actor's forward/backward when that cannot change the gradient: a policy loss "
@@ -194,6 +215,10 @@ class EvalConfig:
     greedy: bool = opt(True, "Report greedy decoding.")
     sampled: bool = opt(True, "Report sampling at the rollout temperature.")
     pass_k: int = opt(1, "Also report pass@k from k samples per task (1 = off).")
+    every: int = opt(0, "During training, evaluate the trained weights on held-out tasks every N steps and at the "
+                     "last step, in the modes above (0 = off): eval/* in metrics.jsonl (docs/metrics.md).")
+    n: int = opt(0, "Held-out tasks per evaluation during training: the first n of the setup's (0 = all of them, "
+                 "at most data.eval_size).")
 
 
 @dataclass
@@ -250,6 +275,12 @@ class LogConfig:
     transcripts: int = opt(0, "Training episodes per step written as transcripts (0 = none): appended to "
                            "run_dir/transcripts/train.jsonl with their step, the latest step's also as "
                            "transcripts/train_latest.md. Rewarded episodes first, then in batch order.")
+    trackers: list[str] = opt([], "Experiment trackers that also get every step's metrics and the resolved config: "
+                              "wandb (WANDB_MODE=offline works, WANDB_DIR), mlflow (MLFLOW_TRACKING_URI, a local store "
+                              "works); the `trackers` extra installs both.")
+
+    def check(self, cfg: Any) -> None:
+        check_trackers(self.trackers)
 
 
 @dataclass
@@ -354,7 +385,7 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     when it is not a config section, e.g. curiosity.kind_weights)."""
     out: set[str] = set()
     for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources"):
+        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources", "fields"):
             out |= _leaf_keys(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")
@@ -387,6 +418,7 @@ def _ignored_keys(cfg: RunConfig) -> dict[str, str]:
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
          f"env.tool_latency={e.tool_latency} has no spread"),
+        (("eval.n", "train.keep_best"), cfg.eval.every > 0, "eval.every=0 evaluates nothing during training"),
     ]
     return {key: why for keys, used, why in rules if not used for key in keys}
 
@@ -518,6 +550,9 @@ def validate(cfg: RunConfig) -> None:
          "http drains and reloads its servers from one process, and Ray workers would each reload them",
          "use system.backend=local with rollout.engine=http")
     need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
+    need(cfg.eval.every >= 0 and cfg.eval.n >= 0, "eval.every/eval.n", "must be >= 0", "use 0 (off / all tasks)")
+    need(not cfg.eval.every or cfg.eval.greedy or cfg.eval.sampled or cfg.eval.pass_k > 1, "eval.every",
+         "asks for evaluations with every mode off", "set eval.greedy=true or eval.sampled=true")
     need(e.max_items >= 1, "env.max_items", "must be >= 1", "use 100")
     need(e.max_observation_chars >= 100, "env.max_observation_chars", "must be >= 100", "use 4000")
     need(e.tool_latency_s >= 0, "env.tool_latency_s", "must be >= 0", "use e.g. 0.2")

@@ -127,6 +127,41 @@ def evaluate(
     return result
 
 
+def evaluate_modes(cfg: Any, engine: Engine | EngineFor, tokenizer: Any, make_env: Callable[[], Env],
+                   tasks: list[Task], chunk_size: int = 0, watch: Callable[[str, int], Any] | None = None,
+                   oracle: bool = False) -> dict[str, dict[str, Any]]:
+    """`evaluate` in the modes the config's `eval` section asks for: "greedy" (eval.greedy) and
+    "sampled" (eval.sampled, eval.pass_k samples per task; also when only eval.pass_k > 1 asks for
+    it), seeded with `cfg.seed`. With `oracle` (a scripted engine), greedy only: a script is
+    deterministic. `watch(mode, episodes)`, when given, returns the `on_episode` callback of that
+    mode's run (an `EvalProgress`), closed afterwards."""
+    modes = {"greedy": (True, 1)} if cfg.eval.greedy or oracle else {}
+    if not oracle and (cfg.eval.sampled or cfg.eval.pass_k > 1):
+        modes["sampled"] = (False, cfg.eval.pass_k)
+    out = {}
+    for mode, (greedy, samples) in modes.items():
+        watcher = watch(mode, len(tasks) * samples) if watch else None
+        try:
+            out[mode] = evaluate(engine, tokenizer, make_env, tasks, cfg.env, cfg.rollout, greedy,
+                                 samples_per_task=samples, chunk_size=chunk_size, on_episode=watcher, seed=cfg.seed)
+        finally:
+            if watcher is not None:
+                watcher.close()
+    return out
+
+
+def held_out_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """`evaluate_modes`' results as metrics (docs/metrics.md): `eval/<mode>/success` and
+    `eval/<mode>/success_se` per mode (and `eval/<mode>/pass_at_k` with eval.pass_k > 1), and
+    `eval/success`, `eval/success_se`: the first mode's (greedy when it runs)."""
+    out: dict[str, float] = {}
+    for mode, r in results.items():
+        out |= {f"eval/{mode}/success": r["success"], f"eval/{mode}/success_se": r["stderr"]}
+        out |= {f"eval/{mode}/pass_at_k": r["pass_at_k"]} if "pass_at_k" in r else {}
+    first = next(iter(results))
+    return {"eval/success": out[f"eval/{first}/success"], "eval/success_se": out[f"eval/{first}/success_se"], **out}
+
+
 # -- the oracle ----------------------------------------------------------------------------
 
 

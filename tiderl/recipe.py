@@ -30,7 +30,7 @@ from tiderl.metrics.logger import MetricsLogger
 from tiderl.metrics.summary import rollout_metrics
 from tiderl.registry import BACKENDS, resolve
 from tiderl.rewards.curiosity import batch_metrics as curiosity_metrics
-from tiderl.run import (Checkpoints, Run, Trainer, TrainerThread, build_run, open_pool, preparations_for,
+from tiderl.run import (Checkpoints, HeldOut, Run, Trainer, TrainerThread, build_run, open_pool, preparations_for,
                         save_run_checkpoint, sync_weights)
 from tiderl.system.cores import RunThreads, pinned_thread
 from tiderl.types import Trajectory
@@ -94,7 +94,7 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     pool = open_pool(run, backend, preparations, threads)
     run.trainer = learner = _learner(run, preparations)  # data-parallel ranks write their checkpoint shards
     trainer = TrainerThread(run, learner, threads.trainer)
-    logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress)
+    logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress, cfg.log.trackers, cfg)
     after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
     if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.options.drift)
         run.setup.on_step(run.step)
@@ -126,20 +126,21 @@ def _learner(run: Run, preparations: list[Any]) -> Any:
 
 def _after_step(run: Run, logger: MetricsLogger, checkpoints: Checkpoints, observer: Observer | None,
                 stop: Callable[[dict[str, float]], bool] | None) -> AfterStep:
-    """What follows every step: the world's clock, metrics, transcripts, the observer, a
-    checkpoint when due (the trainer is idle between steps), and whether to stop early."""
-    cfg, run_dir = run.cfg, Path(run.cfg.run_dir)
+    """What follows every step: the world's clock, held-out evaluation and checkpoints when due (the
+    trainer is idle between steps), metrics, transcripts, the observer, and whether to stop early."""
+    cfg, run_dir, held_out = run.cfg, Path(run.cfg.run_dir), HeldOut(run)
 
     def after_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> bool:
         metrics.update(rollout_metrics(batch))
         metrics.update(curiosity_metrics(batch))
         if run.setup.on_step is not None:  # a drifting world moves with the step (env.options.drift)
             run.setup.on_step(version)
+        metrics.update(held_out(version))  # eval.every: held-out success of the weights just published
         logger.log(version, metrics)
         append_training_transcripts(run.tokenizer, batch, version, cfg.log.transcripts, run_dir / "transcripts")
         if observer is not None:
             observer(version, metrics, batch)
-        checkpoints.after_step(version)
+        checkpoints.after_step(version, metrics)  # train.keep_best reads eval/success
         return stop is not None and stop(metrics)
 
     return after_step

@@ -27,6 +27,7 @@ from tiderl.algos.sampling import has_signal
 from tiderl.config import RunConfig
 from tiderl.envs.protocol import Task
 from tiderl.envs.setup import Setup, load_setup
+from tiderl.evaluate import evaluate_modes, held_out_metrics
 from tiderl.metrics.logger import cut_metrics
 from tiderl.models.loading import check_device, load_model, load_tokenizer
 from tiderl.models.startup import check_model_and_budgets
@@ -39,7 +40,7 @@ from tiderl.system.cores import RunThreads
 from tiderl.system.ledger import LedgerLog, cut_back
 from tiderl.system.pool import PoolSettings, RolloutBackend, RolloutPool
 from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
-from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from tiderl.train.checkpoint import MARKER, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.forward import logprob_temperature
 from tiderl.train.learner import Learner
@@ -311,10 +312,10 @@ def open_pool(run: Run, backend: RolloutBackend, preparations: list[Preparation]
     return run.pool
 
 
-def save_run_checkpoint(run: Run, path: Path) -> Path:
+def save_run_checkpoint(run: Run, path: Path, meta: dict[str, Any] | None = None) -> Path:
     """The whole state of the run, atomically: actor, critic, optimizers, the curiosity counts
     (so a resume pays the same bonuses), every random state and the rollout pool's schedule (when
-    one ran). Call it between steps."""
+    one ran); `meta` goes into its marker. Call it between steps."""
     rng = getattr(run.engine, "rng_state", None)
     state = {"tasks": run.tasks.state_dict(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
              "engine_rng": rng() if rng is not None else None, "run_dir": str(Path(run.cfg.run_dir).resolve())}
@@ -329,7 +330,8 @@ def save_run_checkpoint(run: Run, path: Path) -> Path:
             raise RuntimeError(f"a train.parallel={run.cfg.train.parallel} checkpoint is written by the trainer ranks, "
                                "and they are not running: save it during train() (train.checkpoint_every)")
     path = save_checkpoint(path, run.step, run.actor, run.critic, run.tokenizer, state=state,
-                           curiosity=run.curiosity.state_dict(), meta={"algo": run.cfg.algo.name}, shards=shards)
+                           curiosity=run.curiosity.state_dict(), meta={"algo": run.cfg.algo.name, **(meta or {})},
+                           shards=shards)
     log = getattr(run.pool, "ledger_log", None)
     if log is not None:
         log.append({"ev": "checkpoint", "step": run.step, "path": str(path)})
@@ -339,13 +341,20 @@ def save_run_checkpoint(run: Run, path: Path) -> Path:
 class Checkpoints:
     """When the recipe saves: every `train.checkpoint_every` steps and every
     `train.checkpoint_every_s` seconds, as `run_dir/checkpoints/step_N`, keeping the newest
-    `train.keep_last`."""
+    `train.keep_last`; with `train.keep_best`, `checkpoints/best` whenever a step's held-out
+    `eval/success` beats every earlier one (of this run, and of the run it resumes)."""
 
     def __init__(self, run: Run):
         self.run, self.root, self.last = run, Path(run.cfg.run_dir) / "checkpoints", time.monotonic()
+        best = self.root / "best" / MARKER
+        self.best = json.loads(best.read_text()).get("eval/success", -1.0) if run.resumed_from and best.is_file() \
+            else -1.0
 
-    def after_step(self, version: int) -> Path | None:
-        t = self.run.cfg.train
+    def after_step(self, version: int, metrics: dict[str, float] | None = None) -> Path | None:
+        t, score = self.run.cfg.train, (metrics or {}).get("eval/success")
+        if t.keep_best and score is not None and score > self.best:
+            self.best = score
+            save_run_checkpoint(self.run, self.root / "best", {"eval/success": score})
         due = (t.checkpoint_every > 0 and version % t.checkpoint_every == 0) or (
             t.checkpoint_every_s > 0 and time.monotonic() - self.last >= t.checkpoint_every_s)
         if t.parallel != "none" and t.save_final and version >= t.steps:
@@ -357,6 +366,33 @@ class Checkpoints:
         self.last = time.monotonic()
         prune_checkpoints(self.root, t.keep_last)
         return path
+
+
+class HeldOut:
+    """`eval.every`: held-out evaluation during training, after the step's weights were published:
+    `evaluate_modes` on the first `eval.n` held-out tasks with the run's engine (given the
+    trainer's weights first when rollouts run elsewhere). Returns `held_out_metrics` and
+    `time/eval_s` every `eval.every` steps and at the last one, {} at the others. At
+    max_staleness=0, where nothing else samples meanwhile, the engine's sampler state is put back
+    afterwards: training draws what it would have drawn without the evaluations."""
+
+    def __init__(self, run: Run):
+        self.run, self.every, self.tasks = run, run.cfg.eval.every, run.setup.eval_tasks[:run.cfg.eval.n or None]
+
+    def __call__(self, version: int) -> dict[str, float]:
+        run, cfg = self.run, self.run.cfg
+        if not self.every or (version % self.every and version < cfg.train.steps):
+            return {}
+        if run.engine.version != version:
+            getattr(run.trainer, "pull_actor", lambda: None)()  # data-parallel ranks hold the weights
+            sync_weights(run)
+        rng = getattr(run.engine, "rng_state", None)
+        kept = rng() if rng is not None and cfg.system.max_staleness == 0 else None
+        t0 = time.perf_counter()
+        results = evaluate_modes(cfg, run.engine, run.tokenizer, run.make_env, self.tasks, run.setup.eval_chunk_size)
+        if kept is not None:
+            run.engine.set_rng_state(kept)
+        return {**held_out_metrics(results), "time/eval_s": time.perf_counter() - t0}
 
 
 def sync_weights(run: Run) -> None:

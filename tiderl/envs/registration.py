@@ -12,7 +12,9 @@ An environment is one object (a class or a module-level object) with:
   run that names the environment and no source reads the first);
 - `warm_start` (optional): a `WarmStart`, how the embedded tiny model (`model.path=tiny`) is
   warm-started on it;
-- `eval_flags` (optional): `EvalFlag`s, shortcuts of `tiderl eval` for its options.
+- `eval_flags` (optional): `EvalFlag`s, shortcuts of `tiderl eval` for its options;
+- `task_files` (optional, default true for a user's): whether it reads `data.train_files`,
+  `data.eval_files` and `data.fields` (a built-in that does not has them refused).
 
 A built-in is a `BuiltinEnvironment` in its own package's `registration.py`, named by
 `tiderl.registry.ENVIRONMENTS`: torch-free and quick to import, so loading a config imports
@@ -78,6 +80,7 @@ class BuiltinEnvironment:
     warm_start_path: str = ""
     eval_flags: tuple[EvalFlag, ...] = ()
     former_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    task_files: bool = False
 
     def setup(self, cfg: Any) -> Any:
         """The environment's `Setup` for `cfg` (imports the environment's code)."""
@@ -112,6 +115,11 @@ def options_class(name: str) -> type | None:
 def sources(name: str) -> tuple[str, ...]:
     """The data sources environment `name` reads, the default first (() = it reads any)."""
     return tuple(getattr(environment(name), "sources", None) or ())
+
+
+def reads_task_files(name: str) -> bool:
+    """Whether environment `name` reads `data.train_files` / `data.eval_files` (module docstring)."""
+    return bool(getattr(environment(name), "task_files", True))
 
 
 def builtin(name: str) -> BuiltinEnvironment:

@@ -17,6 +17,7 @@ of a new environment (its options, data sources and warm start are optional):
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable
@@ -99,3 +100,44 @@ def sample_tasks(tasks: list[Task], size: int, seed: int) -> list[Task]:
         return tasks
     keep = sorted(random.Random(seed).sample(range(len(tasks)), size))
     return [tasks[i] for i in keep]
+
+
+def task_files(names: list[str], data_dir: str = "") -> list[Path]:
+    """The files `data.train_files` / `data.eval_files` name: each path as given, or, relative and
+    not found from the working directory, under the data root (`data_root`)."""
+    out = []
+    for name in names:
+        path = Path(name).expanduser()
+        if not path.is_absolute() and not path.exists():
+            path = data_root(data_dir) / name
+        if not path.is_file():
+            raise FileNotFoundError(f"task file {name!r} not found (looked in {Path.cwd()} and {data_root(data_dir)}). "
+                                    "Fix: pass an existing file, or set data.data_dir / $TIDERL_DATA_DIR to the folder "
+                                    "that holds it")
+        out.append(path)
+    return out
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a task file: JSON Lines (one object a line, blank lines skipped) or, for a
+    `.parquet` file, its rows (needs pyarrow: `pip install 'tiderl[data]'`)."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(f"{path}: reading Parquet needs pyarrow. Fix: pip install 'tiderl[data]', or "
+                              "convert the file to JSON Lines") from None
+        return pq.read_table(path).to_pylist()
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg}); task files are JSON Lines or "
+                             ".parquet") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records

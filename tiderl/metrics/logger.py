@@ -1,4 +1,5 @@
-"""Per-step metrics to JSONL and TensorBoard, plus a progress bar with the key numbers.
+"""Per-step metrics to JSONL, TensorBoard and the trackers of `log.trackers` (W&B, MLflow:
+`tiderl.metrics.trackers`), plus a progress bar with the key numbers.
 
 Every key written here is defined in docs/metrics.md.
 """
@@ -10,15 +11,18 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tiderl.metrics.trackers import open_trackers
+
 # Shown on the progress bar, in this order, when present.
 PROGRESS_KEYS = ("reward", "success", "value/explained_variance", "dis/masked_frac", "step_s")
 
 
 class MetricsLogger:
-    """Writes one JSON line per step to `run_dir/metrics.jsonl` and TensorBoard scalars."""
+    """Writes one JSON line per step to `run_dir/metrics.jsonl`, and its finite scalars to
+    TensorBoard and to the trackers `trackers` (started with the resolved config `config`)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True,
-                 progress: bool = True):
+                 progress: bool = True, trackers: list[str] = (), config: Any = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -33,16 +37,18 @@ class MetricsLogger:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+        self._trackers = open_trackers(list(trackers), self.run_dir, config) if trackers else []
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         # JSON-safe scalars: tensors and numpy numbers become Python numbers.
         record = {"step": step, **{k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        for k, v in scalars.items() if self._tb is not None else ():
+            self._tb.add_scalar(k, v, step)
+        for tracker in self._trackers:
+            tracker.log(step, scalars)
         if self._bar is not None:
             shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PROGRESS_KEYS
                      if isinstance(record.get(k), (int, float))}
@@ -50,6 +56,8 @@ class MetricsLogger:
             self._bar.update(1)
 
     def close(self) -> None:
+        for tracker in self._trackers:
+            tracker.close()
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tiderl.envs.math.extract import last_boxed
 from tiderl.envs.protocol import Task
+from tiderl.envs.setup import read_records
 
 BENCHMARK_FILES = {
     "gsm8k": "gsm8k/test.jsonl",
@@ -49,18 +51,7 @@ _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
-    out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-        out.append(record)
-    return out
+    return read_records(path)
 
 
 def _field(record: dict[str, Any], names: tuple[str, ...], where: str) -> Any:
@@ -113,6 +104,42 @@ def load_benchmark(root: Path, source: str) -> list[Task]:
             answer = integer_text(_field(record, ("answer",), where), where)
             task_id = f"{source}-{record.get('id', i)}"
         tasks.append(Task(task_id, str(prompt), answer, meta))
+    return tasks
+
+
+# Where a record keeps what, when data.fields does not say (the first present and non-empty wins).
+FIELD_NAMES = {"question": ("question", "problem", "prompt"), "answer": ("answer", "solution"),
+               "id": ("id", "unique_id")}
+
+
+def reference_answer(text: str) -> str:
+    """The gold answer in a record's answer field: after GSM8K's `####` (thousands separators
+    removed), else the last `\\boxed{}` (MATH's `solution`), else the text as it is (MATH-500's
+    `answer`, a bare number)."""
+    if "####" in text:
+        return gsm8k_answer(text)
+    boxed = last_boxed(text)
+    return (boxed if boxed is not None else text).strip()
+
+
+def file_tasks(paths: list[Path], fields: dict[str, str]) -> list[Task]:
+    """The tasks of `data.train_files` / `data.eval_files` (`read_records`): each record's question
+    and answer (`reference_answer`) from the fields `fields` names, else from `FIELD_NAMES`; task
+    id `<folder>/<file stem>-<id>` (the record's id, else its index)."""
+    tasks = []
+    names = {key: (fields[key],) if key in fields else default for key, default in FIELD_NAMES.items()}
+    for path in paths:
+        for i, record in enumerate(read_records(path)):
+            where = f"{path}: record {i + 1}"
+            try:
+                question = _field(record, names["question"], where)
+                answer = reference_answer(str(_field(record, names["answer"], where)))
+            except ValueError as exc:
+                raise ValueError(f"{exc}. Fix: name the record's fields in data.fields, e.g. {{question: problem, "
+                                 "answer: solution}") from None
+            key = next((record[n] for n in names["id"] if record.get(n) not in (None, "")), i)
+            tasks.append(Task(f"{path.parent.name}/{path.stem}-{key}", str(question), answer,
+                              {"dataset": f"{path.parent.name}/{path.stem}", "file": str(path)}))
     return tasks
 
 

@@ -40,6 +40,7 @@ ENVIRONMENT = BuiltinEnvironment(
     Options=MathOptions,
     sources=SOURCES,
     warm_start_path="tiderl.envs.math.setup:WARM_START",
+    task_files=True,
     former_keys={"env.math_tools": "calculator", "env.math_format_penalty": "format_penalty",
                  "env.math_verify_timeout_s": "verify_timeout_s", "data.num_train_tasks": "num_train_tasks"},
 )

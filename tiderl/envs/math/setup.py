@@ -35,6 +35,7 @@ from tiderl.envs.math.data import (
     Kind,
     arithmetic_tasks,
     digit_arithmetic_tasks,
+    file_tasks,
     load_benchmark,
     place_value_tasks,
     small_arithmetic_tasks,
@@ -44,7 +45,7 @@ from tiderl.envs.math.registration import SOURCES as MATH_SOURCES
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Task
 from tiderl.envs.registration import WarmStart
-from tiderl.envs.setup import Setup, data_root, sample_tasks
+from tiderl.envs.setup import Setup, data_root, sample_tasks, task_files
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -59,9 +60,16 @@ SINGLE_TURN_SOURCES = ("digit_arithmetic", "place_value")
 
 
 def setup(cfg: "RunConfig") -> Setup:
-    """The tasks of `data.source` and a factory of `MathEnv`s (module docstring)."""
+    """The tasks of `data.source` (or of `data.train_files` / `data.eval_files`, in place of the
+    source's) and a factory of `MathEnv`s (module docstring)."""
     data, options = cfg.data, cfg.env.options
-    if data.source == "arithmetic":
+    train_files, eval_files = task_files(data.train_files, data.data_dir), task_files(data.eval_files, data.data_dir)
+    if set(train_files) & set(eval_files):
+        raise ValueError(f"{sorted(map(str, set(train_files) & set(eval_files)))} are both data.train_files and "
+                         "data.eval_files: held-out tasks must not be trained on. Fix: list each file once")
+    if train_files and eval_files:  # the source's own tasks are not needed
+        train, held_out = [], []
+    elif data.source == "arithmetic":
         train, held_out = arithmetic_tasks(data.seed, options.num_train_tasks, data.eval_size)
     elif data.source == "digit_arithmetic":
         train, held_out = digit_arithmetic_tasks(data.seed, options.num_train_tasks, data.eval_size)
@@ -81,7 +89,12 @@ def setup(cfg: "RunConfig") -> Setup:
     else:
         raise ValueError(f"data.source={data.source!r} is not a math source. Fix: use one of "
                          f"{', '.join(MATH_SOURCES)} with env.name=math.")
-    out = Setup(train, held_out, _no_env, data.source)
+    if train_files:
+        train = file_tasks(train_files, data.fields)
+    if eval_files:
+        held_out = sample_tasks(file_tasks(eval_files, data.fields), data.eval_size, data.seed)
+    name = ",".join(f"{p.parent.name}/{p.stem}" for p in train_files) or data.source  # no warm start for files
+    out = Setup(train, held_out, _no_env, name)
     env = cfg.env
     out.make_env = _MathFactory(out, options.calculator, options.format_penalty, options.verify_timeout_s,
                                 env.system_prompt or None, env.max_observation_chars)
