@@ -265,13 +265,20 @@ def step_trajectories() -> list[Trajectory]:
     Behaviour log-probs are the seed-0 model's own plus noise (std 0.3), so ratios differ from 1
     and every clip/band is exercised the way a stale or mismatched engine would exercise it.
     """
+    return _synthetic_trajectories(STEP_MODEL_CFG, 8, 6, lambda i: float(i in (0, 3, 5, 6)) + 0.1 * i, 4)
+
+
+def _synthetic_trajectories(model_cfg, count: int, part_below: int, reward, group_size: int) -> list[Trajectory]:
+    """`count` trajectories (prompt, turn, observation, turn; each part 2 to part_below-1 tokens)
+    in groups of `group_size`, rewards `reward(i)`; behaviour log-probs are a seed-0 model's own plus
+    noise (std 0.3). The same in every process (their own generator, a seeded model)."""
     from tiderl.train.forward import token_logprobs
 
     g = torch.Generator().manual_seed(0)
-    model = init_tiny_model(STEP_MODEL_CFG, seed=0)
+    model = init_tiny_model(model_cfg, seed=0)
     out = []
-    for i in range(8):
-        turn1, obs, turn2 = (int(torch.randint(2, 6, (1,), generator=g)) for _ in range(3))
+    for i in range(count):
+        turn1, obs, turn2 = (int(torch.randint(2, part_below, (1,), generator=g)) for _ in range(3))
         mask = [0, 0, 0] + [1] * turn1 + [0] * obs + [1] * turn2
         tokens = torch.randint(3, 50, (len(mask),), generator=g).tolist()
         with torch.no_grad():
@@ -281,7 +288,7 @@ def step_trajectories() -> list[Trajectory]:
         behavior = [float(lp[0, t] + noise[t]) if m else 0.0 for t, m in enumerate(mask)]
         out.append(Trajectory(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
                               policy_version=[0 if m else NO_VERSION for m in mask],
-                              reward=float(i in (0, 3, 5, 6)) + 0.1 * i, group_id=f"q{i // 4}"))
+                              reward=reward(i), group_id=f"q{i // group_size}"))
     return out
 
 
@@ -340,24 +347,7 @@ LR, CLIP = 1e-3, 0.5  # a real step: a learning rate and a clip that bites
 def nine_trajectories() -> list[Trajectory]:
     """9 trajectories of different lengths (prompt, turn, observation, turn), rewards in 3 groups;
     the same in every process (their own generator, a seeded model)."""
-    from tiderl.train.forward import token_logprobs
-
-    g = torch.Generator().manual_seed(0)
-    model = init_tiny_model(PARALLEL_MODEL_CFG, seed=0)
-    out = []
-    for i in range(9):
-        turn1, obs, turn2 = (int(torch.randint(2, 9, (1,), generator=g)) for _ in range(3))
-        mask = [0, 0, 0] + [1] * turn1 + [0] * obs + [1] * turn2
-        tokens = torch.randint(3, 50, (len(mask),), generator=g).tolist()
-        with torch.no_grad():
-            ids = torch.tensor([tokens])
-            lp, _ = token_logprobs(model, ids, torch.ones_like(ids))
-        noise = torch.randn(len(mask), generator=g) * 0.3
-        behavior = [float(lp[0, t] + noise[t]) if m else 0.0 for t, m in enumerate(mask)]
-        out.append(Trajectory(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
-                              policy_version=[0 if m else NO_VERSION for m in mask],
-                              reward=float(i % 3 == 0) + 0.1 * i, group_id=f"q{i // 3}"))
-    return out
+    return _synthetic_trajectories(PARALLEL_MODEL_CFG, 9, 9, lambda i: float(i % 3 == 0) + 0.1 * i, 3)
 
 
 def parallel_cases() -> dict:
