@@ -50,7 +50,10 @@ Rules, fixed here before any run:
 - Sampled tokens trained per second = sampled (loss-masked) tokens of trained trajectories /
   clock. Waste = 1 - trained sampled tokens / decoded sampled tokens: every completed model turn
   counts as decoded, so dropped-as-stale, restarted, filtered and still-unsettled episodes (in
-  flight or buffered when the run stops) all count as waste.
+  flight or buffered when the run stops) all count as waste. The pool's own account of it
+  (`system.json` "waste", docs/metrics.md) is recorded beside it (`pool_waste`), with the length
+  distributions of trained and finished episodes (`lengths`: means, p50/p90, Kolmogorov-Smirnov
+  D and p); the table prints the mean trained and finished lengths and D.
 - Figures are means over `--seeds` seeds with a 95 % t-interval. The headline compares async-s2
   (chosen here, before running) with the STRONGEST sync mode of the same workload: the one with
   the lowest mean time to target. The ratio (sync / async, > 1 = async faster) is the geometric
@@ -498,6 +501,7 @@ def run_mode(mode: Mode, workload: str, seed: int, b: int, steps: int, eval_ever
         "decoded_tokens": decoded, "waste": 1 - trained_sampled[0] / decoded if decoded else 0.0,
         "dropped": ledger["dropped_stale"], "restarted": ledger["restarted"], "unsettled": ledger["unsettled"],
         "trained": ledger["trained"], "staleness_hist": summary["staleness_histogram"],
+        "pool_waste": summary["waste"], "lengths": summary["lengths"],
         "trainer_idle": summary["trainer_idle_frac"], "core_plan": summary["cores"]["plan"], "ran_on": ran_on,
         "core_busy_frac": {c: round((busy1[c] - busy0[c]) / wall, 3) for c in busy1},
         "load": [load0, load1], "curve": curve,
@@ -543,10 +547,18 @@ def ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
+def length_text(rows: list[dict[str, Any]]) -> str:
+    """Mean sampled tokens of the trained / finished episodes (the pool's `lengths`), over seeds."""
+    means = [interval([r.get("lengths", {}).get(f"length/{k}_mean", math.nan) for r in rows])[0]
+             for k in ("trained", "finished")]
+    return f"{means[0]:.1f}/{means[1]:.1f}"
+
+
 def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) -> list[str]:
     lines = []
     header = (f"{'mode':<15}{'conc.':>6}{'time to target s':>20}{'cens.':>6}{'trained tok/s':>16}"
-              f"{'waste':>15}{'held-out final':>18}{'dropped/restarted/unsettled':>30}  staleness")
+              f"{'waste':>15}{'len trained/finished':>22}{'KS D':>13}{'held-out final':>18}"
+              f"{'dropped/restarted/unsettled':>30}  staleness")
     headline = []
     for w in workloads:
         by_mode = {m.name: [r for r in rows if r["workload"] == w and r["mode"] == m.name] for m in modes}
@@ -563,7 +575,9 @@ def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) 
             lines.append(
                 f"{name:<15}{rs[0]['concurrency']:>6}{fmt([r['time_to_target_s'] for r in rs]):>20}"
                 f"{sum(r['censored'] for r in rs):>4}/{len(rs)}{fmt([r['trained_tok_s'] for r in rs], 0):>16}"
-                f"{fmt([r['waste'] for r in rs], 3):>15}{fmt([r['final'] for r in rs], 3):>18}"
+                f"{fmt([r['waste'] for r in rs], 3):>15}{length_text(rs):>22}"
+                f"{fmt([r.get('lengths', {}).get('length/ks_d', math.nan) for r in rs], 3):>13}"
+                f"{fmt([r['final'] for r in rs], 3):>18}"
                 f"{fmt([r['dropped'] for r in rs], 0) + ' / ' + fmt([r['restarted'] for r in rs], 0) + ' / ' + fmt([r['unsettled'] for r in rs], 0):>30}"
                 f"  {hist}")
         finished = [t for rs in by_mode.values() for r in rs for t in episode_totals(r)]
@@ -641,7 +655,8 @@ def main() -> None:
                 rows.append(r)
                 reached = f"at {r['time_to_target_s']:.1f} s" if not r["censored"] else "not reached"
                 print(f"  {w} {mode.name} seed {seed}: wall {r['wall_s']:.1f} s, target {r['target']:.3f} {reached}, final "
-                      f"{r['final']:.3f}, {r['trained_tok_s']:.0f} tok/s, waste {r['waste']:.3f}, plan "
+                      f"{r['final']:.3f}, {r['trained_tok_s']:.0f} tok/s, waste {r['waste']:.3f} (pool: "
+                      f"{r['pool_waste']['waste_frac']:.3f}), lengths {r['lengths']}, plan "
                       f"{r['core_plan']}, ran on {r['ran_on']}, load {r['load']}; sampled tokens per episode "
                       f"{r['episode_tokens']}", flush=True)
                 results.write_text(json.dumps(rows, indent=1))

@@ -2,8 +2,8 @@
 `FakeRollout` (a backend whose episodes are asyncio sleeps) and `FakeTrainer` (a trainer that
 records its batches), plus `run_pool`, which drives them through the recipe's own loop.
 
-A fake episode's first sampled token carries the weight version when it started and its last one
-the version when it ended, as a partial rollout would.
+A fake episode's first half of its sampled tokens carries the weight version when it started and
+the rest the version when it ended, as a partial rollout would.
 """
 
 from __future__ import annotations
@@ -22,25 +22,33 @@ from tiderl.system.pool import PoolSettings, RolloutPool
 from tiderl.types import NO_VERSION, Trajectory
 
 
-def fake_trajectory(task: Task, group_id: str, v_start: int, v_end: int, reward: float = 0.0) -> Trajectory:
-    return Trajectory(tokens=[5, 6, 7], loss_mask=[0, 1, 1], behavior_logprobs=[0.0, -1.0, -1.0],
-                      policy_version=[NO_VERSION, v_start, v_end], reward=reward, task_id=task.task_id,
-                      group_id=group_id, env_info={"success": reward}, stop_reason="answer")
+def fake_trajectory(task: Task, group_id: str, v_start: int, v_end: int, reward: float = 0.0,
+                    length: int = 2) -> Trajectory:
+    """A prompt token, then `length` sampled tokens: the first half (rounded down) on `v_start`."""
+    half = length // 2
+    return Trajectory(tokens=[5] + [6] * length, loss_mask=[0] + [1] * length,
+                      behavior_logprobs=[0.0] + [-1.0] * length,
+                      policy_version=[NO_VERSION] + [v_start] * half + [v_end] * (length - half), reward=reward,
+                      task_id=task.task_id, group_id=group_id, env_info={"success": reward}, stop_reason="answer")
 
 
 class FakeRollout:
     """A backend whose episodes sleep `duration(task_id)` seconds (or, when `wait(task_id)` gives
-    an asyncio.Event, until it is set). `fail(task_id, attempt)` may return "worker" (raise) or
-    "env" (stop_reason error) to simulate faults."""
+    an asyncio.Event, until it is set) and sample `length(task_id)` tokens. `fail(task_id,
+    attempt)` may return "worker" (raise) or "env" (stop_reason error) to simulate faults. A
+    cancelled episode counts the first half of its tokens in `cut_tokens`, as if cut mid-way."""
 
     def __init__(self, duration: Callable[[str], float] = lambda _: 0.0,
                  fail: Callable[[str, int], str] = lambda *_: "",
                  reward: Callable[[str], float] = lambda _: 0.0,
-                 wait: Callable[[str], asyncio.Event | None] = lambda _: None):
+                 wait: Callable[[str], asyncio.Event | None] = lambda _: None,
+                 length: Callable[[str], int] = lambda _: 2):
         self.duration = duration
         self.fail = fail
         self.reward = reward
         self.wait = wait
+        self.length = length
+        self.cut_tokens = 0
         self.version = 0
         self.attempts: dict[str, int] = {}
         self.starts: list[tuple[str, int, float]] = []  # (task_id, version at start, time)
@@ -59,14 +67,19 @@ class FakeRollout:
         v_start = self.version
         self.starts.append((task.task_id, v_start, time.monotonic()))
         event = self.wait(task.task_id)
-        if event is not None:
-            await event.wait()
-        await asyncio.sleep(self.duration(task.task_id))
+        try:
+            if event is not None:
+                await event.wait()
+            await asyncio.sleep(self.duration(task.task_id))
+        except asyncio.CancelledError:
+            self.cut_tokens += self.length(task.task_id) // 2
+            raise
         self.finishes.append((task.task_id, time.monotonic()))
         kind = self.fail(task.task_id, attempt)
         if kind == "worker":
             raise ConnectionError("rollout worker died")
-        t = fake_trajectory(task, group_id, v_start, self.version, self.reward(task.task_id))
+        t = fake_trajectory(task, group_id, v_start, self.version, self.reward(task.task_id),
+                            self.length(task.task_id))
         if kind == "env":
             t.stop_reason = "error"
             t.env_info["error"] = "RuntimeError('tool crashed')"

@@ -223,14 +223,14 @@ PACKAGE_LINE_BUDGETS = {
     "rewards": 440,
     "rollout": 2440,
     "serve": 1020,
-    "system": 2660,
+    "system": 2740,
     "train": 1860,
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
 # to tiderl/lab, essays moved from docstrings to docs/) took it from 17,175 to 15,010: lower this as
-# the core shrinks, never by squeezing lines.
-CORE_LINE_BUDGET = 15_170
+# the core shrinks, never by squeezing lines. Issue 35's waste accounting added 86 lines (15,255).
+CORE_LINE_BUDGET = 15_260
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

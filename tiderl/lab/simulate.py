@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tiderl.system.elastic import LoadSignals, Memory, capacity_bounds, decide
+from tiderl.system.ledger import Lengths
 from tiderl.system.staleness import StalenessGate
 
 
@@ -220,6 +221,20 @@ class SimResult:
     slot_changes: int = 0
     completed_turn_tokens: int = 0  # tokens of model turns that finished (what tiderl counts as decoded)
     restarted: int = 0
+    lengths: dict[str, float] = field(default_factory=dict)  # `Lengths.metrics()`: trained vs finished
+
+    @property
+    def trained_length(self) -> float:
+        """Mean sampled tokens of the episodes trained (all of each, masked tokens included)."""
+        return self.lengths.get("length/trained_mean", 0.0)
+
+    @property
+    def finished_length(self) -> float:
+        return self.lengths.get("length/finished_mean", 0.0)
+
+    @property
+    def ks_d(self) -> float:
+        return self.lengths.get("length/ks_d", 0.0)
 
     @property
     def waste_of_completed_turns(self) -> float:
@@ -252,7 +267,8 @@ class SimResult:
                 "waste_frac": round(self.waste_frac, 4), "dropped": self.dropped,
                 "cancelled": self.cancelled, "trainer_idle": round(self.trainer_idle_frac, 3),
                 "engine_busy": round(self.engine_busy_frac, 3),
-                "staleness": dict(sorted(self.staleness.items()))}
+                "staleness": dict(sorted(self.staleness.items())),
+                **{k: round(v, 4) for k, v in self.lengths.items()}}
 
 
 @dataclass
@@ -324,6 +340,7 @@ class Simulation:
         self.serial = 0
         self.steps = 0
         self.stats = Counter()
+        self.lengths = Lengths()  # as tiderl's pool tallies them
         self.trainer_busy_s = 0.0
         self.gate_blocked_s = 0.0
         self.window = Counter()  # elastic interval accounting
@@ -501,6 +518,7 @@ class Simulation:
             self._begin_turn(ep)
 
     def _finish(self, ep: _Episode) -> None:
+        self.lengths.finished[ep.tokens] += 1
         self.assigned[ep.engine] -= 1
         del self.in_flight[ep.serial]
         if self.c.prep_s <= 0:
@@ -543,6 +561,7 @@ class Simulation:
         self.step_waiting = False
         for ep in batch:
             self.gate.histogram[self.version - ep.version] += 1
+            self.lengths.trained[ep.tokens] += 1
         if self.s.mode == "overprovision":
             self._cancel_in_flight()
         tokens = sum(ep.tokens for ep in batch)
@@ -681,7 +700,8 @@ class Simulation:
             trainer_idle_frac=max(0.0, 1 - self.trainer_busy_s / wall) if wall else 0.0,
             engine_busy_frac=busy / wall if wall else 0.0,
             staleness=dict(self.gate.histogram), slot_changes=self.slot_changes,
-            completed_turn_tokens=self.stats["completed_turn_tokens"], restarted=self.stats["restarted"])
+            completed_turn_tokens=self.stats["completed_turn_tokens"], restarted=self.stats["restarted"],
+            lengths=self.lengths.metrics())
 
 
 def simulate(workload: Workload, cluster: Cluster, schedule: Schedule, seed: int = 0) -> SimResult:

@@ -305,7 +305,8 @@ def table(summaries: list[ModeSummary]) -> list[str]:
     """One line per mode: mean ± 95 % interval over the seeds."""
     width = max(len(m.label) for m in summaries) + 1
     header = (f"{'mode':<{width}} {'trained tok/s':>19} {'step s':>15} {'waste':>13} {'trainer idle':>13} "
-              f"{'tok/traj':>8} {'dropped':>8} {'cancel/restart':>14}  staleness (fraction per level)")
+              f"{'tok/traj':>8} {'len trained/finished':>20} {'KS D':>5} {'dropped':>8} {'cancel/restart':>14}  "
+              "staleness (fraction per level)")
     lines = [header]
     for m in summaries:
         tps, step, waste, idle = (m.figure(f) for f in ("trained_tokens_per_s", "step_s", "waste_frac",
@@ -315,9 +316,21 @@ def table(summaries: list[ModeSummary]) -> list[str]:
             f"{m.label:<{width}} {tps[0]:>10.1f} ± {tps[1]:<6.1f} {step[0]:>7.2f} ± {step[1]:<5.2f} "
             f"{waste[0]:>6.1%} ± {waste[1]:<4.1%} {idle[0]:>6.2f} ± {idle[1]:<4.2f} "
             f"{m.figure('tokens_per_trajectory')[0]:>8.0f} "
+            f"{m.figure('trained_length')[0]:>10.0f}/{m.figure('finished_length')[0]:<9.0f} {m.figure('ks_d')[0]:>5.3f} "
             f"{sum(r.dropped for r in m.results) / n:>8.1f} "
             f"{sum(r.cancelled + r.restarted for r in m.results) / n:>14.1f}  {_hist_text(m.staleness_fractions())}")
     return lines
+
+
+def length_line(summaries: list[ModeSummary]) -> str:
+    """Each async mode's waste and trained episode length against the plain sync mode's (the
+    unbiased reference: it trains every episode it starts)."""
+    ref = next((m for m in summaries if m.name == "sync"), None) or strongest_sync(summaries)
+    base = ref.figure("trained_length")[0]
+    text = ", ".join(f"{m.name} waste {m.figure('waste_frac')[0]:.1%}, length "
+                     f"{m.figure('trained_length')[0] / base if base else math.inf:.3f}x"
+                     for m in summaries if not m.synchronous)
+    return f"trained mean episode length / {ref.name}'s ({base:.0f} sampled tokens): {text}"
 
 
 def gain_line(summaries: list[ModeSummary]) -> str:
@@ -376,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
         title = f"--{args.sweep[0].lstrip('-')} {text}: " if args.sweep else ""
         print(f"{title}scenario {args.scenario}, {seeds} seeds per mode ({time.perf_counter() - t0:.1f} s); "
               f"mean ± 95 % interval; tokens are sampled tokens\n  settings: {describe(workload, cluster, schedule)}")
-        for line in table(summaries) + [gain_line(summaries), ""]:
+        for line in table(summaries) + [length_line(summaries), gain_line(summaries), ""]:
             print(line)
         best, ratios = gains(summaries)
         swept.append((text, best, ratios))

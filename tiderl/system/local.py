@@ -4,6 +4,7 @@ decodes on its own thread behind a `BatchingEngine` (docs/architecture.md, "Thre
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from tiderl.agent.loop import play_episode
@@ -37,6 +38,7 @@ class LocalRollout:
         self.client = BatchingEngine(engine, max_batch_size, thread_init=thread_init, executor=executor, **timing)
         self.core_plan = core_plan or CorePlan()
         self.decoded_tokens = 0  # sampled tokens of every completed model turn, trained or not
+        self.cut_tokens = 0  # of those, the ones of episodes cancelled before they finished
 
     @classmethod
     def from_run(cls, run: "Run", preparations: list[Any], executor: Any = None) -> "LocalRollout":
@@ -64,8 +66,13 @@ class LocalRollout:
         await self.client.close()
 
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
-        return await play_episode(_Counting(self), self.tokenizer, self.make_env, task, self.params,
-                                  self.max_turns, self.max_total_tokens, group_id=group_id)
+        client = _Counting(self)
+        try:
+            return await play_episode(client, self.tokenizer, self.make_env, task, self.params,
+                                      self.max_turns, self.max_total_tokens, group_id=group_id)
+        except asyncio.CancelledError:
+            self.cut_tokens += client.tokens
+            raise
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
         await self.client.update_weights(state_dict, version)
@@ -87,10 +94,12 @@ class _Counting:
 
     def __init__(self, rollout: LocalRollout):
         self._rollout = rollout
+        self.tokens = 0  # this episode's
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Any:
         completion = await self._rollout.client.generate(prompt, params)
         self._rollout.decoded_tokens += len(completion.token_ids)
+        self.tokens += len(completion.token_ids)
         return completion
 
     def __getattr__(self, name: str) -> Any:

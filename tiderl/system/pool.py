@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +32,7 @@ from tiderl.envs.protocol import Task
 from tiderl.rollout.weights import published_checksum
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.elastic import CapacityRemoved, LoadSignals, Memory, capacity_bounds, decide
+from tiderl.system.ledger import Lengths
 from tiderl.system.staleness import StalenessGate, trajectory_staleness
 from tiderl.system.timing import TimeWeighted
 from tiderl.types import Trajectory
@@ -61,6 +62,8 @@ class RolloutBackend(Protocol):
     async def update_weights(self, weights: Any, version: int) -> Any:
         """Load weights `version`; returns the checksum of what the workers now hold."""
         ...
+
+    # Optional: `cut_tokens`, sampled tokens of the completed turns of cancelled episodes (waste).
 
     def report(self) -> dict[str, Any]:
         """The backend's part of the run summary (`system.json`)."""
@@ -187,6 +190,8 @@ class RolloutPool:
         self.trained_tokens = 0
         self.trained_sequence_tokens = 0
         self.critic_lag_histogram: dict[int, int] = {}  # run totals of `critic_value_lags`
+        self.wasted: Counter[str] = Counter()  # cause -> sampled tokens that never train
+        self.lengths = Lengths()
         self._prep_seen = 0  # preparation intervals already counted in `time/prep_s`
         self._start_version = start_version  # the critic snapshot counts its refreshes from here
         self._t0 = self._last_end = self._t_wait = self._t_got = self._t_publish = 0.0
@@ -261,7 +266,9 @@ class RolloutPool:
         t_end = time.monotonic()
         wall = max(t_end - self._t0, 1e-9)
         # The batch was trained from version - 1: the same measure the gate judged it by.
-        staleness = [trajectory_staleness(t.policy_version, self.version - 1) for t in batch]
+        staleness = [trajectory_staleness([v for v, m in zip(t.policy_version, t.loss_mask) if m], self.version - 1)
+                     for t in batch]
+        waste = self.waste()
         out = {
             "policy_version": self.version,
             "step_s": t_end - self._last_end,
@@ -289,6 +296,9 @@ class RolloutPool:
             "system/generated_tokens": self.generated_tokens,
             "system/trained_action_tokens": self.trained_tokens,
             "system/trained_sequence_tokens": self.trained_sequence_tokens,
+            "system/wasted_tokens": waste["wasted_tokens"],
+            "system/waste_frac": waste["waste_frac"],
+            **self.lengths.metrics(),
             "time/prep_s": self._prep_seconds_since_last_step(),
             **lag_metrics(self._lags),
         }
@@ -331,6 +341,8 @@ class RolloutPool:
             "generated_tokens": self.generated_tokens,
             "trained_action_tokens": self.trained_tokens,
             "trained_sequence_tokens": self.trained_sequence_tokens,
+            "wasted": {**self.wasted, "cut": self.waste()["cut"]},
+            "lengths": {"finished": dict(self.lengths.finished), "trained": dict(self.lengths.trained)},
             "ledger_offset": self.ledger_log.offset if self.ledger_log is not None else None,
         }
 
@@ -363,6 +375,8 @@ class RolloutPool:
         # Checkpoints from before the goodput fix hold one count of every token ("trained_tokens").
         self.trained_tokens = state.get("trained_action_tokens", 0)
         self.trained_sequence_tokens = state.get("trained_sequence_tokens", state.get("trained_tokens", 0))
+        self.wasted = Counter(state.get("wasted", {}))  # checkpoints before the waste metrics: none
+        self.lengths = Lengths(**state.get("lengths", {}))
 
     def unsettled(self) -> int:
         """Attempts started but not in any ledger bucket (in flight or waiting in the buffer)."""
@@ -389,6 +403,8 @@ class RolloutPool:
             "trained_action_tokens": self.trained_tokens,
             "trained_sequence_tokens": self.trained_sequence_tokens,
             "critic_lag_histogram": dict(sorted(self.critic_lag_histogram.items())),
+            "waste": self.waste(final=True),
+            "lengths": self.lengths.metrics(),
             "backend": self.backend.report(),
         }
 
@@ -442,8 +458,10 @@ class RolloutPool:
         self.generated_tokens += sum(t.num_action_tokens for t in trajectories)
         problem = _attempt_problem(trajectories, self.settings.group_size)
         if problem:
+            self.wasted["faulted"] += sum(t.num_action_tokens for t in trajectories)
             self._fault(attempt, problem)
             return
+        self.lengths.finished.update(t.num_action_tokens for t in trajectories)
         self._failed_in_a_row = 0
         for i, trajectory in enumerate(trajectories):
             if i:  # each further trajectory of the attempt is accounted for as one more start
@@ -496,6 +514,8 @@ class RolloutPool:
         """Count finished trajectories in ledger `bucket` (trained, filtered or dropped_stale)."""
         self.gate.settled(len(group))
         setattr(self.ledger, bucket, getattr(self.ledger, bucket) + len(group))
+        if bucket != "trained":
+            self.wasted[bucket] += sum(t.num_action_tokens for t in group)
         for t in group:
             self._event(bucket, task=t.task_id, group=t.group_id, version=self.version)
         self._changed.set()
@@ -531,6 +551,7 @@ class RolloutPool:
                 group = got[start:start + g]
                 verdicts = [self.gate.is_fresh(t, self.version) for t in group]
                 if all(verdicts):
+                    self.lengths.trained.update(t.num_action_tokens for t in group)
                     fresh.extend(group)
                     continue
                 # A group's advantages depend on every member: a stale member spoils it.
@@ -544,6 +565,15 @@ class RolloutPool:
         seconds = sum(end - start for start, end in busy[self._prep_seen:])
         self._prep_seen = len(busy)
         return seconds
+
+    def waste(self, final: bool = False) -> dict[str, float]:
+        """Sampled tokens that never train per cause, their sum and its fraction of the sampled
+        tokens (docs/metrics.md); `final`: the run stopped, so the buffered ones count too."""
+        w = {**self.wasted, "cut": self.wasted["cut"] + getattr(self.backend, "cut_tokens", 0)}
+        if final:
+            w["unsettled"] = sum(t.num_action_tokens for t in self.buffer.contents() + self._taken)
+        total = sum(w.values())
+        return {**w, "wasted_tokens": total, "waste_frac": total / max(1, self.generated_tokens + w["cut"])}
 
     def _rollout_idle(self) -> float:
         slot_area, active_area = self._slots_tw.integral(), self._active.integral()
