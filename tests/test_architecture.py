@@ -215,7 +215,7 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2750,
+    "tiderl": 2760,
     "agent": 890,
     "algos": 1580,
     "metrics": 260,
@@ -223,14 +223,15 @@ PACKAGE_LINE_BUDGETS = {
     "rewards": 440,
     "rollout": 2440,
     "serve": 1020,
-    "system": 2740,
+    "system": 2800,
     "train": 1860,
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
 # to tiderl/lab, essays moved from docstrings to docs/) took it from 17,175 to 15,010: lower this as
-# the core shrinks, never by squeezing lines. Issue 35's waste accounting added 86 lines (15,255).
-CORE_LINE_BUDGET = 15_260
+# the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
+# (system.stale) added 149 lines (15,318).
+CORE_LINE_BUDGET = 15_320
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

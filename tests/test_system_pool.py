@@ -47,9 +47,9 @@ def test_gate_admits_up_to_n_plus_one_batches_and_not_past_the_engine_lag():
 def test_gate_drops_and_counts_what_is_older_than_the_bound():
     gate = StalenessGate(max_staleness=1, batch_size=2)
     task = Task("a", "q", None)
-    assert gate.is_fresh(fake_trajectory(task, "g", 4, 5), trainer_version=5)  # staleness 1
-    assert not gate.is_fresh(fake_trajectory(task, "g", 3, 5), trainer_version=5)  # staleness 2
-    assert gate.is_fresh(fake_trajectory(task, "g", 5, 5), trainer_version=5)
+    assert gate.judge(fake_trajectory(task, "g", 4, 5), trainer_version=5) == 0  # staleness 1: trains whole
+    assert gate.judge(fake_trajectory(task, "g", 3, 5), trainer_version=5) is None  # staleness 2: dropped
+    assert gate.judge(fake_trajectory(task, "g", 5, 5), trainer_version=5) == 0
     assert gate.dropped == 1
     assert dict(gate.histogram) == {1: 1, 2: 1, 0: 1}
 

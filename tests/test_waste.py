@@ -1,6 +1,8 @@
 """Waste and length bias (issue 35; docs/metrics.md, "Waste and length bias"): the tally and the
 two-sample statistic, the rollout pool's account of every sampled token (fake backend and
-trainer, known episode lengths), and the simulator's, which tallies lengths the same way."""
+trainer, known episode lengths), and the simulator's, which tallies lengths the same way; the
+stale policies (`system.stale`: drop, or mask the too-stale tokens; the bound on trained tokens)
+in the rule, the pool, the config and the simulator."""
 
 from __future__ import annotations
 
@@ -11,10 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from pool_fakes import FakeRollout, FakeTrainer, check_ledger, run_pool
+from pool_fakes import FakeRollout, FakeTrainer, check_ledger, fake_trajectory, run_pool
+from tiderl.config import load_config
+from tiderl.envs.protocol import Task
 from tiderl.lab.simulate import Cluster, Dist, Schedule, Workload, simulate
+from tiderl.options import ConfigError
+from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.ledger import Lengths, ks_two_sample, quantile
 from tiderl.system.pool import PoolSettings
+from tiderl.system.staleness import StalenessGate, too_stale
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -142,3 +149,115 @@ def test_the_simulator_tallies_lengths_as_the_pool_does():
     assert asynchronous.dropped > 0
     assert asynchronous.trained_length < asynchronous.finished_length and asynchronous.ks_d > 0
     assert asynchronous.trained_length == asynchronous.trained_tokens / asynchronous.trained
+
+
+# --- stale policies ------------------------------------------------------------------------------
+
+
+def test_the_rule_drops_or_masks_exactly_the_tokens_older_than_the_bound():
+    counts = {3: 25, 4: 25}  # 25 tokens sampled on version 3, 25 on version 4
+    assert too_stale(counts, trainer_version=5, bound=2) == 0  # oldest 3 >= 5 - 2: trains whole
+    assert too_stale(counts, 5, 1) is None  # drop: one token too old spoils it
+    assert too_stale(counts, 5, 1, "mask") == 25  # mask: the version-3 tokens
+    assert too_stale(counts, 6, 1, "mask") is None  # every token too old: dropped anyway
+    assert too_stale({}, 9, 0, "mask") == 0  # nothing sampled: staleness 0
+    gate = StalenessGate(max_staleness=1, batch_size=2, policy="mask", bound=2)
+    t = fake_trajectory(Task("a", "q", None), "g", 2, 5, length=6)  # 3 tokens on version 2, 3 on 5
+    assert gate.judge(t, trainer_version=5) == 3 and gate.dropped == 0 and gate.histogram == {3: 1}
+    with pytest.raises(ValueError, match="stale bound 1 is below max_staleness=2"):
+        StalenessGate(max_staleness=2, batch_size=2, bound=1)
+    with pytest.raises(ValueError, match="use one of drop, mask"):
+        StalenessGate(max_staleness=2, batch_size=2, policy="trim")
+
+
+@pytest.mark.parametrize("policy", ["drop", "mask"])
+def test_mask_keeps_the_long_episodes_that_drop_throws_away(policy):
+    # As above, t0 and t1 (50 tokens: 25 on version 0, 25 on the version they end on, 3 or 4)
+    # finish once the trainer is at 4; admission at 1, trained tokens bounded by 3. Drop: both
+    # are dropped (staleness >= 4). Mask: both train, with exactly their 25 version-0 tokens masked.
+    trainer = FakeTrainer()
+    rollout = long_and_short({"t0", "t1"}, 4, trainer)
+    settings = PoolSettings(batch_size=2, max_staleness=1, slots=4, stale_policy=policy, stale_bound=3)
+    pool, history = run_pool(settings, rollout, trainer, steps=12)
+    trained = [(version, t) for version, batch, _, _ in trainer.batches for t in batch]
+    for version, t in trained:  # no trained token older than the bound
+        assert all(v >= version - 3 for v, m in zip(t.policy_version, t.loss_mask) if m)
+    long_trained = [t for _, t in trained if t.task_id in ("t0", "t1")]
+    waste = pool.summary()["waste"]
+    if policy == "drop":
+        assert pool.ledger.dropped_stale == 2 and not long_trained and waste["dropped_stale"] == 100
+        assert pool.lengths.trained == {10: 24}
+    else:
+        assert pool.ledger.dropped_stale == 0 and len(long_trained) == 2
+        assert all(t.num_action_tokens == 25 for t in long_trained) and waste["masked"] == 50
+        assert pool.lengths.trained == {10: 22, 50: 2}  # the episodes' whole lengths
+        assert history[-1]["system/staleness_max"] <= 3
+        assert history[-1]["system/trained_action_tokens"] == 22 * 10 + 2 * 25
+    check_ledger(pool)
+
+
+def test_mask_keeps_a_group_whose_member_is_partly_too_old():
+    # Groups of 2; the first group's members run until the trainer is at 3: partly stale, masked,
+    # and the group trains whole (its advantages need both rewards).
+    trainer = FakeTrainer()
+    rollout = long_and_short({"t0"}, 3, trainer)
+    settings = PoolSettings(batch_size=4, max_staleness=1, group_size=2, stale_policy="mask", stale_bound=2)
+    pool, _ = run_pool(settings, rollout, trainer, steps=8, buffer=ReadyBuffer([], group_size=2))
+    first = [t for _, batch, _, _ in trainer.batches for t in batch if t.task_id == "t0"]
+    assert len(first) == 2 and all(t.num_action_tokens == 25 for t in first)
+    assert pool.ledger.dropped_stale == 0 and pool.summary()["waste"]["masked"] == 50
+    check_ledger(pool)
+
+
+def test_the_config_chooses_the_policy_and_bound_beside_the_code():
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=1", "system.stale.policy=mask",
+                                                   "system.stale.bound=2"])
+    s = PoolSettings.from_config(cfg)
+    assert (s.stale_policy, s.stale_bound) == ("mask", 2)
+    assert PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", [])).stale_policy == "drop"
+    with pytest.raises(ConfigError, match="system.stale.bound: 1 is below system.max_staleness=2"):
+        load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.bound=1"])
+    with pytest.raises(ConfigError, match="system.stale.policy: set to 'mask', but at system.max_staleness=0"):
+        load_config("configs/kg_sao_tiny.yaml", ["system.stale.policy=mask"])
+    with pytest.raises(ConfigError, match="'trim' is not one of 'drop', 'mask'"):
+        load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=1", "system.stale.policy=trim"])
+
+
+def test_the_simulator_masks_with_the_same_rule_and_accounts_for_every_token():
+    heavy = Workload(Dist("const", 3), Dist("lognormal", 20, 0.5), Dist("lognormal", 1.0, 1.5, 30))
+    one = Cluster(engines=1, engine_max_seqs=64, decode_step_s=0.01, decode_step_per_seq_s=0.0,
+                  train_step_s=1.0, sync_s=0.0)
+    runs = {(p, k): simulate(heavy, one, Schedule(max_staleness=1, batch_size=16, steps=20, stale_policy=p,
+                                                  stale_bound=k), seed=1)
+            for p in ("drop", "mask") for k in (0, 2)}
+    drop = runs["drop", 0]
+    assert drop.dropped > 0 and drop.masked_tokens == 0
+    for r in runs.values():
+        assert r.trained == 16 * 20
+        assert r.generated_tokens == r.trained_tokens + r.wasted_tokens  # every sampled token accounted for
+    mask = runs["mask", 0]
+    assert mask.masked_tokens > 0 and mask.dropped < drop.dropped
+    assert mask.trained_length > drop.trained_length and mask.ks_d < drop.ks_d
+    assert mask.tokens_per_trajectory == (mask.trained_tokens / mask.trained)
+    assert runs["drop", 2].dropped < drop.dropped and runs["mask", 2].masked_tokens < mask.masked_tokens
+
+
+def test_tiderl_simulate_compares_the_stale_policies(capsys):
+    from tiderl.cli import _parser, main
+    from tiderl.lab import simulate_cli
+
+    args = _parser().parse_args(["simulate", "--batch-size", "4", "--steps", "4", "--seeds", "1", "--staleness", "1,2",
+                                 "--cancel-factors", "none", "--stale-policies", "drop,mask,mask+1"])
+    modes = {m.name: m.schedule for m in simulate_cli.modes_of(args, simulate_cli.settings(args)[2])}
+    assert [n for n in modes if n.startswith("async")] == ["async-s1", "async-s2", "async-s1-mask", "async-s2-mask",
+                                                           "async-s1-mask+1", "async-s2-mask+1"]
+    assert (modes["async-s2-mask+1"].stale_policy, modes["async-s2-mask+1"].stale_bound) == ("mask", 3)
+    assert (modes["async-s1-mask"].stale_bound, modes["async-s1"].stale_policy) == (0, "drop")
+    assert main(["simulate", "--batch-size", "4", "--steps", "4", "--seeds", "1", "--staleness", "1",
+                 "--cancel-factors", "none", "--stale-policies", "drop,mask+1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "len trained/finished" in next(line for line in lines if line.startswith("mode"))
+    assert lines[-2].startswith("trained mean episode length / sync's (") and "async-s1-mask+1 waste" in lines[-2]
+    with pytest.raises(SystemExit):
+        main(["simulate", "--stale-policies", "mask+x"])
+    assert "argument --stale-policies" in capsys.readouterr().err

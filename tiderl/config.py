@@ -38,6 +38,7 @@ from tiderl.options import (
     unread_keys,
 )
 from tiderl.rewards.curiosity import CuriosityConfig
+from tiderl.system.staleness import StaleOptions
 from tiderl.train.lora import LoraSettings
 
 
@@ -232,6 +233,7 @@ class SystemConfig:
         registry.BACKEND_COMPONENTS, "The chosen backend's own options (`Options` of what system.backend names; "
         "`tiderl config` lists each backend's).")
     max_staleness: int = opt(0, "Policy versions a trained token may lag the trainer (0 = on-policy, synchronous).")
+    stale: StaleOptions = section(StaleOptions, "What trains of a trajectory with tokens older than the bound.")
     partial_rollout: str = opt("continue", "What in-flight episodes do when new weights arrive: continue on them "
                                "(per-token versions) or restart from scratch.", ("continue", "restart"))
     slots: int = opt(0, "Concurrent rollout slots at start (0 = (max_staleness+1) x batch).")

@@ -16,7 +16,11 @@ modelled, and how:
   (their action tokens)`, then `sync_s` to hand the weights to every engine. Engines sample with
   the new version from then on; an episode's staleness is the trainer version at training minus
   the version of its first sampled token (partial rollouts continue on new weights, tiderl's
-  default `system.partial_rollout=continue`). With `colocated`, the devices do one thing at a
+  default `system.partial_rollout=continue`). A trajectory older than the bound (`stale_bound`,
+  0 = N: tiderl's `system.stale.bound`) is judged by tiderl's own rule (`too_stale`) under the
+  schedule's `stale_policy` (`system.stale.policy`): `drop` drops it, `mask` trains it with its
+  tokens sampled more than the bound ago masked out (each episode records how many tokens it had
+  sampled at each weight change, so the tokens per version are known). With `colocated`, the devices do one thing at a
   time, as tiderl's synchronous loop (decoding, preparation and training in one thread): once a
   batch is ready no new turn joins a decode pass, the step starts when the engines have
   finished what they were decoding and preparing, and engines stop while it trains and syncs.
@@ -48,7 +52,7 @@ from typing import Any
 
 from tiderl.system.elastic import LoadSignals, Memory, capacity_bounds, decide
 from tiderl.system.ledger import Lengths
-from tiderl.system.staleness import StalenessGate
+from tiderl.system.staleness import StalenessGate, too_stale
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,8 @@ class Schedule:
     max_slots: int = 0
     elastic_interval_s: float = 2.0
     steps: int = 50
+    stale_policy: str = "drop"  # async: tiderl's system.stale.policy (drop | mask)
+    stale_bound: int = 0  # async: tiderl's system.stale.bound (0 = max_staleness)
 
     def label(self) -> str:
         if self.mode == "overprovision":
@@ -197,6 +203,8 @@ class Schedule:
             base = "sync" if self.max_staleness == 0 else f"async N={self.max_staleness}"
             if self.admission:
                 base += f" admit {self.admission}"
+            if self.stale_policy != "drop" or self.stale_bound:
+                base += f" {self.stale_policy}" + (f" bound {self.stale_bound}" if self.stale_bound else "")
         if self.min_slots and self.max_slots and self.min_slots != self.max_slots:
             base += f" elastic {self.min_slots}-{self.max_slots}"
         return f"{base} B={self.batch_size}"
@@ -221,6 +229,7 @@ class SimResult:
     slot_changes: int = 0
     completed_turn_tokens: int = 0  # tokens of model turns that finished (what tiderl counts as decoded)
     restarted: int = 0
+    masked_tokens: int = 0  # too-stale tokens masked out of trained trajectories (mask policy)
     lengths: dict[str, float] = field(default_factory=dict)  # `Lengths.metrics()`: trained vs finished
 
     @property
@@ -263,7 +272,7 @@ class SimResult:
     def row(self) -> dict[str, Any]:
         return {"mode": self.label, "wall_s": round(self.wall_s, 3), "step_s": round(self.step_s, 4),
                 "trained_tok_per_s": round(self.trained_tokens_per_s, 1), "trained": self.trained,
-                "trained_tokens": self.trained_tokens, "restarted": self.restarted,
+                "trained_tokens": self.trained_tokens, "restarted": self.restarted, "masked": self.masked_tokens,
                 "waste_frac": round(self.waste_frac, 4), "dropped": self.dropped,
                 "cancelled": self.cancelled, "trainer_idle": round(self.trainer_idle_frac, 3),
                 "engine_busy": round(self.engine_busy_frac, 3),
@@ -285,6 +294,8 @@ class _Episode:
     profile: tuple[int, ...] = ()  # measured turn lengths (Workload.episodes), when given
     turn: int = 0  # turns begun
     tool_since: float = -1.0  # when its running tool call began (-1: not in one)
+    marks: list = field(default_factory=list)  # (version, tokens sampled before it) from its first token on
+    masked: int = 0  # tokens too stale to train (mask policy), as last judged
 
 
 @dataclass
@@ -313,7 +324,8 @@ class Simulation:
         self.rng = random.Random(seed)
         b = schedule.batch_size
         if schedule.mode == "async":
-            self.gate = StalenessGate(schedule.max_staleness, b, schedule.admission)
+            self.gate = StalenessGate(schedule.max_staleness, b, schedule.admission, schedule.stale_policy,
+                                      schedule.stale_bound)
             default_slots = self.gate.capacity
         else:
             if schedule.overprovision < 1:
@@ -443,6 +455,7 @@ class Simulation:
     def _begin_turn(self, ep: _Episode) -> None:
         if ep.version < 0:
             ep.version = self.engine_version
+            ep.marks.append((ep.version, 0))
         if ep.profile:
             ep.turn_tokens = ep.profile[ep.turn]
         else:
@@ -495,6 +508,17 @@ class Simulation:
                     and self.gate.outstanding < self.slots)
         return self.gate.may_start(self.version, self.engine_version)
 
+    @staticmethod
+    def _sampled(ep: _Episode) -> int:
+        """Tokens an episode has sampled so far (its finished turns and the current one's part)."""
+        return ep.tokens + (int(ep.turn_tokens - max(0.0, ep.remaining)) if ep.generating else 0)
+
+    @staticmethod
+    def _counts(ep: _Episode) -> dict[int, int]:
+        """A finished episode's sampled tokens per weight version (from its marks)."""
+        ends = [c for _, c in ep.marks[1:]] + [ep.tokens]
+        return {v: end - c for (v, c), end in zip(ep.marks, ends)}
+
     def _partial(self, ep: _Episode) -> int:
         """Tokens an episode has sampled so far (its finished turns and the current one's part),
         counted into `generated` when it leaves unfinished."""
@@ -540,13 +564,14 @@ class Simulation:
         batch: list[_Episode] = []
         while self.ready and len(batch) < self.s.batch_size:
             ep = self.ready.popleft()
-            staleness = self.version - ep.version
-            if staleness > self.gate.max_staleness:
+            masked = too_stale(self._counts(ep), self.version, self.gate.bound, self.gate.policy)
+            if masked is None:
                 self.gate.dropped += 1
-                self.gate.histogram[staleness] += 1
+                self.gate.histogram[self.version - ep.version] += 1
                 self.gate.settled()
                 self.stats["wasted"] += ep.tokens
                 continue
+            ep.masked = masked
             batch.append(ep)
         if len(batch) < self.s.batch_size:
             self.ready.extendleft(reversed(batch))
@@ -562,6 +587,8 @@ class Simulation:
         for ep in batch:
             self.gate.histogram[self.version - ep.version] += 1
             self.lengths.trained[ep.tokens] += 1
+            self.stats["masked"] += ep.masked
+            self.stats["wasted"] += ep.masked
         if self.s.mode == "overprovision":
             self._cancel_in_flight()
         tokens = sum(ep.tokens for ep in batch)
@@ -601,11 +628,16 @@ class Simulation:
     def _on_trained(self, batch: list[_Episode]) -> None:
         self.training = False
         self.version += 1
+        if self.gate.policy == "mask":  # what each episode sampled on the old weights
+            for e in self.engines:
+                self._advance(e)
+            for ep in self.in_flight.values():
+                ep.marks.append((self.version, self._sampled(ep)))
         self.engine_version = self.version
         self.steps += 1
         self.gate.settled(len(batch))
         self.stats["trained"] += len(batch)
-        self.stats["trained_tokens"] += sum(ep.tokens for ep in batch)
+        self.stats["trained_tokens"] += sum(ep.tokens - ep.masked for ep in batch)
         if self.s.mode == "async" and self.gate.max_staleness == 0:
             self._restart_older(self.version)
         self._set_paused(False)
@@ -701,6 +733,7 @@ class Simulation:
             engine_busy_frac=busy / wall if wall else 0.0,
             staleness=dict(self.gate.histogram), slot_changes=self.slot_changes,
             completed_turn_tokens=self.stats["completed_turn_tokens"], restarted=self.stats["restarted"],
+            masked_tokens=self.stats["masked"],
             lengths=self.lengths.metrics())
 
 
@@ -736,7 +769,8 @@ class Mode:
 def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
                    cancel_factors: tuple[float, ...] = (1.5, 2.0), overprov_admission: int = 0,
                    sync_batch_factor: int = 3, sync_loop: bool = False,
-                   elastic: tuple[int, int] | None = None) -> list[Mode]:
+                   elastic: tuple[int, int] | None = None,
+                   stale_policies: tuple[tuple[str, int], ...] = (("drop", 0),)) -> list[Mode]:
     """The modes every comparison reports, at equal trained trajectories, named as
     `benchmarks/async_vs_sync.py` names them:
 
@@ -748,7 +782,9 @@ def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
       cancel the rest when the step starts), for each K in `cancel_factors`;
     - `sync-{F}B`: sync at batch F·B and a F-th of the steps (F = 3: the concurrency of async
       at staleness 2);
-    - `async-sN`: asynchronous at staleness N (admission `schedule.admission`, 0 = (N+1)·B);
+    - `async-sN`: asynchronous at staleness N (admission `schedule.admission`, 0 = (N+1)·B),
+      dropping what is too stale; for each (policy P, slack D) of `stale_policies` but ("drop",
+      0), `async-sN-P` (D = 0) or `async-sN-P+D`: policy P with the bound N + D;
     - with `elastic` (min, max slots): each async mode again with elastic slots.
 
     `sync_loop` runs the synchronous modes as tiderl's synchronous loop does (see `Mode`)."""
@@ -761,14 +797,20 @@ def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
     if sync_batch_factor > 1:
         modes.append(Mode(f"sync-{sync_batch_factor}B", replace(
             sync, batch_size=sync_batch_factor * b, steps=max(1, steps // sync_batch_factor)), sync_loop))
-    asynchronous = [Mode(f"async-s{n}", replace(schedule, mode="async", max_staleness=n, min_slots=0, max_slots=0))
-                    for n in staleness]
+    asynchronous = [Mode(f"async-s{n}" + policy_suffix(p, d), replace(
+        schedule, mode="async", max_staleness=n, min_slots=0, max_slots=0, stale_policy=p, stale_bound=d and n + d))
+        for p, d in stale_policies for n in staleness]
     modes += asynchronous
     if elastic:
         low, high = elastic
         modes += [Mode(f"{m.name}-elastic", replace(m.schedule, min_slots=low, max_slots=high))
                   for m in asynchronous]
     return modes
+
+
+def policy_suffix(policy: str, slack: int) -> str:
+    """'' for drop at the bound N, else '-mask', '-drop+1', '-mask+2' (policy, bound N + slack)."""
+    return "" if (policy, slack) == ("drop", 0) else f"-{policy}" + (f"+{slack}" if slack else "")
 
 
 # Named starting points for `tiderl simulate --scenario`. They are assumptions to explore with,

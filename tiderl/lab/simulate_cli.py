@@ -34,6 +34,7 @@ from tiderl.lab.simulate import (
     standard_modes,
     strongest_sync,
 )
+from tiderl.system.staleness import STALE_POLICIES
 
 PAYS = 1.1  # the gain over the strongest sync below which async is said to stop paying
 
@@ -81,6 +82,20 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"must be staleness levels >= 1 separated by commas (got {text!r}), "
                                          "e.g. --staleness 1,2,4")
     return tuple(sorted(set(values)))
+
+
+def _policy_list(text: str) -> tuple[tuple[str, int], ...]:
+    values = []
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        policy, _, slack = item.partition("+")
+        if policy not in STALE_POLICIES or not (slack or "0").isdigit():
+            values = []
+            break
+        values.append((policy, int(slack or 0)))
+    if not values:
+        raise argparse.ArgumentTypeError(f"must be stale policies ({', '.join(STALE_POLICIES)}), each with an optional "
+                                         f"+SLACK, separated by commas (got {text!r}), e.g. --stale-policies drop,mask+1")
+    return tuple(dict.fromkeys(values))
 
 
 def _factor_list(text: str) -> tuple[float, ...]:
@@ -199,6 +214,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     modes = sim.add_argument_group("modes (which schedules are compared)")
     modes.add_argument("--staleness", type=_int_list, default=(1, 2, 4),
                        help="the async modes' staleness levels, e.g. 1,2,4 (default)")
+    modes.add_argument("--stale-policies", type=_policy_list, default=(("drop", 0),),
+                       help="the async modes' stale policies (tiderl's system.stale.policy), each with an optional "
+                       "+SLACK: trained tokens may be N + SLACK versions old (system.stale.bound) while admission "
+                       "stays at N. async-sN drops what is too stale; async-sN-mask+1 masks tokens older than N + 1; "
+                       "e.g. drop,mask,mask+1 (default drop)")
     modes.add_argument("--sync-overprov-admission", type=_int_min(2, "--sync-overprov-admission 1024"),
                        help="sync-overprov: episodes admitted per version, above --batch-size (default 2 x "
                        "batch), e.g. 1024")
@@ -250,7 +270,8 @@ def modes_of(args: argparse.Namespace, schedule: Schedule) -> list:
                              f"use 0 (the mode's own) or >= {schedule.batch_size}, e.g. {flag} {3 * schedule.batch_size}")
     return standard_modes(schedule, staleness=args.staleness, cancel_factors=args.cancel_factors,
                           overprov_admission=args.sync_overprov_admission or 0,
-                          sync_batch_factor=args.sync_batch_factor, sync_loop=args.sync_loop, elastic=args.elastic)
+                          sync_batch_factor=args.sync_batch_factor, sync_loop=args.sync_loop, elastic=args.elastic,
+                          stale_policies=args.stale_policies)
 
 
 def _dist_text(d: Dist) -> str:

@@ -33,7 +33,7 @@ from tiderl.rollout.weights import published_checksum
 from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.elastic import CapacityRemoved, LoadSignals, Memory, capacity_bounds, decide
 from tiderl.system.ledger import Lengths
-from tiderl.system.staleness import StalenessGate, trajectory_staleness
+from tiderl.system.staleness import StalenessGate, mask_older, trajectory_staleness
 from tiderl.system.timing import TimeWeighted
 from tiderl.types import Trajectory
 
@@ -85,6 +85,8 @@ class PoolSettings:
     env_name: str = ""  # named in the error when every task keeps failing
     resource_units: float = 1.0  # devices the run holds: goodput per resource unit divides by it
     admission: int = 0  # most unsettled trajectories; 0 = (max_staleness + 1) * batch_size
+    stale_policy: str = "drop"  # or "mask" (system.stale.policy; tiderl.system.staleness)
+    stale_bound: int = 0  # versions a trained token may lag; 0 = max_staleness (system.stale.bound)
 
     def initial_slots(self) -> int:
         return self.slots or self.admission or (self.max_staleness + 1) * self.batch_size
@@ -102,7 +104,8 @@ class PoolSettings:
                    max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
                    group_size=cfg.algo.group_size, env_name=cfg.env.name,
-                   resource_units=s.resource_units, admission=s.admission)
+                   resource_units=s.resource_units, admission=s.admission, stale_policy=s.stale.policy,
+                   stale_bound=s.stale.bound)
 
 
 @dataclass
@@ -162,7 +165,7 @@ class RolloutPool:
         self.shape = shape
         self.ledger_log = ledger_log
         self.version = start_version  # the trainer's: the weights last published
-        self.gate = StalenessGate(s.max_staleness, s.batch_size, s.admission)
+        self.gate = StalenessGate(s.max_staleness, s.batch_size, s.admission, s.stale_policy, s.stale_bound)
         self.ledger = Ledger()
         self.slots = s.initial_slots()
         self.min_slots = s.min_slots or self.slots
@@ -542,20 +545,24 @@ class RolloutPool:
                 + (f"; the staleness gate holds new tasks: {blocker}" if blocker else ""))
 
     async def _take_fresh_batch(self) -> list[Trajectory]:
-        """`batch_size` trajectories the gate judges fresh; stale ones (whole groups) are dropped."""
+        """`batch_size` trajectories the gate judges fresh enough (too-stale tokens masked under the
+        mask policy); stale ones (whole groups) are dropped."""
         size, g = self.settings.batch_size, self.settings.group_size
         fresh: list[Trajectory] = []
         while len(fresh) < size:
             got = await self.buffer.take(size - len(fresh), self.settings.wait_timeout_s, self._describe)
             for start in range(0, len(got), g):
                 group = got[start:start + g]
-                verdicts = [self.gate.is_fresh(t, self.version) for t in group]
-                if all(verdicts):
+                masks = [self.gate.judge(t, self.version) for t in group]
+                if None not in masks:
                     self.lengths.trained.update(t.num_action_tokens for t in group)
+                    self.wasted["masked"] += sum(masks)
+                    for t in (t for t, n in zip(group, masks) if n):
+                        mask_older(t, self.version - self.gate.bound)
                     fresh.extend(group)
                     continue
                 # A group's advantages depend on every member: a stale member spoils it.
-                self.gate.dropped += verdicts.count(True)
+                self.gate.dropped += len(masks) - masks.count(None)
                 self._settle("dropped_stale", group)
         return fresh
 

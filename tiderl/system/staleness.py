@@ -4,11 +4,15 @@ Versions: the trainer's version `v` is the number of optimizer steps it has take
 are version `v`); the engine's version is the version of the weights it samples with; every
 sampled token carries the engine version that sampled it (`Trajectory.policy_version`).
 
-With N = `max_staleness` and B = the batch size (trajectories per optimizer step):
+With N = `max_staleness`, B = the batch size (trajectories per optimizer step) and K =
+`system.stale.bound` (K >= N; 0 means K = N):
 
 - **Staleness of a trajectory** taken into the batch of the step that turns version `v` into
-  `v + 1`:  `s = v - min(version of its sampled tokens)`. It trains iff `s <= N`; otherwise
-  it is dropped and counted. A trajectory with no sampled token has staleness 0.
+  `v + 1`:  `s = v - min(version of its sampled tokens)`. It trains iff `s <= K`; otherwise
+  `system.stale.policy` decides: `drop` (the default) drops it and counts it; `mask` keeps it
+  and sets `loss_mask = 0` on its sampled tokens older than `v - K`, dropping it only when every
+  sampled token is that old. Either way no trained token is more than K versions old. A
+  trajectory with no sampled token has staleness 0.
 - **Admission** of a new task: allowed iff
       `outstanding < (N + 1) * B`   and   `v - engine_version <= N`,
   where `outstanding` counts the trajectories started and not yet settled (in flight, finished
@@ -16,15 +20,54 @@ With N = `max_staleness` and B = the batch size (trajectories per optimizer step
   weight sync), dropped as stale, or failed.
 
 The drop rule is the guarantee, admission keeps drops rare (why both: docs/architecture.md,
-"The staleness rule"). N = 0 is synchronous on-policy training.
+"The staleness rule"); K > N keeps the long episodes that admission at N cannot promise to
+finish in time. N = 0 is synchronous on-policy training.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from tiderl.options import need, opt
 from tiderl.types import NO_VERSION, Trajectory
+
+STALE_POLICIES = ("drop", "mask")
+
+
+@dataclass
+class StaleOptions:
+    """`system.stale`: what happens to a trajectory some of whose sampled tokens are more than
+    `bound` versions old (module docstring; measured in docs/simulate.md, "Stale policies")."""
+
+    policy: str = opt("drop", "drop: the trajectory is dropped (and counted). mask: it trains, with its sampled "
+                      "tokens older than the bound masked out (loss_mask 0), so long episodes are not thrown "
+                      "away; dropped only when every sampled token is too old.", STALE_POLICIES)
+    bound: int = opt(0, "Versions a trained token may lag the trainer (0 = system.max_staleness). Above "
+                     "max_staleness, max_staleness bounds only admission: a long episode admitted at N finishes "
+                     "more than N versions later, and keeps its tokens up to this bound.")
+
+    def check(self, cfg: Any) -> None:
+        n = cfg.system.max_staleness
+        need(self.bound == 0 or self.bound >= n, "bound", f"{self.bound} is below system.max_staleness={n}",
+             f"use 0 (= max_staleness) or at least {n}, e.g. {n + 1}")
+
+    def unread(self, cfg: Any) -> dict[str, str]:
+        why = "at system.max_staleness=0 no trajectory mixes versions (episodes on old weights restart)"
+        return {} if cfg.system.max_staleness > 0 else {"policy": why, "bound": why}
+
+
+def too_stale(counts: Mapping[int, int], trainer_version: int, bound: int, policy: str = "drop") -> int | None:
+    """The rule (module docstring) for a trajectory whose sampled tokens are `counts` (version ->
+    tokens), taken by the step from `trainer_version`: how many of its tokens to mask (0: it trains
+    whole), or None: drop it. The pool and the simulator (`tiderl/lab/simulate.py`) both call it."""
+    oldest = trainer_version - bound
+    if min(counts, default=oldest) >= oldest:
+        return 0
+    stale = sum(n for v, n in counts.items() if v < oldest)
+    return stale if policy == "mask" and stale < sum(counts.values()) else None
 
 
 def trajectory_staleness(policy_versions: Iterable[int], trainer_version: int) -> int:
@@ -36,14 +79,16 @@ def trajectory_staleness(policy_versions: Iterable[int], trainer_version: int) -
 
 
 class StalenessGate:
-    """Admission control and the drop rule for a bound of `max_staleness` versions.
+    """Admission control for a bound of `max_staleness` versions, and the rule for what trains
+    (`bound` versions, 0 = `max_staleness`; under `policy`).
 
     The gate holds no clock and no threads: the pool tells it what happened (`started`,
-    `settled`) and asks it questions (`may_start`, `is_fresh`). Versions come from the
+    `settled`) and asks it questions (`may_start`, `judge`). Versions come from the
     caller, so tests can drive it with a fake version source.
     """
 
-    def __init__(self, max_staleness: int, batch_size: int, admission: int = 0):
+    def __init__(self, max_staleness: int, batch_size: int, admission: int = 0, policy: str = "drop",
+                 bound: int = 0):
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 (0 = synchronous)")
         if batch_size < 1:
@@ -51,6 +96,12 @@ class StalenessGate:
         self.max_staleness = max_staleness
         self.batch_size = batch_size
         self.admission = admission  # 0 = (N + 1) * B; more over-provisions (the drop rule still holds)
+        if policy not in STALE_POLICIES:
+            raise ValueError(f"stale policy {policy!r}: use one of {', '.join(STALE_POLICIES)}")
+        self.policy = policy
+        self.bound = bound or max_staleness
+        if self.bound < max_staleness:
+            raise ValueError(f"stale bound {bound} is below max_staleness={max_staleness}")
         self.outstanding = 0
         self.histogram: Counter[int] = Counter()  # staleness of every trajectory judged
         self.dropped = 0
@@ -86,14 +137,17 @@ class StalenessGate:
             raise RuntimeError(f"settling {n} trajectories but only {self.outstanding} are outstanding")
         self.outstanding -= n
 
-    def is_fresh(self, trajectory: Trajectory, trainer_version: int) -> bool:
-        """Judge a trajectory for the step that starts from `trainer_version`; records its
-        staleness in `histogram` and counts it in `dropped` when it is too old."""
-        s = trajectory_staleness(
-            (v for v, m in zip(trajectory.policy_version, trajectory.loss_mask) if m), trainer_version
-        )
-        self.histogram[s] += 1
-        if s > self.max_staleness:
-            self.dropped += 1
-            return False
-        return True
+    def judge(self, trajectory: Trajectory, trainer_version: int) -> int | None:
+        """`too_stale` for a trajectory taken by the step from `trainer_version`; records its
+        staleness in `histogram` and counts it in `dropped` when it is dropped (None)."""
+        counts = Counter(v for v, m in zip(trajectory.policy_version, trajectory.loss_mask) if m and v != NO_VERSION)
+        self.histogram[trainer_version - min(counts, default=trainer_version)] += 1
+        masked = too_stale(counts, trainer_version, self.bound, self.policy)
+        self.dropped += masked is None
+        return masked
+
+
+def mask_older(trajectory: Trajectory, oldest: int) -> None:
+    """Take the sampled tokens of `trajectory` older than version `oldest` out of the loss."""
+    trajectory.loss_mask = [0 if m and NO_VERSION < v < oldest else m
+                           for m, v in zip(trajectory.loss_mask, trajectory.policy_version)]
