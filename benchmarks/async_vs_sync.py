@@ -15,6 +15,8 @@ deployment places them. The modes and their concurrency (episodes running at onc
 |                  | finishers train, the rest restart on new weights   |       |             |
 | sync-3B          | max_staleness=0, batch 3B, a third of the steps    | 3B    | 3B          |
 | async-s1/s2/s4   | max_staleness=N (partial rollouts continue)        | B     | (N+1)B      |
+| async-s1/s2-     | the same, system.stale.policy=mask with bound N+1: | B     | (N+1)B      |
+|   mask+1         | too-stale tokens masked, not whole episodes dropped |       |             |
 
 sync-3B has the concurrency of async-s2. Workloads (`--workloads`): `none` (no tool latency:
 decoding and training compete for the cores), `fixed1` (every tool call 1 s), `ln0.5`, `ln1.0`,
@@ -55,8 +57,9 @@ Rules, fixed here before any run:
   distributions of trained and finished episodes (`lengths`: means, p50/p90, Kolmogorov-Smirnov
   D and p); the table prints the mean trained and finished lengths and D.
 - Figures are means over `--seeds` seeds with a 95 % t-interval. The headline compares async-s2
-  (chosen here, before running) with the STRONGEST sync mode of the same workload: the one with
-  the lowest mean time to target. The ratio (sync / async, > 1 = async faster) is the geometric
+  (chosen here, before running; and async-s2-mask+1, the stale policy of issue 35, on a line of
+  its own) with the STRONGEST sync mode of the same workload: the one with the lowest mean time
+  to target. The ratio (sync / async, > 1 = async faster) is the geometric
   mean over seeds of the per-seed ratio, with a 95 % t-interval on its logarithm.
 
 Seeds run interleaved (seed 0: every mode, then seed 1, ...; the mode order rotates) so all
@@ -106,6 +109,7 @@ from tiderl.system.latency import with_latency
 CONFIG = "configs/kg_sao_tiny.yaml"
 TARGET_GAIN = 0.10  # held-out success above the initial policy's
 HEADLINE_ASYNC = "async-s2"
+HEADLINES = (HEADLINE_ASYNC, "async-s2-mask+1")  # each against the strongest sync mode
 BASE = ["system.backend=local", "system.cores=auto", "log.progress=false", "log.tensorboard=false",
         "algo.critic_warmup_steps=2"]
 
@@ -354,6 +358,7 @@ class Mode:
     staleness: int
     batch_factor: int = 1  # batch = factor x B, steps = steps / factor (equal trajectories)
     admission_factor: int = 0  # admission = factor x B (0: the default (N+1) x batch)
+    stale: tuple[str, int] = ("drop", 0)  # system.stale.policy and the bound's slack over N
 
     def concurrency(self, b: int) -> int:
         return self.admission_factor * b or (self.staleness + 1) * self.batch_factor * b
@@ -362,11 +367,14 @@ class Mode:
         out = [f"system.max_staleness={self.staleness}", f"rollout.batch_size={self.batch_factor * b}"]
         if self.admission_factor:
             out.append(f"system.admission={self.admission_factor * b}")
+        if self.stale != ("drop", 0):
+            out += [f"system.stale.policy={self.stale[0]}", f"system.stale.bound={self.staleness + self.stale[1]}"]
         return out
 
 
 MODES = [Mode("sync", 0), Mode("sync-overprov", 0, admission_factor=2), Mode("sync-3B", 0, batch_factor=3),
-         Mode("async-s1", 1), Mode("async-s2", 2), Mode("async-s4", 4)]
+         Mode("async-s1", 1), Mode("async-s2", 2), Mode("async-s4", 4),
+         Mode("async-s1-mask+1", 1, stale=("mask", 1)), Mode("async-s2-mask+1", 2, stale=("mask", 1))]
 
 
 class PlacementSampler:
@@ -586,16 +594,16 @@ def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) 
             lines.append(f"sampled tokens per finished episode, all runs: mean {d['mean']}, p50 {d['p50']}, "
                          f"p99 {d['p99']}, max {d['max']} (n={d['n']})")
         sync = {k: v for k, v in by_mode.items() if k.startswith("sync")}
-        if HEADLINE_ASYNC in by_mode and sync:
+        for name in (n for n in HEADLINES if n in by_mode and sync):
             strongest = min(sync, key=lambda k: interval([r["time_to_target_s"] for r in sync[k]])[0])
-            seeds = sorted({r["seed"] for r in by_mode[HEADLINE_ASYNC]} & {r["seed"] for r in sync[strongest]})
-            a = {r["seed"]: r for r in by_mode[HEADLINE_ASYNC]}
+            seeds = sorted({r["seed"] for r in by_mode[name]} & {r["seed"] for r in sync[strongest]})
+            a = {r["seed"]: r for r in by_mode[name]}
             s = {r["seed"]: r for r in sync[strongest]}
             g, lo, hi = ratio([s[i]["time_to_target_s"] for i in seeds], [a[i]["time_to_target_s"] for i in seeds])
             tg, tlo, thi = ratio([a[i]["trained_tok_s"] for i in seeds], [s[i]["trained_tok_s"] for i in seeds])
             censored = sum(s[i]["censored"] + a[i]["censored"] for i in seeds)
             headline.append(
-                f"{w}: {HEADLINE_ASYNC} vs strongest sync ({strongest}), {len(seeds)} seeds: time to target "
+                f"{w}: {name} vs strongest sync ({strongest}), {len(seeds)} seeds: time to target "
                 f"{g:.2f}x [95% {lo:.2f}-{hi:.2f}]" + (f" ({censored} censored runs)" if censored else "")
                 + f"; trained tokens/s {tg:.2f}x [{tlo:.2f}-{thi:.2f}]")
         lines.append("")
@@ -618,7 +626,7 @@ def main() -> None:
                         help="keep the runs already in --out/results.json and run only the missing ones")
     args = parser.parse_args()
     if args.quick:
-        args.workloads, args.modes, args.seeds = "ln0.5", "sync,sync-overprov,async-s2", 1
+        args.workloads, args.modes, args.seeds = "ln0.5", "sync,sync-overprov,async-s2,async-s2-mask+1", 1
         args.steps, args.batch, args.eval_every, args.eval_n = 4, 8, 2, 20
     workloads = args.workloads.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS]

@@ -22,10 +22,13 @@ def test_modes_run_at_the_concurrency_the_docstring_states():
     modes = {m.name: m for m in bench.MODES}
     b = 16
     assert {n: m.concurrency(b) for n, m in modes.items()} == {
-        "sync": 16, "sync-overprov": 32, "sync-3B": 48, "async-s1": 32, "async-s2": 48, "async-s4": 80}
+        "sync": 16, "sync-overprov": 32, "sync-3B": 48, "async-s1": 32, "async-s2": 48, "async-s4": 80,
+        "async-s1-mask+1": 32, "async-s2-mask+1": 48}
     assert modes["sync-3B"].concurrency(b) == modes["async-s2"].concurrency(b)
     assert "system.admission=32" in modes["sync-overprov"].overrides(b)
     assert "rollout.batch_size=48" in modes["sync-3B"].overrides(b)
+    assert modes["async-s2-mask+1"].overrides(b)[-2:] == ["system.stale.policy=mask", "system.stale.bound=3"]
+    assert not any(o.startswith("system.stale.") for o in modes["async-s2"].overrides(b))
 
 
 def test_interval_and_paired_ratio():
@@ -108,6 +111,10 @@ def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(tmp_path):
     row = bench.run_mode(mode, "none", seed=0, b=4, steps=2, eval_every=2, eval_n=4, out=tmp_path, evaluated={})
     assert row["steps"] == 2 and row["trained"] == 8
     assert 0.0 <= row["waste"] < 1.0 and row["decoded_tokens"] >= row["trained_sampled_tokens"] > 0
+    # The pool's account (finished episodes' tokens plus the cut-off ones the local backend counts)
+    # is the benchmark's (every completed turn decoded), token for token.
+    assert row["pool_waste"]["waste_frac"] == pytest.approx(row["waste"])
+    assert set(row["lengths"]) >= {"length/trained_mean", "length/finished_mean", "length/ks_d", "length/ks_p"}
     assert [p["step"] for p in row["curve"]] == [0, 2]
     plan = row["core_plan"]
     assert set(plan) == {"trainer", "rollout", "prep"} and not set(plan["trainer"]) & set(plan["rollout"])
