@@ -103,3 +103,33 @@ def test_sqlalchemy_uses_a_new_file_it_creates_and_reuses_it(tmp_path):
     session.close()
     names = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
     assert names == {"tiderl_scratch_database"}
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+@pytest.mark.parametrize("writable", [False, True])
+def test_duckdb_refuses_to_build_a_value_over_the_cap_like_sqlite(tmp_path, isolate, writable):
+    """DuckDB has no per-value length limit: `length(repeat('x', 50000000))` built 50 MB and
+    answered 50000000. Like SQLite's SQLITE_LIMIT_LENGTH, it is now refused before it is built,
+    with SQLite's words, whether the value is shown, measured, filtered on or written."""
+    duckdb_backend = pytest.importorskip("tiderl.envs.db.duckdb_backend")
+    pytest.importorskip("duckdb")
+    session = duckdb_backend.DuckDBBackend(tmp_path, isolate=isolate).open(TABLES, writable)
+    try:
+        huge = ["SELECT repeat('x', 50000000)", "SELECT length(repeat('x', 50000000))",
+                "SELECT length(repeat('abcde', 300000))", "SELECT a FROM t WHERE length(repeat(b, 50000000)) > 0",
+                "SELECT length(lpad('x', 50000000, 'y'))", "SELECT length(rpad('x', 50000000, 'y'))",
+                "SELECT length('x'.repeat(50000000))"]
+        if writable:
+            huge.append("UPDATE t SET b = repeat('x', 50000000)")
+        for sql in huge:
+            outcome = _run(session, sql, timeout_s=5.0)
+            assert isinstance(outcome, SQLError), (sql, outcome)
+            assert str(outcome).startswith("string or blob too big") and "the limit is 1,000,000" in str(outcome), sql
+        outcome = _run(session, "SELECT length(system.main.repeat('x', 50000000))", timeout_s=5.0)
+        assert isinstance(outcome, SQLError) and "system." in str(outcome)
+        # values under the cap are built as before
+        assert _run(session, "SELECT length(repeat('x', 1000000)), repeat('ab', 2), lpad('7', 3, '0'), "
+                             "rpad('7', 3, '0'), length(repeat([1, 2], 3))").rows == [(1000000, "abab", "007", "700", 6)]
+        assert _run(session, "SELECT count(*) FROM t WHERE length(b) = 1").rows == [(2,)]
+    finally:
+        session.close()

@@ -36,13 +36,14 @@ from typing import Any, Sequence
 from tiderl.envs.db.backend import (
     QueryResult,
     SQLError,
+    MAX_VALUE_BYTES,
     TableSpec,
     fetch_limited,
     portable_table,
     rows_hash,
     spec_digest,
 )
-from tiderl.envs.db.sql_text import WRITE, quote_identifier, referenced_units, statement_kind
+from tiderl.envs.db.sql_text import WRITE, quote_identifier, referenced_units, statement_kind, tokenize
 from tiderl.envs.db.worker import BackendSpec, IsolatedSession, timeout_message
 
 _DUCK_TYPES = {"integer": "BIGINT", "real": "DOUBLE", "text": "VARCHAR"}
@@ -56,6 +57,35 @@ _LOCKED_CONFIG = {
     "memory_limit": "512MB",
     "lock_configuration": True,
 }
+
+
+_TOO_BIG = "string or blob too big"
+
+
+def _capped(size: str, call: str) -> str:
+    """A macro body: `call` (a system function), or an error when `size` exceeds the cap."""
+    return (f"CASE WHEN ({size}) > {MAX_VALUE_BYTES} THEN error('{_TOO_BIG}: a value would have ' || "
+            f"CAST(({size}) AS VARCHAR) || ' characters or bytes; the limit is {MAX_VALUE_BYTES:,}') "
+            f"ELSE system.main.{call} END")
+
+
+# Temporary macros shadowing the built-ins that make a long value from a count (DuckDB has no
+# per-value length limit): the size is counted on the value's text, so a blob or list counts
+# its escaped text, an over-estimate.
+_CAP_MACROS = (
+    f"CREATE TEMP MACRO repeat(s, n) AS {_capped('length(CAST(s AS VARCHAR)) * n', 'repeat(s, n)')}",
+    f"CREATE TEMP MACRO lpad(s, n, p) AS {_capped('n', 'lpad(s, n, p)')}",
+    f"CREATE TEMP MACRO rpad(s, n, p) AS {_capped('n', 'rpad(s, n, p)')}",
+)
+
+
+def _refuse_system_names(sql: str, tables: Sequence[TableSpec]) -> None:
+    """SQLError for `system.<name>`, which would reach the built-ins the cap macros shadow."""
+    tokens = tokenize(sql)
+    names = {t.name.lower() for t in tables}
+    for word, dot in zip(tokens, tokens[1:]):
+        if word.kind == "word" and word.text.lower() == "system" and dot.text == "." and "system" not in names:
+            raise SQLError("names qualified with system. are not allowed; call functions by their plain name")
 
 
 def _import_duckdb() -> Any:
@@ -138,9 +168,12 @@ class DuckDBSession:
         self._tables = list(tables)
         self._error = error_type
         self._cleanup = cleanup
+        for macro in _CAP_MACROS:
+            conn.execute(macro)
 
     def execute(self, sql: str, *, max_rows: int, timeout_s: float) -> QueryResult:
         """Run one statement; a timer interrupts it after `timeout_s`."""
+        _refuse_system_names(sql, self._tables)
         timer = threading.Timer(timeout_s, self._conn.interrupt)
         timer.start()
         try:
@@ -157,6 +190,8 @@ class DuckDBSession:
         except (self._error, TypeError, ValueError) as exc:  # TypeError: text the binding cannot pass
             interrupted = "interrupt" in type(exc).__name__.lower() or "Interrupted" in str(exc)
             message = timeout_message(timeout_s) if interrupted else str(exc)
+            if _TOO_BIG in message:  # "Invalid Input Error: string or blob too big: ..."
+                message = message[message.index(_TOO_BIG):]
             raise SQLError(message) from None
         finally:
             timer.cancel()
