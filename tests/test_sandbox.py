@@ -211,3 +211,64 @@ def test_required_features_are_checked():
         Sandbox(require=("magic",))
     with pytest.raises(ValueError, match="must be > 0"):
         Limits(cpu_s=0)
+
+
+# Run in a fresh interpreter made a child subreaper, as a trainer running as PID 1 is: every
+# orphan of the execution comes back to it, and nothing but the sandbox would collect it.
+_REAPER_SCRIPT = r"""
+import ctypes, json, os, sys, time
+from tiderl.envs.code.sandbox import Limits, Sandbox, run_sync
+PR_SET_CHILD_SUBREAPER = 36
+assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+code = ("import os, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        os.fork()\n"  # a grandchild too
+        "        time.sleep(20)\n"
+        "        os._exit(0)\n"
+        "time.sleep(20)\n")
+sandbox = Sandbox(Limits(cpu_s=5, wall_s=1, max_procs=32), concurrency=1, isolation=sys.argv[1])
+result = run_sync(sandbox.run_python(code))
+
+def children():
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            found[int(entry)] = fields[0].decode()
+    return found
+
+deadline = time.monotonic() + 1.0  # a short bound: a collected process is gone at once
+while children() and time.monotonic() < deadline:
+    time.sleep(0.02)
+left = children()
+for pid in left:  # clean up before reporting
+    try:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
+print(json.dumps({"status": result.status, "left": left, "features": sandbox.features}))
+"""
+
+
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_a_timed_out_execution_leaves_no_zombie_under_a_pid1_like_parent(isolation):
+    """After the wall-clock kill of a program that forked children and grandchildren, no process
+    of it is left as a child of the caller (zombie or alive), even when the caller collects
+    orphans (PID 1, or a child subreaper): the sandbox reaps what it killed."""
+    import json
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _REAPER_SCRIPT, isolation], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["status"] == "timeout", report
+    assert report["left"] == {}, report

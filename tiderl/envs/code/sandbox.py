@@ -146,6 +146,49 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, parent pid, session id, start time) of `pid` from /proc; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[1]), int(fields[3]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reap(victims: dict[int, int], session: int, bound_s: float = 2.0) -> None:
+    """Collect the killed processes (pid: start time) that come back to this process as zombies.
+
+    A process whose parent dies goes to the nearest child subreaper, else to PID 1; when this
+    process is either (a trainer running as PID 1), nothing else would ever wait for them. Waits
+    at most `bound_s` until each victim is gone or a zombie another parent will collect; then
+    collects any zombie child of ours still in the execution's session (forked during the kill)."""
+    me, deadline = os.getpid(), time.monotonic() + bound_s
+    pending = dict(victims)
+    while pending and time.monotonic() < deadline:
+        for pid, start in list(pending.items()):
+            info = _stat(pid)
+            if info is None or info[3] != start:  # gone (collected), or the pid reused since
+                del pending[pid]
+            elif info[0] == "Z" and info[1] == me:
+                _wait_zombie(pid)
+            elif info[0] == "Z" and info[1] not in pending:  # another parent (init) collects it
+                del pending[pid]
+        if pending:
+            time.sleep(0.01)
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        info = _stat(int(entry))
+        if info is not None and info[0] == "Z" and info[1] == me and info[2] == session != int(entry):
+            _wait_zombie(int(entry))
+
+
+def _wait_zombie(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
 class _UidLease:
     """A user id reserved for one execution: an exclusive lock on a file per uid, so executions
     in other processes on this machine never share one (their cleanup kills every process of the
@@ -385,7 +428,7 @@ class Sandbox:
         assert proc.stdout is not None and proc.stderr is not None
         work = asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err), feed(), proc.wait())
         watch = asyncio.ensure_future(over_limit.wait())
-        status = ""
+        status, victims = "", {}
         try:
             done, _ = await asyncio.wait({work, watch}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
@@ -393,7 +436,7 @@ class Sandbox:
         finally:
             watch.cancel()
             if proc.returncode is None:
-                self._kill(proc.pid)
+                victims = self._kill(proc.pid)
             # The pipes close once every process holding them is gone.
             try:
                 await asyncio.wait_for(asyncio.shield(work), timeout=5)
@@ -401,6 +444,8 @@ class Sandbox:
                 work.cancel()
             if proc.returncode is None:
                 await proc.wait()
+        if victims:
+            await asyncio.to_thread(_reap, victims, proc.pid)
         wall = time.monotonic() - start
         code = proc.returncode
         stderr_text = bytes(err.data).decode("utf-8", "replace")
@@ -414,9 +459,12 @@ class Sandbox:
                           truncated=out.over or err.over)
 
     @staticmethod
-    def _kill(pid: int) -> None:
-        """SIGKILL the bootstrap, everything below it and its process group."""
-        for victim in _descendants(pid) + [pid]:
+    def _kill(pid: int) -> dict[int, int]:
+        """SIGKILL the bootstrap, everything below it and its process group; returns the
+        processes below the bootstrap (pid: start time) for `_reap`."""
+        below = _descendants(pid)
+        victims = {p: info[3] for p in below if (info := _stat(p)) is not None}
+        for victim in below + [pid]:
             try:
                 os.kill(victim, signal.SIGKILL)
             except OSError:
@@ -426,6 +474,7 @@ class Sandbox:
         except OSError as exc:
             if exc.errno not in (errno.ESRCH, errno.EPERM):
                 raise
+        return victims
 
 
 def _clean_up(workdir: str, uid: int | None) -> None:
