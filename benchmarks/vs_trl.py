@@ -295,6 +295,30 @@ def measure(side: str, model_dir: Path, steps: int, seed: int, run_dir: Path, th
     return out
 
 
+# What the TRL side imports beyond tiderl's own dependencies: the `bench-trl` extra (trl pins
+# datasets among its own requirements).
+TRL_MODULES = ("trl", "datasets")
+
+
+def missing_extra() -> str:
+    """'' when the TRL side can run, else a message naming the missing modules and the extra."""
+    import importlib.util
+
+    missing = []
+    for module in TRL_MODULES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(module)
+    if not missing:
+        return ""
+    return (f"benchmarks/vs_trl.py: {' and '.join(missing)} not installed: the TRL baseline needs the `bench-trl` "
+            "extra (trl==1.16.0, which brings datasets). Fix: pip install -e '.[bench-trl]' torch==2.13.0 "
+            "(name torch too, or pip swaps it)\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -317,6 +341,8 @@ def main() -> None:
                                       args.threads, args.system)
         print(json.dumps(result), flush=True)
         return
+    if message := missing_extra():  # before building models, not a traceback minutes later
+        parser.exit(2, message)
     if args.quick:
         args.steps, args.repeats, args.sizes = 8, 1, "h128"
     out = ROOT / args.out
