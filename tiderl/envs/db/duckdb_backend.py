@@ -14,7 +14,13 @@ by `repeat`), so by default (`isolate=True`) sessions run in a worker process (`
 whose address space is capped (1 GiB: `repeat('x', 1000000000)` fails with an out-of-memory
 error instead of building a gigabyte) and which is killed when a statement overruns its time
 limit (DuckDB checks interrupts only between vector batches). Results holding a value over
-`MAX_VALUE_BYTES` are refused (`fetch_limited`).
+`MAX_VALUE_BYTES` are refused (`fetch_limited`). Every session shadows the functions that build
+a long value from a count (`repeat`, `lpad`, `rpad`) with temporary macros that refuse a value
+over `MAX_VALUE_BYTES` before it is built, with SQLite's "string or blob too big" (the agent
+cannot drop them: only SELECT/INSERT/UPDATE/DELETE reach the database; `system.`-qualified
+names, which would reach the built-ins, are refused). Not capped, bounded only by the worker's
+address space: values grown other ways (`string_agg`, `printf`/`format` with a wide field,
+concatenating capped values; `length(printf('%5000000d', 1))` is still answered).
 
 `DuckDBFileBackend` opens a DuckDB file the user already has: `read_only=True` for questions,
 and for write tasks a private copy of the file in a temporary directory, deleted on close.
