@@ -643,7 +643,7 @@ class Simulation:
         self._set_paused(False)
 
     def _restart_older(self, version: int) -> None:
-        """tiderl's rule at max_staleness 0 (`Scheduler._restart_older_than`): after a step,
+        """tiderl's rule at max_staleness 0 (`RolloutPool._restart_older_than`): after a step,
         episodes still running on older weights could never train; they are cancelled (their
         tokens wasted) and their tasks start again. Only an admission above B leaves any."""
         for ep in list(self.in_flight.values()):
