@@ -1,0 +1,130 @@
+"""Rewards from a reward model (tiderl/rewards/model.py): a tiny randomly initialised
+Qwen2ForSequenceClassification built here (no download) scores conversations; the reward that
+reaches a trajectory is weight * score + rule_weight * rule reward, and a run trains with it."""
+
+import pytest
+import torch
+from transformers import Qwen2ForSequenceClassification
+
+from support import CORPUS, rollout, small_config
+from tiderl.config import ConfigError, load_config
+from tiderl.models.tiny import tiny_qwen2_config, train_tokenizer
+from tiderl.rewards.model import PART, RewardConfig, RewardModel, RewardModelOptions, conversation_of
+from tiderl.types import Trajectory
+
+CHAT = [{"role": "user", "content": "Who directed film_004?"}, {"role": "assistant", "content": "person_5 did."}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(CORPUS, vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tok, tmp_path_factory):
+    """A saved tiny reward model (num_labels=1) and its tokenizer."""
+    config = tiny_qwen2_config(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    with torch.no_grad():  # a random head gives scores near 0; spread them so the sums are checked
+        model.score.weight.mul_(50.0)
+    path = tmp_path_factory.mktemp("rm")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def independent_score(path, messages) -> float:
+    """The reward model's score of one conversation, unpadded, without RewardModel."""
+    from transformers import AutoTokenizer
+
+    model = Qwen2ForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+def trajectory(tok, messages, reward, task_id="t1") -> Trajectory:
+    ids = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    return Trajectory(tokens=ids, loss_mask=[0] * n, behavior_logprobs=[0.0] * n, policy_version=[-1] * n,
+                      reward=reward, reward_parts={"outcome": reward}, task_id=task_id)
+
+
+def loaded(path, tok, weight=0.5, rule_weight=2.0, batch_size=2):
+    from transformers import AutoTokenizer
+
+    model = Qwen2ForSequenceClassification.from_pretrained(path)
+    return RewardModel(model, AutoTokenizer.from_pretrained(path), RewardModelOptions(str(path), weight, batch_size),
+                       rule_weight, policy_tokenizer=tok)
+
+
+def test_conversation_is_read_back_from_chatml():
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+    assert conversation_of(text) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert conversation_of("plain text") == [{"role": "user", "content": "plain text"}]
+
+
+def test_batched_scores_equal_one_at_a_time(reward_dir, tok):
+    rm = loaded(reward_dir, tok, batch_size=3)
+    chats = [CHAT, CHAT[:1], [{"role": "user", "content": "film_017 " * 9}], [CHAT[1]]]  # different lengths
+    batched = rm.scores(chats)
+    assert batched == pytest.approx([independent_score(reward_dir, c) for c in chats], abs=1e-4)
+    assert len(set(round(s, 3) for s in batched)) > 1  # the scores differ, so a mix-up would show
+
+
+def test_the_reward_is_weight_times_score_plus_rule_weight_times_rule(reward_dir, tok):
+    rm = loaded(reward_dir, tok, weight=0.5, rule_weight=2.0)
+    trajs = [trajectory(tok, CHAT, 1.0, "a"), trajectory(tok, CHAT[:1], 0.0, "b"), trajectory(tok, CHAT, 0.25, "c")]
+    shaped = rm.shape(trajs)
+    for t, s in zip(trajs, shaped):
+        score = independent_score(reward_dir, conversation_of(tok.decode(t.tokens, skip_special_tokens=False)))
+        assert s.reward == pytest.approx(0.5 * score + 2.0 * t.reward, abs=1e-4)
+        assert s.reward_parts[PART] == pytest.approx(0.5 * score, abs=1e-4)
+        assert sum(s.reward_parts.values()) == pytest.approx(s.reward)
+    with pytest.raises(ValueError, match="task 'a'.*once"):
+        rm.shape(shaped[:1])
+
+
+def test_a_failure_names_the_task(reward_dir, tok, monkeypatch):
+    rm = loaded(reward_dir, tok)
+    monkeypatch.setattr(rm.model, "forward", lambda **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="task\\(s\\) task_7.*boom"):
+        rm.shape([trajectory(tok, CHAT, 1.0, "task_7")])
+
+
+def test_options_are_listed_checked_and_typos_get_a_suggestion():
+    from tiderl.options import describe
+
+    keys = {k for k, _, _ in describe(RewardConfig, "reward.")}
+    assert {"reward.model.path", "reward.model.weight", "reward.rule_weight"} <= keys
+    with pytest.raises(ConfigError, match="Did you mean 'weight'"):
+        load_config("configs/kg_sao_tiny.yaml", ["reward.model.wieght=0.5"])
+    with pytest.raises(ConfigError, match="reward.rule_weight"):  # nothing reads it without a reward model
+        load_config("configs/kg_sao_tiny.yaml", ["reward.rule_weight=0.5"])
+    with pytest.raises(ConfigError, match="reward.model.batch_size: must be >= 1"):
+        load_config("configs/kg_sao_tiny.yaml", ["reward.model.path=x", "reward.model.batch_size=0"])
+
+
+@pytest.mark.slow
+def test_a_run_shapes_with_the_reward_model_and_trains(reward_dir, tmp_path_factory, tmp_path):
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    cache = tmp_path_factory.mktemp("cache")
+    run = build_run(small_config(cache, tmp_path / "run", f"reward.model.path={reward_dir}",
+                                 "reward.model.weight=0.5", "reward.rule_weight=2.0", "train.steps=2"))
+    assert run.reward_model is not None
+    played = rollout(run, run.setup.train_tasks[:2])
+    for t in played:
+        shaped = run.shape(t)
+        messages = conversation_of(run.tokenizer.decode(t.tokens, skip_special_tokens=False))
+        assert messages[-1]["role"] == "assistant"  # the policy's ChatML turns were read back
+        expected = 0.5 * independent_score(reward_dir, messages) + 2.0 * t.reward
+        assert shaped.reward == pytest.approx(expected, abs=1e-4), t.task_id
+    seen = []
+    history, _ = train(run, observer=lambda version, metrics, batch: seen.extend(batch))
+    assert len(history) == 2 and seen
+    assert all(PART in t.reward_parts for t in seen)
