@@ -1,13 +1,15 @@
-"""Rewards from a reward model, for tasks without a verifier (docs/rewards.md).
+"""Rewards from models, for tasks without a verifier (docs/rewards.md): a reward model, a
+generative judge (tiderl/rewards/judge.py), or both.
 
 A Hugging Face sequence-classification model with one label (`reward.model.path`) scores the
-episode's conversation, rendered by the reward model's own tokenizer and chat template. The
-training reward combines it with the environment's (rule) reward:
+episode's conversation, rendered by the reward model's own tokenizer and chat template; a judge
+(`reward.judge.url`) reads it through a prompt. The training reward combines them with the
+environment's (rule) reward:
 
-    reward' = reward.rule_weight * reward + reward.model.weight * score
+    reward' = reward.rule_weight * reward + reward.model.weight * score + reward.judge.weight * judge
 
-Each of the environment's reward parts is scaled by `rule_weight` and the part "reward_model"
-(= weight * score) is added, so the parts still sum to the reward. The conversation is read back
+Each of the environment's reward parts is scaled by `rule_weight` and the parts "reward_model"
+and "judge" are added, so the parts still sum to the reward. The conversation is read back
 from the trajectory's tokens with the policy's tokenizer: ChatML turns (`<|im_start|>role ...
 <|im_end|>`, tiderl's tiny model and Qwen) become messages; any other format is scored as one
 user message holding the whole decoded text. Evaluation is never shaped.
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiderl.options import need, opt, section
+from tiderl.rewards import judge
+from tiderl.rewards.judge import Judge, JudgeOptions
 from tiderl.types import Trajectory
 
-__all__ = ["PART", "RewardConfig", "RewardModel", "RewardModelOptions", "conversation_of"]
+__all__ = ["PART", "ModelRewards", "RewardConfig", "RewardModel", "RewardModelOptions", "conversation_of"]
 
 PART = "reward_model"
 _TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>|$)", re.S)
@@ -51,14 +55,21 @@ class RewardConfig:
     """The `reward:` config section (config.py holds it)."""
 
     model: RewardModelOptions = section(RewardModelOptions, "A reward model's score in the training reward.")
+    judge: JudgeOptions = section(JudgeOptions, "A generative judge's score in the training reward.")
     rule_weight: float = opt(1.0, "Weight of the environment's own (rule) reward in the training reward when "
-                                  "reward.model.path is set.")
+                                  "reward.model.path or reward.judge.url is set.")
 
     def unread(self, cfg: Any) -> dict[str, str]:
-        if self.model.path:
-            return {}
-        why = "reward.model.path is '' (no reward model), so the environment's reward is used as is"
-        return {key: why for key in ("rule_weight", "model.weight", "model.batch_size", "model.max_tokens")}
+        out: dict[str, str] = {}
+        for name, on, what in (("model", self.model.path, "path"), ("judge", self.judge.url, "url")):
+            if not on:
+                kind = RewardModelOptions if name == "model" else JudgeOptions
+                out.update({f"{name}.{f.name}": f"reward.{name}.{what} is '', so nothing reads it"
+                            for f in dataclasses.fields(kind) if f.name != what})
+        if not (self.model.path or self.judge.url):
+            out["rule_weight"] = ("neither reward.model.path nor reward.judge.url is set: the environment's reward "
+                                  "is used as is")
+        return out
 
 
 def conversation_of(text: str) -> list[dict[str, str]]:
@@ -70,8 +81,7 @@ def conversation_of(text: str) -> list[dict[str, str]]:
 class RewardModel:
     """A sequence-classification model that scores conversations, in batches."""
 
-    def __init__(self, model: Any, tokenizer: Any, options: RewardModelOptions, rule_weight: float,
-                 policy_tokenizer: Any = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, options: RewardModelOptions) -> None:
         if getattr(model.config, "num_labels", 1) != 1:
             raise ValueError(f"reward.model.path: the model has num_labels={model.config.num_labels}; a reward "
                              "model gives one score. Fix: use a sequence-classification model with num_labels=1")
@@ -80,10 +90,9 @@ class RewardModel:
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         self.model, self.tokenizer, self.options = model.eval(), tokenizer, options
-        self.rule_weight, self.policy_tokenizer = rule_weight, policy_tokenizer
 
     @classmethod
-    def from_config(cls, cfg: Any, policy_tokenizer: Any) -> RewardModel:
+    def from_config(cls, cfg: Any) -> RewardModel:
         """The reward model of `cfg.reward`, on the policy's device and dtype."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -92,11 +101,12 @@ class RewardModel:
         path = cfg.reward.model.path
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=_resolve_dtype(cfg.model.dtype))
+            dtype = _resolve_dtype(cfg.model.dtype)
+            model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=dtype)
         except (OSError, ValueError) as exc:
             raise ValueError(f"reward.model.path={path!r}: cannot load a sequence-classification model and its "
                              f"tokenizer ({exc}). Fix: point it at a saved reward model directory") from None
-        return cls(model.to(cfg.model.device), tokenizer, cfg.reward.model, cfg.reward.rule_weight, policy_tokenizer)
+        return cls(model.to(cfg.model.device), tokenizer, cfg.reward.model)
 
     def scores(self, conversations: Sequence[list[dict[str, str]]], task_ids: Sequence[str] = ()) -> list[float]:
         """One score per conversation, `batch_size` at a time. A failure names the tasks of its batch."""
@@ -128,22 +138,40 @@ class RewardModel:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+
+
+class ModelRewards:
+    """The scorers of `reward.*` (part -> (weight, scorer with `scores(conversations, task_ids)`))
+    combined with the rule reward by weights (module docstring)."""
+
+    def __init__(self, scorers: dict[str, tuple[float, Any]], rule_weight: float, policy_tokenizer: Any) -> None:
+        self.scorers, self.rule_weight, self.policy_tokenizer = scorers, rule_weight, policy_tokenizer
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy_tokenizer: Any) -> ModelRewards | None:
+        """The reward model and judge that `cfg.reward` sets (None when neither)."""
+        r = cfg.reward
+        scorers = {PART: (r.model.weight, RewardModel.from_config(cfg))} if r.model.path else {}
+        if r.judge.url:
+            scorers[judge.PART] = (r.judge.weight, Judge(r.judge))
+        return cls(scorers, r.rule_weight, policy_tokenizer) if scorers else None
+
     def conversation(self, trajectory: Trajectory) -> list[dict[str, str]]:
         """The trajectory's conversation, decoded with the policy's tokenizer."""
-        if self.policy_tokenizer is None:
-            raise ValueError("RewardModel needs the policy's tokenizer to read a trajectory's conversation")
         return conversation_of(self.policy_tokenizer.decode(trajectory.tokens, skip_special_tokens=False))
 
     def shape(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
-        """The trajectories with reward' = rule_weight * reward + weight * score (module docstring)."""
+        """The trajectories with reward' = rule_weight * reward + the weighted scores (module docstring)."""
         for t in trajectories:
-            if PART in t.reward_parts:
-                raise ValueError(f"trajectory of task {t.task_id!r} already has a '{PART}' reward part: score it once")
-        scores = self.scores([self.conversation(t) for t in trajectories], [t.task_id for t in trajectories])
+            for part in set(self.scorers) & set(t.reward_parts):
+                raise ValueError(f"trajectory of task {t.task_id!r} already has a '{part}' reward part: score it once")
+        conversations, ids = [self.conversation(t) for t in trajectories], [t.task_id for t in trajectories]
+        scores = {part: scorer.scores(conversations, ids) for part, (_, scorer) in self.scorers.items()}
         shaped = []
-        for t, score in zip(trajectories, scores):
+        for i, t in enumerate(trajectories):
             parts = {name: self.rule_weight * value for name, value in t.reward_parts.items()}
-            parts[PART] = self.options.weight * score
-            shaped.append(dataclasses.replace(t, reward=self.rule_weight * t.reward + parts[PART], reward_parts=parts,
-                                              env_info={**t.env_info, "reward_model/score": score}))
+            parts.update({part: weight * scores[part][i] for part, (weight, _) in self.scorers.items()})
+            info = {**t.env_info, **{f"{part}/score": scores[part][i] for part in self.scorers}}
+            reward = self.rule_weight * t.reward + sum(parts[part] for part in self.scorers)
+            shaped.append(dataclasses.replace(t, reward=reward, reward_parts=parts, env_info=info))
         return shaped
