@@ -220,7 +220,7 @@ PACKAGE_LINE_BUDGETS = {
     "algos": 1580,
     "metrics": 260,
     "models": 1320,
-    "rewards": 440,
+    "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2440,
     "serve": 1020,
     "system": 2800,
@@ -230,8 +230,9 @@ PACKAGE_LINE_BUDGETS = {
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
 # to tiderl/lab, essays moved from docstrings to docs/) took it from 17,175 to 15,010: lower this as
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
-# (system.stale) added 149 lines (15,318).
-CORE_LINE_BUDGET = 15_320
+# (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
+# judge.py and their hook in run.py and config.py) added 271 (15,589).
+CORE_LINE_BUDGET = 15_590
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -38,6 +38,7 @@ from tiderl.options import (
     unread_keys,
 )
 from tiderl.rewards.curiosity import CuriosityConfig
+from tiderl.rewards.model import RewardConfig
 from tiderl.system.staleness import StaleOptions
 from tiderl.train.lora import LoraSettings
 
@@ -299,6 +300,7 @@ class RunConfig:
     train: TrainConfig = section(TrainConfig, "Optimisation.")
     system: SystemConfig = section(SystemConfig, "Rollout/training scheduling and backends.")
     curiosity: CuriosityConfig = section(CuriosityConfig, "Curiosity-shaped reward (KARL).")
+    reward: RewardConfig = section(RewardConfig, "A reward model's score in the training reward (docs/rewards.md).")
     eval: EvalConfig = section(EvalConfig, "Held-out evaluation.")
     log: LogConfig = section(LogConfig, "Logging.")
 

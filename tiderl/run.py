@@ -32,6 +32,7 @@ from tiderl.metrics.logger import cut_metrics
 from tiderl.models.loading import check_device, load_model, load_tokenizer
 from tiderl.models.startup import check_model_and_budgets
 from tiderl.rewards.curiosity import CuriosityShaper
+from tiderl.rewards.model import ModelRewards
 from tiderl.rewards.tool_errors import penalize_no_call_turns, penalize_tool_errors
 from tiderl.rollout import Engine, make_engine
 from tiderl.rollout.weights import weights_checksum
@@ -111,14 +112,17 @@ class Run:
     resumed_from: str = ""
     pool: RolloutPool | None = None  # the rollout pool of the latest train(): its state goes into checkpoints
     trainer: Any = None  # the running trainer of train(); data-parallel ranks write sharded checkpoints
+    model_rewards: ModelRewards | None = None  # score training episodes: reward.model.path, reward.judge.url
 
     @property
     def make_env(self) -> Any:
         return self.setup.make_env
 
     def shape(self, trajectory: Trajectory) -> Trajectory:
-        """The trajectory with the curiosity bonus of the current step, and the tool-error and
-        no-call penalties when `env.tool_error_penalty` / `env.no_call_penalty` are on."""
+        """The trajectory with the reward model's and judge's scores (`reward.*`), the curiosity bonus
+        of the current step, and the tool-error and no-call penalties when on."""
+        if self.model_rewards is not None:
+            trajectory = self.model_rewards.shape([trajectory])[0]
         shaped = self.curiosity.shape(trajectory, self.step)
         if self.cfg.env.tool_error_penalty > 0:
             shaped = penalize_tool_errors(shaped, self.cfg.env.tool_error_penalty, self.cfg.env.max_turns)
@@ -170,7 +174,8 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
         policy = apply_lora(policy, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
     run = Run(cfg, setup, tokenizer, make_engine(cfg, policy, tokenizer, seed=cfg.seed),
               Learner(policy, cfg.algo.actor_lr, **learner), critic, TaskStream(setup.train_tasks, cfg.seed),
-              CuriosityShaper(cfg.curiosity), ref=ref, model_path=model_path)
+              CuriosityShaper(cfg.curiosity), ref=ref, model_path=model_path,
+              model_rewards=ModelRewards.from_config(cfg, tokenizer))
     if t.activation_checkpointing:  # after make_engine: the engine's copy never trains
         for trained in filter(None, (run.actor, run.critic)):
             enable_activation_checkpointing(trained.model)
