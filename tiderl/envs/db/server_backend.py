@@ -121,7 +121,8 @@ def redact_url(url: str) -> str:
     return re.sub(r"^([^:/]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
-def _need(module: str, package: str) -> Any:
+def need_driver(module: str, package: str) -> Any:
+    """The imported driver module, or an ImportError naming the package to install."""
     try:
         return __import__(module)
     except ImportError:
@@ -150,7 +151,7 @@ class _Postgres(_Dialect):
     name = "postgresql"
 
     def __init__(self) -> None:
-        self.psycopg = _need("psycopg", "psycopg[binary]")
+        self.psycopg = need_driver("psycopg", "psycopg[binary]")
         self.error = self.psycopg.Error
 
     def connect(self, url: str) -> Any:
@@ -267,7 +268,7 @@ class _MySQL(_Dialect):
     _TIMEOUT_CODES = (1969, 3024)  # MariaDB max_statement_time, MySQL max_execution_time
 
     def __init__(self) -> None:
-        self.pymysql = _need("pymysql", "PyMySQL")
+        self.pymysql = need_driver("pymysql", "PyMySQL")
         self.error = self.pymysql.Error
         self.mariadb = True
         self.read_only_variable = "tx_read_only"

@@ -331,8 +331,10 @@ class ThrowawayMariaDB(_Server):
 
 
 def _import(module: str, package: str) -> Any:
+    """The driver, or a skip that names the package (`server_backend.need_driver`'s message)."""
+    from tiderl.envs.db.server_backend import need_driver
+
     try:
-        return __import__(module)
-    except ImportError:
-        raise SkipServer(f"the {module} driver is not installed. Fix: pip install '{package}' "
-                         "(or pip install -e '.[db-server]')") from None
+        return need_driver(module, package)
+    except ImportError as exc:
+        raise SkipServer(str(exc)) from None
