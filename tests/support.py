@@ -504,3 +504,23 @@ async def gather_watching(box, *awaitables) -> tuple[list, int]:
     finally:
         sampler.cancel()
     return results, peak
+
+
+# -- the tiny parity model of the resume and evaluation-during-training runs ----------------------
+
+# Wall-clock figures differ between any two runs; everything else in a metrics row must be equal.
+TIMED = ("time/", "throughput/", "step_s", "system/trainer_idle_frac", "system/rollout_idle_frac",
+         "system/prep_overlap_frac")
+
+
+def parity_model_dir(folder: Path) -> Path:
+    """An untrained one-layer Qwen2 (seed 0) with a tokenizer trained on tests/user_env.py's
+    corpus, saved as a Hugging Face directory under `folder`."""
+    import user_env
+    from tiderl.models.loading import save_model_dir
+    from tiderl.models.tiny import train_tokenizer
+
+    tokenizer = train_tokenizer(user_env.corpus(), vocab_size=300)
+    model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2,
+                                              num_kv_heads=1, max_position_embeddings=512), seed=0)
+    return save_model_dir(model, tokenizer, folder / "model")

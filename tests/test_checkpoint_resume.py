@@ -24,25 +24,18 @@ import torch
 from tiderl.cli import main
 from tiderl.config import ConfigError, load_config
 from tiderl.models.loading import load_model, save_model_dir
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.recipe import train
 from tiderl.run import build_run
 from tiderl.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints
 
-import user_env
+from support import TIMED, parity_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-# Wall-clock figures differ between any two runs; everything else must be equal.
-TIMED = ("time/", "throughput/", "step_s", "system/trainer_idle_frac", "system/rollout_idle_frac",
-         "system/prep_overlap_frac")
 
 
 @pytest.fixture(scope="module")
 def parity_model(tmp_path_factory):
-    tokenizer = train_tokenizer(user_env.corpus(), vocab_size=300)
-    model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2,
-                                              num_kv_heads=1, max_position_embeddings=512), seed=0)
-    return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("parity") / "model")
+    return parity_model_dir(tmp_path_factory.mktemp("parity"))
 
 
 def overrides(model, run_dir, *more):

@@ -18,28 +18,20 @@ import torch
 
 from tiderl.config import ConfigError, load_config
 from tiderl.evaluate import evaluate_modes, held_out_metrics
-from tiderl.models.loading import save_model_dir
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.recipe import train
 from tiderl.rollout.weights import weights_checksum
 from tiderl.run import HeldOut, build_run
 from tiderl.train.checkpoint import MARKER
 from tiderl.train.lora import policy_state
 
-import user_env
+from support import TIMED, parity_model_dir
 
-# Wall-clock figures differ between any two runs; everything else must be equal.
-TIMED = ("time/", "throughput/", "step_s", "system/trainer_idle_frac", "system/rollout_idle_frac",
-         "system/prep_overlap_frac")
 EVAL_N = 12
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    tokenizer = train_tokenizer(user_env.corpus(), vocab_size=300)
-    net = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2,
-                                            num_kv_heads=1, max_position_embeddings=512), seed=0)
-    return save_model_dir(net, tokenizer, tmp_path_factory.mktemp("length") / "model")
+    return parity_model_dir(tmp_path_factory.mktemp("length"))
 
 
 def overrides(model, run_dir, *more):
