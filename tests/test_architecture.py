@@ -215,7 +215,7 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2760,
+    "tiderl": 2770,  # +4: Trajectory.images (issue 31)
     "agent": 890,
     "algos": 1580,
     "metrics": 260,
@@ -232,7 +232,7 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_590
+CORE_LINE_BUDGET = 15_595
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -30,6 +30,9 @@ class Trajectory:
         ("answer", "max_turns", "max_tokens", "length", "error").
     annotations: per-token lists computed after the episode, before training (e.g. "values":
         critic values, "ref_logprobs": reference log-probs), each one entry per token.
+    images: the episode's images (PIL images) in the order their placeholder tokens appear in
+        `tokens` (forced, loss_mask 0); the model's image inputs (pixel values, grid sizes) are
+        computed from them by its processor. Empty for a text-only episode.
     """
 
     tokens: list[int]
@@ -44,6 +47,7 @@ class Trajectory:
     num_turns: int = 0
     stop_reason: str = ""
     annotations: dict[str, list[float]] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

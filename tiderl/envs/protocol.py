@@ -2,7 +2,8 @@
 
 An environment runs one episode at a time: `reset(task)` returns the first user message,
 `step(action)` executes the model's turn. The agent loop owns the tokens; the environment
-only ever sees text and parsed tool calls, and answers with text.
+only ever sees text and parsed tool calls, and answers with text, or with an `Observation`
+(text with images) where the task is visual.
 
 A malformed tool call never reaches the environment as an exception: the agent loop puts the
 parse error in `Action.parse_errors`, and the environment answers it with an error observation
@@ -54,11 +55,27 @@ class Action:
 
 
 @dataclass
+class Observation:
+    """A message that shows images: the images (PIL images, shown before the text, in order) and
+    the text. `reset` may return one as the first user message, and `step` may answer with them
+    among its observations; a text-only environment returns plain strings."""
+
+    text: str
+    images: list[Any] = field(default_factory=list)
+
+
+def message_text(message: "str | Observation") -> str:
+    """The text of a message, whether it is plain text or an `Observation`."""
+    return message.text if isinstance(message, Observation) else message
+
+
+@dataclass
 class StepResult:
     """What the environment answers to one action.
 
-    observations: tool responses, one message each, appended to the conversation with role
-        "tool" (empty when the episode is done or the turn had no tool call).
+    observations: tool responses, one message each (text, or an `Observation` with images),
+        appended to the conversation with role "tool" (empty when the episode is done or the turn
+        had no tool call).
     reward: the scalar reward; only meaningful when `done` (outcome rewards) but any step may
         carry shaping.
     done: the episode ended (final answer, or the environment gave up).
@@ -66,7 +83,7 @@ class StepResult:
         (dict of named reward parts summing to the reward) and environment scores such as "f1".
     """
 
-    observations: list[str]
+    observations: list[str | Observation]
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
@@ -83,8 +100,8 @@ class Env(Protocol):
         """The tools in OpenAI function format, passed to the chat template."""
         ...
 
-    def reset(self, task: Task) -> str:
-        """Start an episode; returns the first user message."""
+    def reset(self, task: Task) -> str | Observation:
+        """Start an episode; returns the first user message (an `Observation` to show images)."""
         ...
 
     def step(self, action: Action) -> StepResult:
