@@ -223,7 +223,7 @@ PACKAGE_LINE_BUDGETS = {
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2440,
     "serve": 1020,
-    "system": 2800,
+    "system": 2830,  # +27: system.stale.drain (issue 35)
     "train": 1860,
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
@@ -232,7 +232,7 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_595
+CORE_LINE_BUDGET = 15_625
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

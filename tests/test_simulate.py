@@ -236,7 +236,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_every_model_field_has_a_flag():
     covered = {(owner, name) for _, owner, name, *_ in simulate_cli.FIELD_FLAGS + simulate_cli.BOOL_FLAGS}
     per_mode = {(Schedule, n) for n in ("mode", "max_staleness", "overprovision", "min_slots", "max_slots",
-                                        "stale_policy", "stale_bound")}
+                                        "stale_policy", "stale_bound", "drain")}
     for owner in (Workload, Cluster, Schedule):
         for name in owner.__dataclass_fields__:
             assert (owner, name) in covered | per_mode, f"{owner.__name__}.{name} has no tiderl simulate flag"

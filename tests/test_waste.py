@@ -247,10 +247,12 @@ def test_tiderl_simulate_compares_the_stale_policies(capsys):
     from tiderl.lab import simulate_cli
 
     args = _parser().parse_args(["simulate", "--batch-size", "4", "--steps", "4", "--seeds", "1", "--staleness", "1,2",
-                                 "--cancel-factors", "none", "--stale-policies", "drop,mask,mask+1"])
+                                 "--cancel-factors", "none", "--stale-policies", "drop,mask,mask+1,mask+1/drain"])
     modes = {m.name: m.schedule for m in simulate_cli.modes_of(args, simulate_cli.settings(args)[2])}
     assert [n for n in modes if n.startswith("async")] == ["async-s1", "async-s2", "async-s1-mask", "async-s2-mask",
-                                                           "async-s1-mask+1", "async-s2-mask+1"]
+                                                           "async-s1-mask+1", "async-s2-mask+1",
+                                                           "async-s1-mask+1-drain", "async-s2-mask+1-drain"]
+    assert modes["async-s2-mask+1-drain"].drain and not modes["async-s2-mask+1"].drain
     assert (modes["async-s2-mask+1"].stale_policy, modes["async-s2-mask+1"].stale_bound) == ("mask", 3)
     assert (modes["async-s1-mask"].stale_bound, modes["async-s1"].stale_policy) == (0, "drop")
     assert main(["simulate", "--batch-size", "4", "--steps", "4", "--seeds", "1", "--staleness", "1",
@@ -260,4 +262,65 @@ def test_tiderl_simulate_compares_the_stale_policies(capsys):
     assert lines[-2].startswith("trained mean episode length / sync's (") and "async-s1-mask+1 waste" in lines[-2]
     with pytest.raises(SystemExit):
         main(["simulate", "--stale-policies", "mask+x"])
+    with pytest.raises(SystemExit):
+        main(["simulate", "--stale-policies", "mask+1/dry"])
     assert "argument --stale-policies" in capsys.readouterr().err
+
+
+# --- draining the run's end (system.stale.drain) ----------------------------------------------------
+
+
+def test_the_drain_rule_starts_only_what_the_steps_left_can_train():
+    gate = StalenessGate(max_staleness=2, batch_size=2, run_steps=3)
+    gate.started(4)  # version 0: 3 steps left can train 6, so 2 more may start
+    assert gate.may_start(0, 0) and gate.may_start(0, 0, group_size=2) and not gate.may_start(0, 0, group_size=3)
+    gate.started(2)
+    assert gate.outstanding == 6 and gate.capacity == 6 and not gate.may_start(0, 0)
+    gate.settled(2)  # the first step trained: version 1, 2 steps left for the 4 outstanding
+    assert not gate.may_start(1, 1) and "fill the 2 steps left" in gate.blocker(1, 1)
+    assert gate.may_start(1, 1, group_size=0)  # an attempt of a group already started: never held
+    gate.settled(2)
+    assert gate.may_start(1, 1, group_size=2) and not gate.may_start(3, 3)
+    assert StalenessGate(max_staleness=2, batch_size=2).may_start(3, 3)  # no run length: no drain
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_a_drained_run_ends_with_nothing_in_flight_or_buffered(group_size):
+    # Episodes of varied lengths, staleness 2 with the mask policy: without the drain the run ends with
+    # episodes started that no step trains (unsettled waste); with it every started attempt is trained.
+    def run(drain: bool):
+        trainer = FakeTrainer(lambda: 0.004)
+        rollout = FakeRollout(lambda tid: 0.002 * (int(tid[1:]) % 5), length=lambda tid: 4 + int(tid[1:]) % 6)
+        settings = PoolSettings(batch_size=4, max_staleness=2, group_size=group_size, stale_policy="mask",
+                                stale_bound=3, run_steps=6 if drain else 0)
+        pool, history = run_pool(settings, rollout, trainer, steps=6, buffer=ReadyBuffer([], group_size))
+        check_ledger(pool)
+        return pool, history
+
+    open_pool, _ = run(False)
+    assert open_pool.unsettled() > 0 and open_pool.summary()["waste"]["unsettled"] > 0
+    drained, history = run(True)
+    assert drained.unsettled() == 0 and drained.ledger.started == drained.ledger.trained == 24
+    waste = drained.summary()["waste"]
+    assert waste["unsettled"] == 0 and waste["wasted_tokens"] == waste["masked"]
+    assert history[-1]["system/trained_action_tokens"] + waste["masked"] == drained.generated_tokens
+
+
+def test_the_config_turns_the_drain_on_with_the_runs_step_count():
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.drain=true",
+                                                   "train.steps=7"])
+    assert PoolSettings.from_config(cfg).run_steps == 7
+    assert PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2"])).run_steps == 0
+
+
+def test_the_simulator_drains_with_the_same_rule():
+    heavy = Workload(Dist("const", 3), Dist("lognormal", 20, 0.5), Dist("lognormal", 1.0, 1.5, 30))
+    one = Cluster(engines=1, engine_max_seqs=64, decode_step_s=0.01, decode_step_per_seq_s=0.0,
+                  train_step_s=1.0, sync_s=0.0)
+    base = Schedule(max_staleness=2, batch_size=16, steps=20, stale_policy="mask", stale_bound=4)
+    open_run, drained = (simulate(heavy, one, Schedule(**{**base.__dict__, "drain": d}), seed=1) for d in (False, True))
+    for r in (open_run, drained):
+        assert r.trained == 16 * 20 and r.generated_tokens == r.trained_tokens + r.wasted_tokens
+    assert drained.wasted_tokens < open_run.wasted_tokens
+    assert drained.wasted_tokens == drained.masked_tokens  # nothing left in flight or buffered at the end
+    assert "drain" in Schedule(drain=True, max_staleness=1).label()

@@ -195,6 +195,7 @@ class Schedule:
     steps: int = 50
     stale_policy: str = "drop"  # async: tiderl's system.stale.policy (drop | mask)
     stale_bound: int = 0  # async: tiderl's system.stale.bound (0 = max_staleness)
+    drain: bool = False  # async: tiderl's system.stale.drain (admission drains the run's end)
 
     def label(self) -> str:
         if self.mode == "overprovision":
@@ -205,6 +206,8 @@ class Schedule:
                 base += f" admit {self.admission}"
             if self.stale_policy != "drop" or self.stale_bound:
                 base += f" {self.stale_policy}" + (f" bound {self.stale_bound}" if self.stale_bound else "")
+            if self.drain:
+                base += " drain"
         if self.min_slots and self.max_slots and self.min_slots != self.max_slots:
             base += f" elastic {self.min_slots}-{self.max_slots}"
         return f"{base} B={self.batch_size}"
@@ -325,7 +328,7 @@ class Simulation:
         b = schedule.batch_size
         if schedule.mode == "async":
             self.gate = StalenessGate(schedule.max_staleness, b, schedule.admission, schedule.stale_policy,
-                                      schedule.stale_bound)
+                                      schedule.stale_bound, schedule.steps if schedule.drain else 0)
             default_slots = self.gate.capacity
         else:
             if schedule.overprovision < 1:
@@ -770,7 +773,7 @@ def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
                    cancel_factors: tuple[float, ...] = (1.5, 2.0), overprov_admission: int = 0,
                    sync_batch_factor: int = 3, sync_loop: bool = False,
                    elastic: tuple[int, int] | None = None,
-                   stale_policies: tuple[tuple[str, int], ...] = (("drop", 0),)) -> list[Mode]:
+                   stale_policies: tuple[tuple[str, int, bool], ...] = (("drop", 0, False),)) -> list[Mode]:
     """The modes every comparison reports, at equal trained trajectories, named as
     `benchmarks/async_vs_sync.py` names them:
 
@@ -783,8 +786,9 @@ def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
     - `sync-{F}B`: sync at batch F·B and a F-th of the steps (F = 3: the concurrency of async
       at staleness 2);
     - `async-sN`: asynchronous at staleness N (admission `schedule.admission`, 0 = (N+1)·B),
-      dropping what is too stale; for each (policy P, slack D) of `stale_policies` but ("drop",
-      0), `async-sN-P` (D = 0) or `async-sN-P+D`: policy P with the bound N + D;
+      dropping what is too stale; for each (policy P, slack D, drain) of `stale_policies` but
+      ("drop", 0, False), `async-sN-P` (D = 0) or `async-sN-P+D`: policy P with the bound N + D,
+      and `-drain` appended where admission drains the run's end;
     - with `elastic` (min, max slots): each async mode again with elastic slots.
 
     `sync_loop` runs the synchronous modes as tiderl's synchronous loop does (see `Mode`)."""
@@ -797,9 +801,9 @@ def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
     if sync_batch_factor > 1:
         modes.append(Mode(f"sync-{sync_batch_factor}B", replace(
             sync, batch_size=sync_batch_factor * b, steps=max(1, steps // sync_batch_factor)), sync_loop))
-    asynchronous = [Mode(f"async-s{n}" + policy_suffix(p, d), replace(
-        schedule, mode="async", max_staleness=n, min_slots=0, max_slots=0, stale_policy=p, stale_bound=d and n + d))
-        for p, d in stale_policies for n in staleness]
+    asynchronous = [Mode(f"async-s{n}" + policy_suffix(p, d, drain), replace(
+        schedule, mode="async", max_staleness=n, min_slots=0, max_slots=0, stale_policy=p, stale_bound=d and n + d,
+        drain=drain)) for p, d, drain in stale_policies for n in staleness]
     modes += asynchronous
     if elastic:
         low, high = elastic
@@ -808,9 +812,11 @@ def standard_modes(schedule: Schedule, staleness: tuple[int, ...] = (1, 2, 4),
     return modes
 
 
-def policy_suffix(policy: str, slack: int) -> str:
-    """'' for drop at the bound N, else '-mask', '-drop+1', '-mask+2' (policy, bound N + slack)."""
-    return "" if (policy, slack) == ("drop", 0) else f"-{policy}" + (f"+{slack}" if slack else "")
+def policy_suffix(policy: str, slack: int, drain: bool = False) -> str:
+    """'' for drop at the bound N, else '-mask', '-drop+1', '-mask+2' (policy, bound N + slack),
+    with '-drain' appended when admission drains the run's end."""
+    name = "" if (policy, slack) == ("drop", 0) else f"-{policy}" + (f"+{slack}" if slack else "")
+    return name + ("-drain" if drain else "")
 
 
 # Named starting points for `tiderl simulate --scenario`. They are assumptions to explore with,

@@ -84,17 +84,19 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def _policy_list(text: str) -> tuple[tuple[str, int], ...]:
+def _policy_list(text: str) -> tuple[tuple[str, int, bool], ...]:
     values = []
     for item in (v.strip() for v in text.split(",") if v.strip()):
+        item, drain, rest = item.partition("/")
         policy, _, slack = item.partition("+")
-        if policy not in STALE_POLICIES or not (slack or "0").isdigit():
+        if policy not in STALE_POLICIES or not (slack or "0").isdigit() or (drain and rest != "drain"):
             values = []
             break
-        values.append((policy, int(slack or 0)))
+        values.append((policy, int(slack or 0), bool(drain)))
     if not values:
         raise argparse.ArgumentTypeError(f"must be stale policies ({', '.join(STALE_POLICIES)}), each with an optional "
-                                         f"+SLACK, separated by commas (got {text!r}), e.g. --stale-policies drop,mask+1")
+                                         f"+SLACK and /drain, separated by commas (got {text!r}), e.g. "
+                                         "--stale-policies drop,mask+1,mask+1/drain")
     return tuple(dict.fromkeys(values))
 
 
@@ -214,11 +216,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     modes = sim.add_argument_group("modes (which schedules are compared)")
     modes.add_argument("--staleness", type=_int_list, default=(1, 2, 4),
                        help="the async modes' staleness levels, e.g. 1,2,4 (default)")
-    modes.add_argument("--stale-policies", type=_policy_list, default=(("drop", 0),),
+    modes.add_argument("--stale-policies", type=_policy_list, default=(("drop", 0, False),),
                        help="the async modes' stale policies (tiderl's system.stale.policy), each with an optional "
                        "+SLACK: trained tokens may be N + SLACK versions old (system.stale.bound) while admission "
-                       "stays at N. async-sN drops what is too stale; async-sN-mask+1 masks tokens older than N + 1; "
-                       "e.g. drop,mask,mask+1 (default drop)")
+                       "stays at N; /drain: admission drains the run's end (system.stale.drain). async-sN drops what is too "
+                       "stale; async-sN-mask+1 masks tokens older than N + 1; e.g. drop,mask,mask+1,mask+1/drain "
+                       "(default drop)")
     modes.add_argument("--sync-overprov-admission", type=_int_min(2, "--sync-overprov-admission 1024"),
                        help="sync-overprov: episodes admitted per version, above --batch-size (default 2 x "
                        "batch), e.g. 1024")

@@ -87,6 +87,7 @@ class PoolSettings:
     admission: int = 0  # most unsettled trajectories; 0 = (max_staleness + 1) * batch_size
     stale_policy: str = "drop"  # or "mask" (system.stale.policy; tiderl.system.staleness)
     stale_bound: int = 0  # versions a trained token may lag; 0 = max_staleness (system.stale.bound)
+    run_steps: int = 0  # with system.stale.drain: the run's step count (train.steps), else 0
 
     def initial_slots(self) -> int:
         return self.slots or self.admission or (self.max_staleness + 1) * self.batch_size
@@ -105,7 +106,7 @@ class PoolSettings:
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
                    group_size=cfg.algo.group_size, env_name=cfg.env.name,
                    resource_units=s.resource_units, admission=s.admission, stale_policy=s.stale.policy,
-                   stale_bound=s.stale.bound)
+                   stale_bound=s.stale.bound, run_steps=cfg.train.steps if s.stale.drain else 0)
 
 
 @dataclass
@@ -165,7 +166,8 @@ class RolloutPool:
         self.shape = shape
         self.ledger_log = ledger_log
         self.version = start_version  # the trainer's: the weights last published
-        self.gate = StalenessGate(s.max_staleness, s.batch_size, s.admission, s.stale_policy, s.stale_bound)
+        self.gate = StalenessGate(s.max_staleness, s.batch_size, s.admission, s.stale_policy, s.stale_bound,
+                                  s.run_steps)
         self.ledger = Ledger()
         self.slots = s.initial_slots()
         self.min_slots = s.min_slots or self.slots
@@ -425,11 +427,16 @@ class RolloutPool:
     def _update_gauges(self) -> None:
         self._active.set(len(self._inflight))
         free = len(self._inflight) < self.slots
-        self._blocked.set(float(free and not self.gate.may_start(self.version, self.backend.version)))
+        self._blocked.set(float(free and not self.gate.may_start(self.version, self.backend.version, self._new_group())))
+
+    def _new_group(self) -> int:
+        """The size of the group the next attempt starts: 0 when it belongs to one already started."""
+        return 0 if self._queue else self.settings.group_size
 
     async def _fill_loop(self) -> None:
         while True:
-            while len(self._inflight) < self.slots and self.gate.may_start(self.version, self.backend.version):
+            while len(self._inflight) < self.slots and self.gate.may_start(self.version, self.backend.version,
+                                                                           self._new_group()):
                 attempt = self._next_attempt()
                 attempt.start_version = self.backend.version
                 self.gate.started()
@@ -539,7 +546,7 @@ class RolloutPool:
     # ------------------------------------------------------------------ the trainer's side of a batch
 
     def _describe(self) -> str:
-        blocker = self.gate.blocker(self.version, self.backend.version)
+        blocker = self.gate.blocker(self.version, self.backend.version, self._new_group())
         return (f"In flight {len(self._inflight)} of {self.slots} slots; trainer version {self.version}, "
                 f"engine version {self.backend.version}"
                 + (f"; the staleness gate holds new tasks: {blocker}" if blocker else ""))

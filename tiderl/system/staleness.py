@@ -18,6 +18,10 @@ With N = `max_staleness`, B = the batch size (trajectories per optimizer step) a
   where `outstanding` counts the trajectories started and not yet settled (in flight, finished
   and waiting, or in the batch being trained). Settling = trained (after the step and the
   weight sync), dropped as stale, or failed.
+- **Draining the run's end** (`system.stale.drain`, with the run's step count S known): a new
+  task's group of G also needs `outstanding + G <= (S - v) * B`, so no episode starts that none
+  of the remaining steps could train (at the end of a run it would be waste). Attempts of groups
+  already started, and retries, are never held by it.
 
 The drop rule is the guarantee, admission keeps drops rare (why both: docs/architecture.md,
 "The staleness rule"); K > N keeps the long episodes that admission at N cannot promise to
@@ -48,6 +52,9 @@ class StaleOptions:
     bound: int = opt(0, "Versions a trained token may lag the trainer (0 = system.max_staleness). Above "
                      "max_staleness, max_staleness bounds only admission: a long episode admitted at N finishes "
                      "more than N versions later, and keeps its tokens up to this bound.")
+    drain: bool = opt(False, "Near the end of the run, start a task only if the steps left (train.steps) can "
+                      "train it: the run ends without episodes in flight that no step would train (their tokens "
+                      "would be waste). The last steps overlap less rollout with training.")
 
     def check(self, cfg: Any) -> None:
         n = cfg.system.max_staleness
@@ -56,7 +63,10 @@ class StaleOptions:
 
     def unread(self, cfg: Any) -> dict[str, str]:
         why = "at system.max_staleness=0 no trajectory mixes versions (episodes on old weights restart)"
-        return {} if cfg.system.max_staleness > 0 else {"policy": why, "bound": why}
+        unread = {} if cfg.system.max_staleness > 0 else {"policy": why, "bound": why}
+        if cfg.system.max_staleness == 0 and not cfg.system.admission:
+            unread["drain"] = "at staleness 0 without system.admission no more than a batch is ever in flight"
+        return unread
 
 
 def too_stale(counts: Mapping[int, int], trainer_version: int, bound: int, policy: str = "drop") -> int | None:
@@ -88,7 +98,7 @@ class StalenessGate:
     """
 
     def __init__(self, max_staleness: int, batch_size: int, admission: int = 0, policy: str = "drop",
-                 bound: int = 0):
+                 bound: int = 0, run_steps: int = 0):
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 (0 = synchronous)")
         if batch_size < 1:
@@ -102,6 +112,7 @@ class StalenessGate:
         self.bound = bound or max_staleness
         if self.bound < max_staleness:
             raise ValueError(f"stale bound {bound} is below max_staleness={max_staleness}")
+        self.run_steps = run_steps  # > 0: admission drains the run's end (module docstring)
         self.outstanding = 0
         self.histogram: Counter[int] = Counter()  # staleness of every trajectory judged
         self.dropped = 0
@@ -111,13 +122,22 @@ class StalenessGate:
         """Most trajectories that may be unsettled at once: (N + 1) * B unless `admission` is set."""
         return self.admission or (self.max_staleness + 1) * self.batch_size
 
-    def may_start(self, trainer_version: int, engine_version: int) -> bool:
-        """True iff a new task may start now (see the module docstring for the rule)."""
+    def may_start(self, trainer_version: int, engine_version: int, group_size: int = 1) -> bool:
+        """True iff a new task may start now (see the module docstring for the rule); `group_size`
+        is 0 for an attempt of a group already started (or a retry), which the drain rule never holds."""
         return (self.outstanding < self.capacity
-                and trainer_version - engine_version <= self.max_staleness)
+                and trainer_version - engine_version <= self.max_staleness
+                and self._steps_left_can_train(trainer_version, group_size))
 
-    def blocker(self, trainer_version: int, engine_version: int) -> str:
+    def _steps_left_can_train(self, trainer_version: int, group_size: int) -> bool:
+        return (not self.run_steps or not group_size
+                or self.outstanding + group_size <= (self.run_steps - trainer_version) * self.batch_size)
+
+    def blocker(self, trainer_version: int, engine_version: int, group_size: int = 1) -> str:
         """Why `may_start` is False ('' when it is True), for logs and timeout messages."""
+        if not self._steps_left_can_train(trainer_version, group_size):
+            return (f"{self.outstanding} trajectories unsettled fill the {self.run_steps - trainer_version} "
+                    "steps left of the run (system.stale.drain)")
         if self.outstanding >= self.capacity:
             return (f"{self.outstanding} trajectories unsettled, the bound allows "
                     + (f"system.admission = {self.capacity}" if self.admission
