@@ -17,6 +17,8 @@ deployment places them. The modes and their concurrency (episodes running at onc
 | async-s1/s2/s4   | max_staleness=N (partial rollouts continue)        | B     | (N+1)B      |
 | async-s1/s2-     | the same, system.stale.policy=mask with bound N+1: | B     | (N+1)B      |
 |   mask+1         | too-stale tokens masked, not whole episodes dropped |       |             |
+| async-s2-mask+2- | bound N+2, and system.stale.drain: no episode      | B     | (N+1)B      |
+|   drain          | starts near the end that no step would train        |       |             |
 
 sync-3B has the concurrency of async-s2. Workloads (`--workloads`): `none` (no tool latency:
 decoding and training compete for the cores), `fixed1` (every tool call 1 s), `ln0.5`, `ln1.0`,
@@ -359,6 +361,7 @@ class Mode:
     batch_factor: int = 1  # batch = factor x B, steps = steps / factor (equal trajectories)
     admission_factor: int = 0  # admission = factor x B (0: the default (N+1) x batch)
     stale: tuple[str, int] = ("drop", 0)  # system.stale.policy and the bound's slack over N
+    drain: bool = False  # system.stale.drain: admission drains the run's end
 
     def concurrency(self, b: int) -> int:
         return self.admission_factor * b or (self.staleness + 1) * self.batch_factor * b
@@ -369,12 +372,15 @@ class Mode:
             out.append(f"system.admission={self.admission_factor * b}")
         if self.stale != ("drop", 0):
             out += [f"system.stale.policy={self.stale[0]}", f"system.stale.bound={self.staleness + self.stale[1]}"]
+        if self.drain:
+            out.append("system.stale.drain=true")
         return out
 
 
 MODES = [Mode("sync", 0), Mode("sync-overprov", 0, admission_factor=2), Mode("sync-3B", 0, batch_factor=3),
          Mode("async-s1", 1), Mode("async-s2", 2), Mode("async-s4", 4),
-         Mode("async-s1-mask+1", 1, stale=("mask", 1)), Mode("async-s2-mask+1", 2, stale=("mask", 1))]
+         Mode("async-s1-mask+1", 1, stale=("mask", 1)), Mode("async-s2-mask+1", 2, stale=("mask", 1)),
+         Mode("async-s2-mask+2-drain", 2, stale=("mask", 2), drain=True)]
 
 
 class PlacementSampler:

@@ -23,12 +23,14 @@ def test_modes_run_at_the_concurrency_the_docstring_states():
     b = 16
     assert {n: m.concurrency(b) for n, m in modes.items()} == {
         "sync": 16, "sync-overprov": 32, "sync-3B": 48, "async-s1": 32, "async-s2": 48, "async-s4": 80,
-        "async-s1-mask+1": 32, "async-s2-mask+1": 48}
+        "async-s1-mask+1": 32, "async-s2-mask+1": 48, "async-s2-mask+2-drain": 48}
     assert modes["sync-3B"].concurrency(b) == modes["async-s2"].concurrency(b)
     assert "system.admission=32" in modes["sync-overprov"].overrides(b)
     assert "rollout.batch_size=48" in modes["sync-3B"].overrides(b)
     assert modes["async-s2-mask+1"].overrides(b)[-2:] == ["system.stale.policy=mask", "system.stale.bound=3"]
     assert not any(o.startswith("system.stale.") for o in modes["async-s2"].overrides(b))
+    assert modes["async-s2-mask+2-drain"].overrides(b)[-3:] == ["system.stale.policy=mask", "system.stale.bound=4",
+                                                                "system.stale.drain=true"]
 
 
 def test_interval_and_paired_ratio():
