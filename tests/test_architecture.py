@@ -216,12 +216,12 @@ def test_the_names_check_finds_names(tmp_path):
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
     "tiderl": 2770,  # +4: Trajectory.images (issue 31)
-    "agent": 890,
+    "agent": 970,  # +80: images in chat assembly and the agent loop (issue 31)
     "algos": 1580,
     "metrics": 260,
-    "models": 1320,
+    "models": 1530,  # +210: the tiny vision-language model, models/vision.py (issue 31)
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
-    "rollout": 2440,
+    "rollout": 2470,  # +30: the batching client passes images to engines that take them (issue 31)
     "serve": 1020,
     "system": 2800,
     "train": 1860,
@@ -232,7 +232,8 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_595
+# Issue 31's images (tiny VLM, chat assembly, agent loop, client) added 320 (15,915).
+CORE_LINE_BUDGET = 15_915
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:
