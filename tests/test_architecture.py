@@ -219,12 +219,12 @@ PACKAGE_LINE_BUDGETS = {
     "agent": 970,  # +80: images in chat assembly and the agent loop (issue 31)
     "algos": 1580,
     "metrics": 260,
-    "models": 1530,  # +210: the tiny vision-language model, models/vision.py (issue 31)
+    "models": 1550,  # +230: the tiny vision-language model, models/vision.py (issue 31)
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
-    "rollout": 2470,  # +30: the batching client passes images to engines that take them (issue 31)
+    "rollout": 2525,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     "serve": 1020,
     "system": 2800,
-    "train": 1860,
+    "train": 1885,  # +25: batches, log-probs and values with images (issue 31)
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
@@ -232,8 +232,8 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-# Issue 31's images (tiny VLM, chat assembly, agent loop, client) added 320 (15,915).
-CORE_LINE_BUDGET = 15_915
+# Issue 31's images (tiny VLM, chat assembly, agent loop, engine, trainer) added 443 (16,032).
+CORE_LINE_BUDGET = 16_035
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -187,7 +187,9 @@ class ImageScriptedEngine(ScriptedEngine):
         self.seen: list[list[list[Image.Image]] | None] = []
 
     def generate(self, prompts, params, images=None):
-        self.seen.append(images)
+        self.seen.append(None if images is None else [i.images for i in images])
+        for prompt, shown in zip(prompts, images or []):
+            assert len(shown.forced) == len(prompt)
         return super().generate(prompts, params)
 
 
@@ -229,7 +231,11 @@ def test_the_agent_loop_carries_images_to_the_trajectory_and_the_engine(vlm):
 
 def test_an_engine_without_images_is_refused_for_an_episode_with_images(vlm):
     _, processor = vlm
-    engine = ScriptedEngine(processor.tokenizer, {"What colour": ["answer: red"]})
+    class TextEngine(ScriptedEngine):
+        def generate(self, prompts, params):
+            return super().generate(prompts, params)
+
+    engine = TextEngine(processor.tokenizer, {"What colour": ["answer: red"]})
     task = Task("t0", "What colour is the square?", None, {"colours": ["red"]})
     with pytest.raises(ValueError, match="takes no images"):
         play_episodes(engine, processor, SquaresEnv, [task], SamplingParams(max_new_tokens=20), max_turns=2,

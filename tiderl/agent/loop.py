@@ -20,7 +20,7 @@ from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, TemplateError, chat_
 from tiderl.agent.tool_parser import parse_tool_calls, tool_call_format_of
 from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
-from tiderl.models.vision import split_processor
+from tiderl.models.vision import PromptImages, split_processor
 from tiderl.rollout.base import Completion, Engine, SamplingParams, episode_seed
 from tiderl.rollout.client import BatchingEngine
 from tiderl.types import TokenRecord, Trajectory
@@ -225,7 +225,8 @@ async def play_episode(
                 stops.append(episode.fmt.end_of_turn_id)
             call_params = dataclasses.replace(params, max_new_tokens=limit, stop_token_ids=stops)
             # Only an episode with images passes them: the text-only request stays what it was.
-            with_images = {"images": list(episode.images)} if episode.images else {}
+            with_images = {"images": PromptImages(list(episode.images), [1 - m for m in episode.loss_mask])
+                           } if episode.images else {}
             completion = await client.generate(list(episode.tokens), call_params, **with_images)
             action = _append_turn(episode, completion, limit, text_tokenizer)
             with client.in_env():
@@ -344,8 +345,10 @@ class ScriptedEngine:
         # One entry per episode seen: (script key, turns emitted, prompt + last completion).
         self._episodes: list[tuple[str, int, list[int]]] = []
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Emit the next scripted turn of each prompt's episode."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[Any] | None = None) -> list[Completion]:
+        """Emit the next scripted turn of each prompt's episode (`images`, of an episode that shows
+        some, are taken and not looked at: a script replays the same turns whatever it is shown)."""
         claimed: set[int] = set()
         completions = []
         for prompt in prompts:

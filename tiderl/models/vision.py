@@ -6,9 +6,21 @@ images to a vision-language model. docs/multimodal.md describes the whole path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass
+class PromptImages:
+    """The images a prompt shows, as an engine gets them: `images` (PIL images, in the order of
+    their placeholder tokens) and `forced`, one flag per prompt token, 1 where the token was forced
+    (prompt, observations). Image features go to the forced placeholder tokens only: a placeholder
+    token the model sampled itself is text, as it is for the trainer (`Trajectory.loss_mask`)."""
+
+    images: list[Any]
+    forced: list[int]
 
 
 def split_processor(tokenizer_or_processor: Any) -> tuple[Any, Any | None]:
@@ -40,40 +52,55 @@ def image_token_id(model: Any) -> int:
     return int(token)
 
 
-def image_features(model: Any, image_processor: Any, images: list[Any]) -> torch.Tensor:
-    """`[N * tokens_per_image, hidden]`: the features of `images` (vision tower then connector), in
-    order, as the language model embeds them."""
-    pixels = {k: v.to(model.device) for k, v in image_inputs(image_processor, images).items()}
-    out = model.get_image_features(**pixels, return_dict=True)
+def image_features(model: Any, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[N * tokens_per_image, hidden]`: the features of one sample's images (`image_inputs`), vision
+    tower then connector, in order, as the language model embeds them."""
+    inputs = {k: v.to(model.device) for k, v in pixels.items() if k in ("pixel_values", "pixel_attention_mask")}
+    out = model.get_image_features(**inputs, return_dict=True)
     features = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
     return features.reshape(-1, features.shape[-1])
 
 
-def embed_inputs(model: Any, input_ids: torch.Tensor, images: list[list[Any]] | None,
-                 image_processor: Any) -> torch.Tensor:
+def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, torch.Tensor] | None] | None) -> torch.Tensor:
     """`[B, T, hidden]` input embeddings of `input_ids`, each row's image placeholders replaced by
-    the features of that row's `images[row]` (PIL images in placeholder order), as the model's own
-    forward with pixel values embeds them.
+    the features of that row's pixel inputs `pixels[row]` (`image_inputs` of its images in
+    placeholder order; None: a row without images), as the model's own forward with pixel values
+    embeds them. The trainer and the torch engine both feed images this way. Where `pixels[row]`
+    has "forced" (`[>= T]` bool, 1 on forced tokens), only forced placeholders take features
+    (`PromptImages`).
 
     ValueError, naming the row, when a row's placeholder count is not its images' token count
     (an episode whose tokens and images disagree must not train on the wrong pixels).
     """
     embeds = model.get_input_embeddings()(input_ids)
-    if not images or not any(images):
+    if not pixels or all(p is None for p in pixels):
         return embeds
     token = image_token_id(model)
     rows = []
-    for row, row_images in enumerate(images):
-        if not row_images:
+    for row, row_pixels in enumerate(pixels):
+        where = input_ids[row] == token
+        if row_pixels is not None and "forced" in row_pixels:
+            where &= row_pixels["forced"][: input_ids.shape[1]].to(where.device, torch.bool)
+        if row_pixels is None:
+            if bool(where.any()):
+                raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but no images")
             rows.append(embeds[row])
             continue
-        features = image_features(model, image_processor, row_images).to(embeds.dtype)
-        where = input_ids[row] == token
+        features = image_features(model, row_pixels).to(embeds.dtype)
         if int(where.sum()) != features.shape[0]:
-            raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but its "
-                             f"{len(row_images)} image(s) give {features.shape[0]} features: the tokens and "
-                             "Trajectory.images disagree (were the images expanded with another processor?)")
+            raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but its image(s) give "
+                             f"{features.shape[0]} features: the tokens and Trajectory.images disagree (were the "
+                             "images expanded with another processor?)")
         rows.append(embeds[row].masked_scatter(where.unsqueeze(-1), features))
     return torch.stack(rows)
+
+
+def model_inputs(model: Any, input_ids: torch.Tensor,
+                 pixels: list[dict[str, torch.Tensor] | None] | None) -> dict[str, torch.Tensor]:
+    """The token inputs of a forward pass: `input_ids` when no row has images (the text-only call
+    as it always was), else `inputs_embeds` from `embed_inputs`."""
+    if not pixels or all(p is None for p in pixels):
+        return {"input_ids": input_ids}
+    return {"inputs_embeds": embed_inputs(model, input_ids, pixels)}

@@ -116,9 +116,9 @@ class BatchingEngine:
             self._decoder.shutdown(wait=True)
             self._loader.shutdown(wait=True)
 
-    async def generate(self, prompt: list[int], params: SamplingParams, images: list[Any] | None = None) -> Completion:
+    async def generate(self, prompt: list[int], params: SamplingParams, images: Any = None) -> Completion:
         """One completion for `prompt` (decoded in a batch with whatever else is waiting); `images`:
-        the images of the prompt's placeholder tokens, in order, for an engine that takes them."""
+        the prompt's `models.vision.PromptImages`, for an engine that takes them."""
         if self._task is None:
             raise RuntimeError("BatchingEngine.start() was not called")
         if images:
@@ -309,18 +309,18 @@ def _takes_sessions(engine: Engine) -> bool:
 
 
 class _ImagePrompt(list):  # type: ignore[type-arg]
-    """A prompt's token ids that carry the images of its placeholder tokens (`generate(images=)`)."""
+    """A prompt's token ids that carry its images (`generate(images=)`) through the queue."""
 
-    def __init__(self, ids: list[int], images: list[Any]):
+    def __init__(self, ids: list[int], images: Any):
         super().__init__(ids)
-        self.images = list(images)
+        self.images = images
 
 
 def _images_of(prompts: list[list[int]], single: bool = False) -> dict[str, Any]:
-    """The `images=` argument for the engine: one list per prompt (the one prompt's with `single`),
-    or nothing when no prompt has images (the text-only call is unchanged)."""
-    images = [getattr(p, "images", []) for p in prompts]
-    if not any(images):
+    """The `images=` argument for the engine: one `PromptImages` (or None) per prompt (the one
+    prompt's with `single`), or nothing when no prompt has images (the text-only call is unchanged)."""
+    images = [getattr(p, "images", None) for p in prompts]
+    if all(i is None for i in images):
         return {}
     return {"images": images[0] if single else images}
 
