@@ -216,7 +216,7 @@ def test_the_names_check_finds_names(tmp_path):
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
     "tiderl": 2770,  # +4: Trajectory.images (issue 31)
-    "agent": 970,  # +80: images in chat assembly and the agent loop (issue 31)
+    "agent": 975,  # +85: images in chat assembly and the agent loop (issue 31)
     "algos": 1580,
     "metrics": 260,
     "models": 1550,  # +230: the tiny vision-language model, models/vision.py (issue 31)
@@ -232,8 +232,8 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-# Issue 31's images (tiny VLM, chat assembly, agent loop, engine, trainer) added 443 (16,032).
-CORE_LINE_BUDGET = 16_035
+# Issue 31's images (tiny VLM, chat assembly, agent loop, engine, trainer) added 447 (16,036).
+CORE_LINE_BUDGET = 16_040
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -256,3 +256,16 @@ def test_a_text_only_episode_passes_no_images_to_the_engine(vlm):
                          max_total_tokens=300)
     assert t.images == [] and engine.seen == [None] and t.reward == 1.0
     assert json.dumps(t.tokens)  # plain ids
+
+
+def test_image_parts_that_hold_their_image_render_as_an_observation_does(vlm):
+    # (the form a chat request carries images in: a part per image, the image in it)
+    _, processor = vlm
+    fmt = chat_format(processor, None)
+    red = square("red")
+    as_parts = fmt.prompt_with_images([{"role": "user", "content": [{"type": "image", "image": red},
+                                                                    {"type": "text", "text": "What colour?"}]}])
+    as_observation = fmt.prompt_with_images([{"role": "user", "content": Observation("What colour?", [red])}])
+    assert as_parts == as_observation and as_parts[1] == [red]
+    assert fmt.prompt_with_images([{"role": "user", "content": Observation("What colour?")}]) == (
+        fmt.prompt_ids([{"role": "user", "content": "What colour?"}]), [])

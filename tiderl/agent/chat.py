@@ -174,18 +174,21 @@ class ChatFormat:
 
     def _with_parts(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
         """`messages` with each `Observation` content as a list of parts (an image part per image,
-        then the text), and all their images in order. ValueError when there are images but no
+        then the text), image parts that hold their image (`{"type": "image", "image": PIL}`)
+        without it, and all their images in order. ValueError when there are images but no
         processor to encode them."""
         out, images = [], []
         for m in messages:
             content = m.get("content")
             if isinstance(content, Observation):
-                if content.images and self.processor is None:
+                content = [{"type": "image", "image": i} for i in content.images] + [{"type": "text", "text": content.text}]
+                m = {**m, "content": content if len(content) > 1 else content[0]["text"]}
+            if isinstance(content, list) and any(isinstance(p, dict) and "image" in p for p in content):
+                if self.processor is None:
                     raise ValueError("an environment showed images (an Observation with images) but the model has "
                                      "no processor: use a vision-language model (docs/multimodal.md)")
-                images += content.images
-                parts = [{"type": "image"} for _ in content.images] + [{"type": "text", "text": content.text}]
-                m = {**m, "content": parts if content.images else content.text}
+                images += [p["image"] for p in content if isinstance(p, dict) and "image" in p]
+                m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and "image" in p else p for p in content]}
             out.append(m)
         return out, images
 
@@ -194,10 +197,11 @@ class ChatFormat:
         into its image's tokens (the placeholders must be exactly one per image)."""
         if not images:
             return self.tokenizer.encode(text, add_special_tokens=False)
-        found = text.count(IMAGE_PLACEHOLDER)
+        placeholder = getattr(self.processor, "image_token", IMAGE_PLACEHOLDER)
+        found = text.count(placeholder)
         if found != len(images):
-            raise ValueError(f"the rendered messages hold {found} {IMAGE_PLACEHOLDER} placeholders for {len(images)} "
-                             f"images: a message's text may not contain {IMAGE_PLACEHOLDER} itself, and the chat "
+            raise ValueError(f"the rendered messages hold {found} {placeholder} placeholders for {len(images)} "
+                             f"images: a message's text may not contain {placeholder} itself, and the chat "
                              "template must render one per image part")
         return list(self.processor(text=[text], images=[list(images)], add_special_tokens=False)["input_ids"][0])
 
