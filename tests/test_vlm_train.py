@@ -195,3 +195,31 @@ def test_a_placeholder_token_the_model_sampled_is_text_for_the_trainer_and_the_e
     with torch.no_grad():
         lp2, _ = token_logprobs(model, again.input_ids, again.attention_mask, pixels=again.pixels)
     assert abs(float(lp2[0, end]) - c.logprobs[0]) < 1e-4
+
+
+def test_a_tiny_vlm_learns_to_name_the_colour_it_is_shown(vlm):
+    """The images carry signal end to end: after a short supervised warm start on demonstrations
+    (the answer is the colour of the square, the question the same text every time), the torch
+    engine's greedy answer names the colour of the square it is shown, for every colour."""
+    from tiderl.models.embedded import supervised_finetune
+
+    model, processor = vlm
+    model = copy.deepcopy(model)
+    tok = processor.tokenizer
+    colours = ["red", "green", "blue"]
+    demos = []
+    for colour in colours:
+        (t,) = play_episodes(ScriptedEngine(tok, {"What colour": [f"answer: {colour}"]}), processor, SquaresEnv,
+                             [Task(colour, "q", None, {"colours": [colour]})], SamplingParams(max_new_tokens=20),
+                             max_turns=1, max_total_tokens=200)
+        assert t.reward == 1.0
+        demos.append(t)
+    losses = supervised_finetune(model, demos, 0, steps=60, batch_size=3, lr=3e-3, seed=0, log=lambda _: None,
+                                 image_processor=processor.image_processor)
+    assert losses[-1] < 0.1 * losses[0]
+    engine = TorchEngine(model, processor, seed=0)
+    tasks = [Task(c, "q", None, {"colours": [c]}) for c in colours]
+    out = play_episodes(engine, processor, SquaresEnv, tasks, SamplingParams(temperature=0.0, max_new_tokens=12),
+                        max_turns=1, max_total_tokens=200)
+    assert [t.reward for t in out] == [1.0, 1.0, 1.0], [tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m])
+                                                          for t in out]

@@ -288,12 +288,14 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
                         log=_log, check=None, check_every: int = 0, decay: bool = True,
-                        micro_batch_tokens: int = 8192, threads: int = 1, packed: bool = False) -> list[float]:
+                        micro_batch_tokens: int = 8192, threads: int = 1, packed: bool = False,
+                        image_processor=None) -> list[float]:
     """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
     `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate), in
     micro-batches of at most `micro_batch_tokens` padded tokens, on `threads` intra-op threads;
     `packed`: through `packed_token_logprobs` (no padding, logits only where the loss is, which
-    for a 150k-token vocabulary is most of the memory).
+    for a 150k-token vocabulary is most of the memory). Traces with images need the VLM's
+    `image_processor` (`train.batching.collate`); their micro-batches run unpacked.
     With `check`, `check(step)` runs after every `check_every` steps and at the last one, and
     training stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
     # One intra-op thread, whatever count an earlier step of the build left behind: a second one
@@ -312,14 +314,14 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
             * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
         losses = []
         for step in range(steps):
-            batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id)
+            batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id, image_processor)
             total = batch.action_mask.sum()
 
             def loss_fn(mb: Batch, total: torch.Tensor = total) -> tuple[torch.Tensor, dict[str, float]]:
-                if packed:
+                if packed and mb.pixels is None:
                     lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
                 else:
-                    lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+                    lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, pixels=mb.pixels)
                 return -(lp * mb.action_mask).sum() / total, {}
 
             rows = micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)
