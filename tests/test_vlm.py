@@ -170,6 +170,8 @@ def test_bad_image_messages_are_refused_with_the_reason(vlm):
     fmt = chat_format(processor, None)
     with pytest.raises(ValueError, match="placeholders for 1 images"):  # a literal placeholder in the text
         fmt.answer_with_images([Observation("look: <image>", [square("red")])])
+    with pytest.raises(ValueError, match="placeholders for 0 images"):  # also in a message without images
+        fmt.answer_with_images(["the page says <image>"])
     with pytest.raises(ValueError, match="answer_with_images"):  # the ids-only method would drop the image
         fmt.answer_ids([Observation("look", [square("red")])])
     text_only = chat_format(train_tokenizer(CORPUS, 300), None)

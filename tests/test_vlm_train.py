@@ -175,9 +175,22 @@ def test_a_placeholder_token_the_model_sampled_is_text_for_the_trainer_and_the_e
     image_id = model.config.image_token_id
     sampled_at = [i for i, (tk, m) in enumerate(zip(t.tokens, t.loss_mask)) if tk == image_id and m]
     assert len(sampled_at) == 1 and len(t.images) == 2
-    batch = collate([t], 0, processor.image_processor)
+    # Beside it in the batch, a text-only episode whose turn says <image> too: text there as well.
+    class TextEnv(SquaresEnv):
+        def reset(self, task):
+            self.task = task
+            return "What colour is the square?"
+
+    (text_only,) = play_episodes(ScriptedEngine(tok, {"What colour": ["<image> answer: red"]}), processor, TextEnv,
+                                 [Task("b", "q", None, {"colours": ["red"]})], SamplingParams(max_new_tokens=40),
+                                 max_turns=1, max_total_tokens=400)
+    assert image_id in text_only.tokens and not text_only.images
+    batch = collate([t, text_only], 0, processor.image_processor)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
+    n = len(text_only.tokens)
+    torch.testing.assert_close(lp[1, :n], _hf_logprobs(model, text_only.tokens, [], processor.image_processor),
+                               atol=1e-5, rtol=1e-5)
     # Before that token, the model's own forward (which would refuse the whole sequence) agrees.
     k = sampled_at[0]
     prefix_images = t.images[:1]

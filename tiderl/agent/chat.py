@@ -195,11 +195,11 @@ class ChatFormat:
     def _encode(self, text: str, images: list[Any]) -> list[int]:
         """Ids of rendered `text`; with `images`, the processor's, which expands each placeholder
         into its image's tokens (the placeholders must be exactly one per image)."""
-        if not images:
-            return self.tokenizer.encode(text, add_special_tokens=False)
         placeholder = getattr(self.processor, "image_token", IMAGE_PLACEHOLDER)
+        if not images and (self.processor is None or placeholder not in text):
+            return self.tokenizer.encode(text, add_special_tokens=False)
         found = text.count(placeholder)
-        if found != len(images):
+        if found != len(images):  # (a forced placeholder without its image would take another's features)
             raise ValueError(f"the rendered messages hold {found} {placeholder} placeholders for {len(images)} "
                              f"images: a message's text may not contain {placeholder} itself, and the chat "
                              "template must render one per image part")

@@ -80,14 +80,12 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
     token = image_token_id(model)
     rows = []
     for row, row_pixels in enumerate(pixels):
-        where = input_ids[row] == token
-        if row_pixels is not None and "forced" in row_pixels:
-            where &= row_pixels["forced"][: input_ids.shape[1]].to(where.device, torch.bool)
-        if row_pixels is None:
-            if bool(where.any()):
-                raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but no images")
+        if row_pixels is None:  # no images: placeholder tokens (sampled ones) are text, as without pixel values
             rows.append(embeds[row])
             continue
+        where = input_ids[row] == token
+        if "forced" in row_pixels:
+            where &= row_pixels["forced"][: input_ids.shape[1]].to(where.device, torch.bool)
         features = image_features(model, row_pixels).to(embeds.dtype)
         if int(where.sum()) != features.shape[0]:
             raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but its image(s) give "
