@@ -210,6 +210,7 @@ def test_a_placeholder_token_the_model_sampled_is_text_for_the_trainer_and_the_e
     assert abs(float(lp2[0, end]) - c.logprobs[0]) < 1e-4
 
 
+@pytest.mark.slow  # trains a model (60 warm-start steps)
 def test_a_tiny_vlm_learns_to_name_the_colour_it_is_shown(vlm):
     """The images carry signal end to end: after a short supervised warm start on demonstrations
     (the answer is the colour of the square, the question the same text every time), the torch

@@ -108,7 +108,7 @@ class ChatFormat:
     def prompt_with_images(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
         """`prompt_ids` of messages whose content may be an `Observation`: the ids (each image's
         placeholder expanded by the processor) and the images in placeholder order."""
-        messages, images = self._with_parts(messages)
+        messages, images = self.with_parts(messages)
         return self._encode(self.render(messages, add_generation_prompt=True), images), images
 
     def observation_ids(self, tool_messages: list[str]) -> list[int]:
@@ -163,7 +163,7 @@ class ChatFormat:
     def continuation_with_images(self, new_messages: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
         """`continuation_ids` of messages whose content may be an `Observation`: the ids and the
         new images in placeholder order."""
-        new_messages, images = self._with_parts(new_messages)
+        new_messages, images = self.with_parts(new_messages)
         full = self.render([*self._base, self._assistant, *new_messages], add_generation_prompt=True)
         if not full.startswith(self._turn_prefix):
             raise TemplateError(
@@ -172,24 +172,12 @@ class ChatFormat:
             )
         return self._encode(full[len(self._turn_prefix) :], images), images
 
-    def _with_parts(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-        """`messages` with each `Observation` content as a list of parts (an image part per image,
-        then the text), image parts that hold their image (`{"type": "image", "image": PIL}`)
-        without it, and all their images in order. ValueError when there are images but no
-        processor to encode them."""
-        out, images = [], []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, Observation):
-                content = [{"type": "image", "image": i} for i in content.images] + [{"type": "text", "text": content.text}]
-                m = {**m, "content": content if len(content) > 1 else content[0]["text"]}
-            if isinstance(content, list) and any(isinstance(p, dict) and "image" in p for p in content):
-                if self.processor is None:
-                    raise ValueError("an environment showed images (an Observation with images) but the model has "
-                                     "no processor: use a vision-language model (docs/multimodal.md)")
-                images += [p["image"] for p in content if isinstance(p, dict) and "image" in p]
-                m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and "image" in p else p for p in content]}
-            out.append(m)
+    def with_parts(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """`message_parts(messages)`; ValueError when there are images but no processor to encode them."""
+        out, images = message_parts(messages)
+        if images and self.processor is None:
+            raise ValueError("an environment showed images (an Observation with images) but the model has "
+                             "no processor: use a vision-language model (docs/multimodal.md)")
         return out, images
 
     def _encode(self, text: str, images: list[Any]) -> list[int]:
@@ -223,6 +211,23 @@ class ChatFormat:
                 "special token; pass end_of_turn explicitly"
             )
         return max(candidates, key=len)
+
+
+def message_parts(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """`messages` as a chat template takes them: each `Observation` content as a list of parts (an
+    image part per image, then the text; plain text when it has no images), image parts that hold
+    their image (`{"type": "image", "image": PIL}`) without it; and all their images in order."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, Observation):
+            content = [{"type": "image", "image": i} for i in content.images] + [{"type": "text", "text": content.text}]
+            m = {**m, "content": content if len(content) > 1 else content[0]["text"]}
+        if isinstance(content, list) and any(isinstance(p, dict) and "image" in p for p in content):
+            images += [p["image"] for p in content if isinstance(p, dict) and "image" in p]
+            m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and "image" in p else p for p in content]}
+        out.append(m)
+    return out, images
 
 
 def _text_only(encoded: tuple[list[int], list[Any]], method: str) -> list[int]:

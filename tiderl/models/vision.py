@@ -23,6 +23,41 @@ class PromptImages:
     forced: list[int]
 
 
+class ChatProcessor:
+    """A vision-language model's processor that also answers as its tokenizer: every attribute it
+    does not have is the tokenizer's (pad and eos ids, `decode`, `chat_template`, ...), so code
+    written for a tokenizer (a run's `tokenizer`) takes it unchanged, while the agent loop and the
+    engines find the processor in it (`split_processor`). `save_pretrained` saves the processor
+    (the tokenizer with it), so a checkpoint reloads as a vision-language model."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_processor = processor.image_processor
+        self.image_token = getattr(processor, "image_token", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.processor(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("processor", "tokenizer", "image_processor"):
+            raise AttributeError(name)  # (unpickling looks these up before __init__ has set them)
+        return getattr(self.tokenizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # What is set on it (a tool-call format, say) is set on the tokenizer, where readers look.
+        if name in ("processor", "tokenizer", "image_processor", "image_token"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.tokenizer, name, value)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def save_pretrained(self, path: Any, **kwargs: Any) -> Any:
+        return self.processor.save_pretrained(path, **kwargs)
+
+
 def split_processor(tokenizer_or_processor: Any) -> tuple[Any, Any | None]:
     """(tokenizer, processor) of a Hugging Face tokenizer (processor None) or of a multi-modal
     processor (one with `image_processor` and `tokenizer`)."""
@@ -68,7 +103,7 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
     the features of that row's pixel inputs `pixels[row]` (`image_inputs` of its images in
     placeholder order; None: a row without images), as the model's own forward with pixel values
     embeds them. The trainer and the torch engine both feed images this way. Where `pixels[row]`
-    has "forced" (`[>= T]` bool, 1 on forced tokens), only forced placeholders take features
+    has "forced" (bool, 1 on the row's forced tokens), only forced placeholders take features
     (`PromptImages`).
 
     ValueError, naming the row, when a row's placeholder count is not its images' token count
@@ -84,8 +119,10 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
             rows.append(embeds[row])
             continue
         where = input_ids[row] == token
-        if "forced" in row_pixels:
-            where &= row_pixels["forced"][: input_ids.shape[1]].to(where.device, torch.bool)
+        if "forced" in row_pixels:  # (as long as the row's tokens: padding beyond them is not forced)
+            forced = row_pixels["forced"][: input_ids.shape[1]].to(where.device, torch.bool)
+            where[len(forced):] = False
+            where[: len(forced)] &= forced
         features = image_features(model, row_pixels).to(embeds.dtype)
         if int(where.sum()) != features.shape[0]:
             raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but its image(s) give "
