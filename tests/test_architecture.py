@@ -219,7 +219,7 @@ PACKAGE_LINE_BUDGETS = {
     "agent": 980,  # +90: images in chat assembly and the agent loop (issue 31)
     "algos": 1580,
     "metrics": 260,
-    "models": 1605,  # +285: the tiny VLM, models/vision.py, loading a VLM directory, warm start with images (issue 31)
+    "models": 1635,  # +315: the tiny VLM, models/vision.py, loading a VLM directory, its embedded build (issue 31)
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2525,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     "serve": 1020,
@@ -232,8 +232,8 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-# Issue 31's images (tiny VLM, chat assembly, agent loop, engine, trainer, loading) added 511 (16,100).
-CORE_LINE_BUDGET = 16_100
+# Issue 31's images (tiny VLM, chat assembly, agent loop, engine, trainer, loading) added 542 (16,131).
+CORE_LINE_BUDGET = 16_135
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from tiderl.envs.protocol import Action, Observation, StepResult, Task
+from tiderl.envs.registration import WarmStart
 from tiderl.envs.setup import Setup
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255)}
@@ -55,11 +56,23 @@ class ColourEnv:
         return StepResult([], reward=0.0, done=True, info={"success": 0.0})
 
 
+def answer(colour: str) -> str:
+    return f'<tool_call>\n{{"name": "answer", "arguments": {{"colour": "{colour}"}}}}\n</tool_call>'
+
+
+def demonstrations(setup: Setup, cfg, rng):
+    """The embedded model's warm start: each training task answered right (its colour)."""
+    tasks = rng.sample(setup.train_tasks, min(cfg.model.warmstart.num_traces, len(setup.train_tasks)))
+    return tasks, [[answer(t.answer)] for t in tasks], {}
+
+
+ColourEnv.warm_start = WarmStart(demonstrations)
+
+
 def corpus() -> list[str]:
     env = ColourEnv()
     texts = [env.system_prompt(), json.dumps(env.tool_schemas()), "What colour is the square?", "Continue."]
-    for colour in COLOURS:
-        texts.append(f'<tool_call>\n{{"name": "answer", "arguments": {{"colour": "{colour}"}}}}\n</tool_call>')
+    texts += [answer(colour) for colour in COLOURS]
     return texts * 5
 
 
@@ -99,3 +112,39 @@ def test_tiderl_train_on_a_visual_environment_with_a_vlm_directory(tmp_path):
     changed = [k for k, v in trained.state_dict().items()
                if k.startswith("model.vision_model.") and not torch.equal(v, model.state_dict()[k])]
     assert changed, "the vision tower did not train"
+
+
+@pytest.mark.slow  # warm-starts the embedded model and trains through the CLI (about 30 s on 2 shared cores)
+def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started_on_its_images(tmp_path):
+    from tiderl.cli import main
+    from tiderl.config import load_config
+    from tiderl.envs.setup import load_setup
+    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.models.vision import ChatProcessor
+    from tiderl.rollout.torch_engine import TorchEngine
+    from tiderl.agent.loop import play_episodes
+    from tiderl.rollout.base import SamplingParams
+
+    small = ["env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.cache_dir={tmp_path / 'cache'}",
+             "model.tiny.vocab_size=400", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+             "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2", "model.tiny.max_positions=300",
+             "model.warmstart.num_traces=18", "model.warmstart.steps=80", "model.warmstart.batch_size=6",
+             "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=40"]
+    cfg = load_config(None, small)
+    path = ensure_embedded_model(cfg, load_setup(cfg), log=lambda _: None)
+    tokenizer, model = load_tokenizer(path), load_model(path)
+    assert isinstance(tokenizer, ChatProcessor) and hasattr(model, "get_image_features")
+    report = json.loads((path / "tiderl_build.json").read_text())
+    assert report["sft_loss_last"] < 0.2 * report["sft_loss_first"]
+    # Warm-started on the images: greedy, it names the colour it is shown (the question is the same).
+    tasks = [Task(c, "What colour is the square?", c) for c in COLOURS]
+    out = play_episodes(TorchEngine(model, tokenizer), tokenizer, ColourEnv, tasks,
+                        SamplingParams(temperature=0.0, max_new_tokens=40), max_turns=1, max_total_tokens=300)
+    assert [t.env_info["success"] for t in out] == [1.0, 1.0, 1.0]
+    # model.path=tiny trains it (the cached build is reused).
+    run_dir = tmp_path / "run"
+    code = main(["train", *small, "model.path=tiny", f"run_dir={run_dir}", "algo.name=ppo", "rollout.batch_size=6",
+                 "train.steps=1", "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false"])
+    assert code == 0
+    assert json.loads((run_dir / "system.json").read_text())["ledger"]["failed"] == 0
