@@ -112,6 +112,13 @@ def test_tiderl_train_on_a_visual_environment_with_a_vlm_directory(tmp_path):
     changed = [k for k, v in trained.state_dict().items()
                if k.startswith("model.vision_model.") and not torch.equal(v, model.state_dict()[k])]
     assert changed, "the vision tower did not train"
+    # ... and `tiderl eval` evaluates it.
+    results = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(actor), "--json", str(results), "env.name=test_vlm_run:ColourEnv",
+                 "data.source=colours", "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=24",
+                 "log.progress=false"]) == 0
+    greedy = json.loads(results.read_text())["greedy"]
+    assert greedy["n"] == 6 and greedy["by_stop_reason"].get("error") is None
 
 
 @pytest.mark.slow  # warm-starts the embedded model and trains through the CLI (about 30 s on 2 shared cores)
