@@ -271,3 +271,20 @@ def test_image_parts_that_hold_their_image_render_as_an_observation_does(vlm):
     assert as_parts == as_observation and as_parts[1] == [red]
     assert fmt.prompt_with_images([{"role": "user", "content": Observation("What colour?")}]) == (
         fmt.prompt_ids([{"role": "user", "content": "What colour?"}]), [])
+
+
+def test_a_chat_processor_answers_as_its_tokenizer_and_pickles(vlm):
+    import pickle
+
+    from tiderl.models.vision import ChatProcessor, split_processor
+
+    _, processor = vlm
+    wrapped = ChatProcessor(processor)
+    assert wrapped.pad_token_id == processor.tokenizer.pad_token_id and len(wrapped) == len(processor.tokenizer)
+    assert split_processor(wrapped) == (processor.tokenizer, wrapped)
+    assert split_processor(processor.tokenizer) == (processor.tokenizer, None)
+    again = pickle.loads(pickle.dumps(wrapped))  # (a Ray worker gets it pickled)
+    assert again.eos_token == processor.tokenizer.eos_token and again.image_processor is not None
+    wrapped.tiderl_test_flag = 1  # set on it: set on the tokenizer, where readers look
+    assert processor.tokenizer.tiderl_test_flag == 1
+    del processor.tokenizer.tiderl_test_flag
