@@ -152,6 +152,7 @@ def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_wit
         sampled = torch.tensor(t.loss_mask, dtype=torch.bool)
         behaviour = torch.tensor(t.behavior_logprobs)[sampled]
         worst = max(worst, float((behaviour - lp[row, : len(t.tokens)][sampled]).abs().max()))
+    print(f"\n[vlm engine] prefix_cache_mb={prefix_cache_mb}: max |engine - trainer| log-prob = {worst:.2e}")
     assert worst < 1e-4, worst
     assert len({tok for t in trajectories for tok, m in zip(t.tokens, t.loss_mask) if m}) > 5  # it sampled
 
