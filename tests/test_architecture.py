@@ -216,15 +216,15 @@ def test_the_names_check_finds_names(tmp_path):
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
     "tiderl": 2770,  # +4: Trajectory.images (issue 31)
-    "agent": 890,
+    "agent": 980,  # +90: images in chat assembly and the agent loop (issue 31)
     "algos": 1580,
     "metrics": 260,
-    "models": 1320,
+    "models": 1635,  # +315: the tiny VLM, models/vision.py, loading a VLM directory, its embedded build (issue 31)
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
-    "rollout": 2440,
+    "rollout": 2525,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     "serve": 1020,
     "system": 2830,  # +27: system.stale.drain (issue 35)
-    "train": 1860,
+    "train": 1890,  # +30: batches, log-probs, values and preparations with images (issue 31)
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
@@ -232,7 +232,9 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_625
+# Issue 35's drain rule (system.stale.drain) added 27. Issue 31's images (tiny VLM, chat assembly,
+# agent loop, engine, trainer, loading) added 542 (16,158).
+CORE_LINE_BUDGET = 16_160
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

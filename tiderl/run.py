@@ -224,12 +224,14 @@ def preparations_for(run: Run) -> list[Preparation]:
     """What a trajectory needs before it trains, for the run's algorithm: critic values (from a
     snapshot of the critic) when it has a critic, reference log-probs when it has a KL term."""
     cfg, pad = run.cfg, run.tokenizer.pad_token_id
+    images = getattr(run.tokenizer, "image_processor", None)  # a vision-language model's (docs/multimodal.md)
     out: list[Preparation] = []
     if run.critic is not None:
-        out.append(CriticSnapshot(run.critic.model, pad, cfg.train.micro_batch_tokens, cfg.model.device))
+        out.append(CriticSnapshot(run.critic.model, pad, cfg.train.micro_batch_tokens, cfg.model.device,
+                                  image_processor=images))
     if run.ref is not None:
         out.append(RefLogprobs(run.ref, pad, cfg.train.micro_batch_tokens, cfg.model.device,
-                               temperature=logprob_temperature(cfg.rollout.temperature)))
+                               temperature=logprob_temperature(cfg.rollout.temperature), image_processor=images))
     return out
 
 
@@ -253,7 +255,8 @@ class Trainer:
                                      train_actor=version >= cfg.algo.critic_warmup_steps,
                                      device=cfg.model.device, nonfinite=cfg.train.nonfinite,
                                      skip_zero_advantage=cfg.train.skip_zero_advantage,
-                                     temperature=logprob_temperature(cfg.rollout.temperature))
+                                     temperature=logprob_temperature(cfg.rollout.temperature),
+                                     image_processor=getattr(run.tokenizer, "image_processor", None))
         except NonFiniteError as exc:
             raise NonFiniteError(f"step {version + 1} (env.name={cfg.env.name}): {exc}") from None
         if run.critic is not None:

@@ -12,6 +12,11 @@ Hugging Face tokenizer whose template renders earlier turns the same way whateve
 Everything rendered is made valid text first (`text.valid_text`): whatever an environment or a
 model put in a message (a lone surrogate echoed from a tool argument), the tokenizer can encode
 it.
+
+With a vision-language model's processor in place of the tokenizer, a message may be an
+`Observation` (images, then text): it renders as image parts, and the rendered text is encoded by
+the processor, which expands each image placeholder into that image's tokens exactly once
+(`*_with_images` methods; docs/multimodal.md).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import weakref
 from typing import Any
 
 from tiderl.agent.text import valid_text
+from tiderl.envs.protocol import Observation
+from tiderl.models.chat_template import IMAGE_PLACEHOLDER
+from tiderl.models.vision import split_processor
 
 # The reference conversation: placeholders no template and no real message will contain.
 _REF_SYSTEM = "tiderl reference system message"
@@ -51,6 +59,8 @@ class ChatFormat:
     """
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, end_of_turn: str | None = None):
+        # A multi-modal processor brings its tokenizer; the processor encodes messages with images.
+        tokenizer, self.processor = split_processor(tokenizer)
         self.tokenizer = tokenizer
         # An empty tool list is passed as None: some templates print an empty tools section for [].
         self.tools = tools or None
@@ -93,7 +103,13 @@ class ChatFormat:
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation so far followed by the generation prompt, as token ids."""
-        return self.tokenizer.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False)
+        return _text_only(self.prompt_with_images(messages), "prompt_with_images")
+
+    def prompt_with_images(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
+        """`prompt_ids` of messages whose content may be an `Observation`: the ids (each image's
+        placeholder expanded by the processor) and the images in placeholder order."""
+        messages, images = self.with_parts(messages)
+        return self._encode(self.render(messages, add_generation_prompt=True), images), images
 
     def observation_ids(self, tool_messages: list[str]) -> list[int]:
         """Tokens that follow a finished assistant turn (ended by the end-of-turn token) when the
@@ -112,30 +128,70 @@ class ChatFormat:
         (`as_tool_responses=False`), joined into one user turn; `continue_message` as a user turn
         when there is none. TypeError, naming the problem, when `observations` is not a list of
         text (a bug of the environment, not of the model)."""
+        return _text_only(self.answer_with_images(observations, continue_message, as_tool_responses),
+                          "answer_with_images")
+
+    def answer_with_images(self, observations: list[str | Observation], continue_message: str = CONTINUE_MESSAGE,
+                           as_tool_responses: bool = True) -> tuple[list[int], list[Any]]:
+        """`answer_ids` where an observation may also be an `Observation` (images, then text): the
+        ids and the answer's images in placeholder order. Joined into one user turn, the
+        observations show all their images first."""
         if not isinstance(observations, list):
             raise TypeError(f"StepResult.observations is a {type(observations).__name__}; an environment must "
                             "return a list of str")
-        bad = next((o for o in observations if not isinstance(o, str)), None)
+        bad = next((o for o in observations if not isinstance(o, (str, Observation))), None)
         if bad is not None:
             raise TypeError(f"an observation is a {type(bad).__name__} ({bad!r:.80}); an environment must return "
-                            "each observation as str")
+                            "each observation as str (or an Observation to show images)")
         if observations and as_tool_responses:
-            return self.observation_ids(observations)
-        if observations:
-            return self.user_message_ids("\n\n".join(observations))
-        return self.user_message_ids(continue_message)
+            messages = [{"role": "tool", "content": m} for m in observations]
+        elif observations:
+            texts = [o.text if isinstance(o, Observation) else o for o in observations]
+            images = [i for o in observations if isinstance(o, Observation) for i in o.images]
+            joined = "\n\n".join(texts)
+            messages = [{"role": "user", "content": Observation(joined, images) if images else joined}]
+        else:
+            messages = [{"role": "user", "content": continue_message}]
+        return self.continuation_with_images(messages)
 
     def continuation_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
         """The tokens the template puts after a finished assistant turn (its end-of-turn token
         included) for `new_messages`, up to and including the next generation prompt: the
         reference conversation rendered with and without them, the difference kept."""
+        return _text_only(self.continuation_with_images(new_messages), "continuation_with_images")
+
+    def continuation_with_images(self, new_messages: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
+        """`continuation_ids` of messages whose content may be an `Observation`: the ids and the
+        new images in placeholder order."""
+        new_messages, images = self.with_parts(new_messages)
         full = self.render([*self._base, self._assistant, *new_messages], add_generation_prompt=True)
         if not full.startswith(self._turn_prefix):
             raise TemplateError(
                 "the chat template is not prefix-consistent: adding messages after an assistant turn "
                 f"changes how the earlier turns render.\nbefore: {self._turn_prefix!r}\nafter: {full!r}"
             )
-        return self.tokenizer.encode(full[len(self._turn_prefix) :], add_special_tokens=False)
+        return self._encode(full[len(self._turn_prefix) :], images), images
+
+    def with_parts(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """`message_parts(messages)`; ValueError when there are images but no processor to encode them."""
+        out, images = message_parts(messages)
+        if images and self.processor is None:
+            raise ValueError("an environment showed images (an Observation with images) but the model has "
+                             "no processor: use a vision-language model (docs/multimodal.md)")
+        return out, images
+
+    def _encode(self, text: str, images: list[Any]) -> list[int]:
+        """Ids of rendered `text`; with `images`, the processor's, which expands each placeholder
+        into its image's tokens (the placeholders must be exactly one per image)."""
+        placeholder = getattr(self.processor, "image_token", IMAGE_PLACEHOLDER)
+        if not images and (self.processor is None or placeholder not in text):
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        found = text.count(placeholder)
+        if found != len(images):  # (a forced placeholder without its image would take another's features)
+            raise ValueError(f"the rendered messages hold {found} {placeholder} placeholders for {len(images)} "
+                             f"images: a message's text may not contain {placeholder} itself, and the chat "
+                             "template must render one per image part")
+        return list(self.processor(text=[text], images=[list(images)], add_special_tokens=False)["input_ids"][0])
 
     def _find_end_of_turn(self, after_content: str) -> str:
         """The special token the template writes right after an assistant turn's content."""
@@ -157,7 +213,32 @@ class ChatFormat:
         return max(candidates, key=len)
 
 
-# One ChatFormat per (tokenizer, tools, end_of_turn), dropped with the tokenizer.
+def message_parts(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """`messages` as a chat template takes them: each `Observation` content as a list of parts (an
+    image part per image, then the text; plain text when it has no images), image parts that hold
+    their image (`{"type": "image", "image": PIL}`) without it; and all their images in order."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, Observation):
+            content = [{"type": "image", "image": i} for i in content.images] + [{"type": "text", "text": content.text}]
+            m = {**m, "content": content if len(content) > 1 else content[0]["text"]}
+        if isinstance(content, list) and any(isinstance(p, dict) and "image" in p for p in content):
+            images += [p["image"] for p in content if isinstance(p, dict) and "image" in p]
+            m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and "image" in p else p for p in content]}
+        out.append(m)
+    return out, images
+
+
+def _text_only(encoded: tuple[list[int], list[Any]], method: str) -> list[int]:
+    """The ids of an encoding that must hold no images (the ids-only methods)."""
+    ids, images = encoded
+    if images:
+        raise ValueError(f"these messages show {len(images)} image(s): use ChatFormat.{method}, which returns them too")
+    return ids
+
+
+# One ChatFormat per (tokenizer or processor, tools, end_of_turn), dropped with it.
 _FORMATS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str | None], ChatFormat]]" = weakref.WeakKeyDictionary()
 
 

@@ -20,6 +20,7 @@ from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, TemplateError, chat_
 from tiderl.agent.tool_parser import parse_tool_calls, tool_call_format_of
 from tiderl.aio import InlineExecutor
 from tiderl.envs.protocol import Action, Env, StepResult, Task
+from tiderl.models.vision import PromptImages, split_processor
 from tiderl.rollout.base import Completion, Engine, SamplingParams, episode_seed
 from tiderl.rollout.client import BatchingEngine
 from tiderl.types import TokenRecord, Trajectory
@@ -44,6 +45,8 @@ class _Episode(TokenRecord):
     # Sum of the rewards of non-final steps (shaping); added to the final reward.
     shaping: float = 0.0
     trajectory: Trajectory | None = None
+    # The images shown so far, in the order of their placeholder tokens in `tokens`.
+    images: list[Any] = dataclasses.field(default_factory=list)
 
     def close(self, reward: float, reward_parts: dict[str, float], env_info: dict[str, Any], stop_reason: str) -> None:
         """Freeze the episode into its Trajectory."""
@@ -59,6 +62,7 @@ class _Episode(TokenRecord):
             env_info={**env_info, "turns": self.num_turns, "no_call_turns": self.no_call_turns},
             num_turns=self.num_turns,
             stop_reason=stop_reason,
+            images=list(self.images),
         )
 
     def close_with(self, result: StepResult, stop_reason: str) -> None:
@@ -98,7 +102,7 @@ def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_t
     try:
         episode.fmt = chat_format(tokenizer, tools)
         messages = [{"role": "system", "content": system}, {"role": "user", "content": first_message}]
-        prompt = episode.fmt.prompt_ids(messages)
+        prompt, images = episode.fmt.prompt_with_images(messages)
     except TemplateError:
         raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
     except Exception as exc:  # noqa: BLE001 - e.g. tool schemas that are not JSON: this environment's fault
@@ -112,6 +116,7 @@ def _start(episode: _Episode, tokenizer: Any, make_env: Callable[[], Env], max_t
         episode.trajectory.env_info["prompt_tokens"] = len(prompt)
         return
     episode.append_forced(prompt)
+    episode.images += images
 
 
 def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenizer: Any) -> Action:
@@ -159,7 +164,7 @@ def _apply_result(episode: _Episode, result: StepResult, max_turns: int, max_tot
     # A turn without any tool call has nothing for a tool response to answer: the environment's
     # nudge ("no tool call ...") goes back as a user turn, as a chat model expects.
     try:
-        answer = episode.fmt.answer_ids(result.observations, as_tool_responses=called)
+        answer, images = episode.fmt.answer_with_images(result.observations, as_tool_responses=called)
     except TemplateError:
         raise  # the tokenizer's template cannot be used at all: every episode would fail the same way
     except Exception as exc:  # noqa: BLE001 - one environment's answer must not end the batch
@@ -170,6 +175,7 @@ def _apply_result(episode: _Episode, result: StepResult, max_turns: int, max_tot
         episode.stop_early("max_tokens")
         return
     episode.append_forced(answer)
+    episode.images += images
 
 
 async def play_episode(
@@ -197,13 +203,17 @@ async def play_episode(
       answer ends it with "answer" (reward: the final one plus earlier shaping rewards);
     - an exception of the environment ends only its episode (stop_reason "error", reward 0,
       env_info["error"]); engine and template (`TemplateError`) errors propagate;
-    - group_id = `group_id` or task.task_id.
+    - group_id = `group_id` or task.task_id;
+    - with a vision-language processor as `tokenizer`, an environment's `Observation`s show
+      images: their placeholder tokens are forced, the images go to `Trajectory.images` in token
+      order and to every `client.generate` of the episode (docs/multimodal.md).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: an episode needs at least one model turn; use max_turns >= 1")
     if max_total_tokens < 2:
         raise ValueError(f"max_total_tokens={max_total_tokens} leaves no room for a turn; use a larger budget")
     episode = _Episode(task=task, group_id=group_id or task.task_id)
+    text_tokenizer, _ = split_processor(tokenizer)
     with client.episode():
         with client.in_env():
             await asyncio.to_thread(_start, episode, tokenizer, make_env, max_total_tokens)
@@ -214,8 +224,11 @@ async def play_episode(
             if episode.fmt.end_of_turn_id not in stops:
                 stops.append(episode.fmt.end_of_turn_id)
             call_params = dataclasses.replace(params, max_new_tokens=limit, stop_token_ids=stops)
-            completion = await client.generate(list(episode.tokens), call_params)
-            action = _append_turn(episode, completion, limit, tokenizer)
+            # Only an episode with images passes them: the text-only request stays what it was.
+            with_images = {"images": PromptImages(list(episode.images), [1 - m for m in episode.loss_mask])
+                           } if episode.images else {}
+            completion = await client.generate(list(episode.tokens), call_params, **with_images)
+            action = _append_turn(episode, completion, limit, text_tokenizer)
             with client.in_env():
                 try:
                     astep = getattr(episode.env, "astep", None)
@@ -332,8 +345,10 @@ class ScriptedEngine:
         # One entry per episode seen: (script key, turns emitted, prompt + last completion).
         self._episodes: list[tuple[str, int, list[int]]] = []
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Emit the next scripted turn of each prompt's episode."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[Any] | None = None) -> list[Completion]:
+        """Emit the next scripted turn of each prompt's episode (`images`, of an episode that shows
+        some, are taken and not looked at: a script replays the same turns whatever it is shown)."""
         claimed: set[int] = set()
         completions = []
         for prompt in prompts:

@@ -66,3 +66,20 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     + CHATML_TURNS
 )
+
+# The template of the tiny vision-language model (issue 31): CHAT_TEMPLATE where a message's
+# content may also be a list of parts, `{"type": "image"}` rendering the processor's `<image>`
+# placeholder (which the processor expands into the image's tokens) and `{"type": "text",
+# "text": ...}` its text, in order.
+IMAGE_PLACEHOLDER = "<image>"
+_CONTENT_MACRO = (
+    "{%- macro content(c) -%}"
+    "{%- if c is string -%}{{ c }}"
+    "{%- else -%}{%- for p in c -%}"
+    "{%- if p['type'] == 'image' -%}{{ '" + IMAGE_PLACEHOLDER + "' }}"
+    "{%- elif p['type'] == 'text' -%}{{ p['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+VLM_CHAT_TEMPLATE = _CONTENT_MACRO + CHAT_TEMPLATE.replace("m['content'] if m['content']", "content(m['content']) if m['content']").replace(
+    "nl + m['content'] + nl", "nl + content(m['content']) + nl")

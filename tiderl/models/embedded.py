@@ -15,6 +15,10 @@ no embedded model (a clear error names the fix). Building it:
    `warmstart.copy_check_threshold` > 0, until the model passes the warm start's copy check
    (greedy answers to training questions kept out of the demonstrations), `warmstart.steps`
    being the cap.
+
+An environment whose messages show images (`Observation`s) gets the tiny vision-language model
+instead (`tiderl.models.tiny_vlm`, the same `model.tiny` sizes; docs/multimodal.md), warm-started
+the same way on its demonstrations with their images.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from tiderl.agent.loop import ScriptedEngine
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
-from tiderl.envs.protocol import Env, Task
+from tiderl.envs.protocol import Env, Observation, Task, message_text
 from tiderl.envs.registration import WarmStart, environment
 from tiderl.envs.setup import Setup
 from tiderl.evaluate import run_samples
@@ -43,6 +47,8 @@ from tiderl.models.fetch import cache_root
 from tiderl.models.loading import count_parameters, save_model_dir
 from tiderl.models.startup import StartupError
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.models.tiny_vlm import init_tiny_vlm, make_processor, tiny_vlm_config, train_vlm_tokenizer
+from tiderl.models.vision import ChatProcessor
 from tiderl.rollout.base import SamplingParams
 from tiderl.train.batching import Batch, collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import packed_token_logprobs, token_logprobs
@@ -142,16 +148,22 @@ def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
     return path
 
 
-def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]]) -> list[str]:
-    """Every text the tokenizer will see: tool schema, system prompt, questions, turns, observations."""
+def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]], shown: list | None = None) -> list[str]:
+    """Every text the tokenizer will see: tool schema, system prompt, questions, turns, observations
+    (the text of those that show images; their images are appended to `shown` when given)."""
     texts = [env.system_prompt(), json.dumps(env.tool_schemas()),
              "system", "user", "assistant", "Tools:", "<tool_response>", "</tool_response>"]
+    def add(messages: list) -> None:
+        texts.extend(message_text(m) for m in messages)
+        if shown is not None:
+            shown.extend(i for m in messages if isinstance(m, Observation) for i in m.images)
+
     for task, script in zip(tasks, scripts):
-        texts.append(env.reset(task))
+        add([env.reset(task)])
         for turn in script:
             texts.append(turn)
             result = env.step(parse_hermes_tool_calls(turn))
-            texts.extend(result.observations)
+            add(result.observations)
             if result.done:
                 break
     return texts
@@ -168,15 +180,20 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
         raise StartupError(f"env.name={cfg.env.name}: {exc}") from None
     env = setup.make_env()
 
-    tokenizer = train_tokenizer(corpus_texts(env, tasks, scripts), vocab_size=tiny.vocab_size)
-    config = tiny_qwen2_config(len(tokenizer), hidden_size=tiny.hidden_size,
-                               num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-                               num_kv_heads=tiny.num_kv_heads,
-                               max_position_embeddings=tiny.max_positions)
-    config.pad_token_id = tokenizer.pad_token_id
-    config.eos_token_id = tokenizer.eos_token_id
+    shown: list = []
+    texts = corpus_texts(env, tasks, scripts, shown)
     torch.manual_seed(cfg.seed)
-    model = init_tiny_model(config, cfg.seed)
+    if shown:  # the environment shows images: the tiny vision-language model
+        model, tokenizer = _tiny_vlm(cfg, texts)
+    else:
+        tokenizer = train_tokenizer(texts, vocab_size=tiny.vocab_size)
+        config = tiny_qwen2_config(len(tokenizer), hidden_size=tiny.hidden_size,
+                                   num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                                   num_kv_heads=tiny.num_kv_heads,
+                                   max_position_embeddings=tiny.max_positions)
+        config.pad_token_id = tokenizer.pad_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        model = init_tiny_model(config, cfg.seed)
 
     traces = scripted_traces(tokenizer, setup, tasks, scripts, cfg)
     demo_success = sum(float(t.env_info.get("success", 0)) for t in traces) / len(traces)
@@ -185,10 +202,14 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
         f"{count_parameters(model) / 1e6:.2f}M parameters")
     check, check_report = None, {}
     if ws.copy_check_threshold > 0:
+        if shown:
+            raise StartupError("model.warmstart.copy_check_threshold: the copy check answers without images, so it "
+                               f"cannot check env.name={cfg.env.name}, whose messages show images. Fix: set "
+                               "model.warmstart.copy_check_threshold=0")
         check, check_report = _copy_check(cfg, setup, tokenizer, model, log)
     losses = supervised_finetune(model, traces, tokenizer.pad_token_id, ws.steps, ws.batch_size,
                                  ws.lr, cfg.seed, log=log, check=check, check_every=ws.copy_check_every,
-                                 decay=check is None)
+                                 decay=check is None, image_processor=getattr(tokenizer, "image_processor", None))
     model.eval()
     if check_report:
         check_report["steps"] = len(losses)
@@ -212,6 +233,16 @@ def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) 
         "build_s": time.perf_counter() - t_start,
         "key": build_key(cfg),
     }
+
+
+def _tiny_vlm(cfg: RunConfig, texts: list[str]) -> tuple[torch.nn.Module, ChatProcessor]:
+    """The tiny vision-language model of `model.tiny`'s sizes and its processor (as a tokenizer)."""
+    tiny = cfg.model.tiny
+    tokenizer = train_vlm_tokenizer(texts, vocab_size=tiny.vocab_size)
+    config = tiny_vlm_config(tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
+                             num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
+                             max_position_embeddings=tiny.max_positions)
+    return init_tiny_vlm(config, cfg.seed), ChatProcessor(make_processor(tokenizer))
 
 
 def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module, log=_log):
@@ -288,12 +319,14 @@ def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[li
 def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
                         steps: int, batch_size: int, lr: float, seed: int,
                         log=_log, check=None, check_every: int = 0, decay: bool = True,
-                        micro_batch_tokens: int = 8192, threads: int = 1, packed: bool = False) -> list[float]:
+                        micro_batch_tokens: int = 8192, threads: int = 1, packed: bool = False,
+                        image_processor=None) -> list[float]:
     """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
     `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate), in
     micro-batches of at most `micro_batch_tokens` padded tokens, on `threads` intra-op threads;
     `packed`: through `packed_token_logprobs` (no padding, logits only where the loss is, which
-    for a 150k-token vocabulary is most of the memory).
+    for a 150k-token vocabulary is most of the memory). Traces with images need the VLM's
+    `image_processor` (`train.batching.collate`); their micro-batches run unpacked.
     With `check`, `check(step)` runs after every `check_every` steps and at the last one, and
     training stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
     # One intra-op thread, whatever count an earlier step of the build left behind: a second one
@@ -312,14 +345,14 @@ def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id
             * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
         losses = []
         for step in range(steps):
-            batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id)
+            batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id, image_processor)
             total = batch.action_mask.sum()
 
             def loss_fn(mb: Batch, total: torch.Tensor = total) -> tuple[torch.Tensor, dict[str, float]]:
-                if packed:
+                if packed and mb.pixels is None:
                     lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
                 else:
-                    lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+                    lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, pixels=mb.pixels)
                 return -(lp * mb.action_mask).sum() / total, {}
 
             rows = micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)

@@ -100,8 +100,11 @@ def load_model(
     source = _check_source(path_or_name)
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
+    auto = AutoModelForCausalLM
+    if _is_vision_language(source):  # (docs/multimodal.md)
+        from transformers import AutoModelForImageTextToText as auto
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        model = auto.from_pretrained(source, dtype=torch_dtype)
     except OSError as err:
         raise FileNotFoundError(
             f"could not load a causal LM from {source!r}: it is neither a local model directory "
@@ -164,7 +167,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     checkpoint `actor/`) holds its tokenizer too.
     """
     source = str(Path(path).expanduser()) if lora_base_of(Path(path).expanduser()) else _check_source(path)
-    if _declares_generic_tokenizer(source):
+    if _is_vision_language(source):
+        from tiderl.models.tiny_vlm import load_processor
+        from tiderl.models.vision import ChatProcessor
+
+        tokenizer = ChatProcessor(load_processor(source))  # a tokenizer that carries its processor
+    elif _declares_generic_tokenizer(source):
         # AutoTokenizer maps model_type "qwen2" to Qwen2Tokenizer whatever tokenizer_config.json
         # declares, and that class swaps in Qwen's own pre-tokenizer and an NFC normaliser. A
         # directory that declares the generic class (every tiny-model dir does) is loaded from
@@ -179,6 +187,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             "with tiderl.models.loading.save_model_dir"
         )
     return tokenizer
+
+
+def _is_vision_language(source: str) -> bool:
+    """True when a local model dir holds a vision-language model (its config has a vision config)."""
+    config = Path(source) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 def _declares_generic_tokenizer(source: str) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiderl.agent.chat import chat_format
+from tiderl.agent.chat import chat_format, message_parts
 from tiderl.agent.tool_parser import set_tool_call_format
 from tiderl.models.chat_template import CHATML_TURNS
 
@@ -120,8 +120,8 @@ def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions:
             continue
         tools = env.tool_schemas()
         messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": first}]
-        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(message_parts(messages)[0], tools=tools or None,  # images as parts
+                                             add_generation_prompt=True, tokenize=False)
         names = [t.get("function", t).get("name", "") for t in tools or []]
         missing = [n for n in names if n and n not in text]
         if missing:
@@ -132,7 +132,7 @@ def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions:
                 "template with tools; for ChatML models such as SmolLM2 and Qwen), or "
                 "model.chat_template=/path/to/template.jinja")
         # The ChatFormat checks that the template can be assembled turn by turn.
-        longest = max(longest, len(chat_format(tokenizer, tools).prompt_ids(messages)))
+        longest = max(longest, len(chat_format(tokenizer, tools).prompt_with_images(messages)[0]))
     if tasks and len(failures) == len(tasks):
         # Not a StartupError (a config problem): the environment itself is broken.
         raise RuntimeError(

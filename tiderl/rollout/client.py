@@ -116,10 +116,16 @@ class BatchingEngine:
             self._decoder.shutdown(wait=True)
             self._loader.shutdown(wait=True)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
-        """One completion for `prompt` (decoded in a batch with whatever else is waiting)."""
+    async def generate(self, prompt: list[int], params: SamplingParams, images: Any = None) -> Completion:
+        """One completion for `prompt` (decoded in a batch with whatever else is waiting); `images`:
+        the prompt's `models.vision.PromptImages`, for an engine that takes them."""
         if self._task is None:
             raise RuntimeError("BatchingEngine.start() was not called")
+        if images:
+            if not _takes_images(self.engine):
+                raise ValueError(f"{type(self.engine).__name__} takes no images, and this episode shows some: use an "
+                                 "engine that decodes with images (rollout.engine=torch with a vision-language model)")
+            prompt = _ImagePrompt(prompt, images)
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         request = (prompt, params, future, _EPISODE.get(), next(_SERIALS))
         if self._serving and self._own_threads:
@@ -151,7 +157,7 @@ class BatchingEngine:
 
         try:
             handle = self.engine.submit(prompt, params, session=episode if episode >= 0 else None,  # type: ignore[attr-defined]
-                                        on_done=on_done)
+                                        on_done=on_done, **_images_of([prompt], single=True))
         except Exception as exc:  # noqa: BLE001 - a bad request fails only its own episode
             future.set_exception(exc)
             return
@@ -254,6 +260,7 @@ class BatchingEngine:
                 params = dataclasses.replace(batch[0][1], max_new_tokens=budget)
                 prompts = [r[0] for r in batch]
                 sessions = {"sessions": [r[3] if r[3] >= 0 else None for r in batch]} if self._sessions else {}
+                sessions.update(_images_of(prompts))
                 t0 = loop.time()
                 try:
                     completions = await loop.run_in_executor(
@@ -297,5 +304,33 @@ def _takes_sessions(engine: Engine) -> bool:
     """Whether `engine.generate` accepts `sessions=` (episode identities for prefix reuse)."""
     try:
         return "sessions" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _ImagePrompt(list):  # type: ignore[type-arg]
+    """A prompt's token ids that carry its images (`generate(images=)`) through the queue."""
+
+    def __init__(self, ids: list[int], images: Any):
+        super().__init__(ids)
+        self.images = images
+
+
+def _images_of(prompts: list[list[int]], single: bool = False) -> dict[str, Any]:
+    """The `images=` argument for the engine: one `PromptImages` (or None) per prompt (the one
+    prompt's with `single`), or nothing when no prompt has images (the text-only call is unchanged)."""
+    images = [getattr(p, "images", None) for p in prompts]
+    if all(i is None for i in images):
+        return {}
+    return {"images": images[0] if single else images}
+
+
+def _takes_images(engine: Engine) -> bool:
+    """Whether the engine's decoding entry point (`submit` when continuous, else `generate`) accepts
+    `images=`."""
+    continuous = getattr(engine, "continuous", None)
+    entry = engine.submit if callable(continuous) and continuous() else engine.generate  # type: ignore[attr-defined]
+    try:
+        return "images" in inspect.signature(entry).parameters
     except (TypeError, ValueError):
         return False

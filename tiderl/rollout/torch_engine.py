@@ -11,7 +11,10 @@ greedy: temperature 1); a row with `SamplingParams.seed` draws `stream_uniform(s
 the others share `generator` in row order. `update_weights` takes the lock every forward pass
 holds, and each token carries the version of the weights that produced its logits. Models whose
 cache is not all full attention (sliding windows, hybrids) get no prefix reuse, and their
-waiting requests join only an empty batch.
+waiting requests join only an empty batch. With a vision-language model's processor in place of
+the tokenizer, a request may carry the images of its prompt's placeholder tokens: its prefill
+embeds them (`models.vision.embed_inputs`, as the trainer does), its decode steps are text; a kept
+cache is reused only by a prompt that shows the same images first (docs/multimodal.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
+from tiderl.models.vision import PromptImages, embed_inputs, image_inputs, split_processor
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_uniform,
                                  token_decoder)
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
@@ -50,6 +54,7 @@ class Request:
     cancelled: bool = False
     result: Completion | None = None
     error: BaseException | None = None
+    images: PromptImages | None = None  # the images the prompt shows
 
 
 @dataclass(eq=False)
@@ -75,6 +80,7 @@ class _Kept:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, heads, len(tokens), head_dim]
     version: int
     nbytes: int
+    images: list[Any] = field(default_factory=list)  # the images its tokens show (same objects, in order)
 
 
 class TorchEngine:
@@ -121,7 +127,9 @@ class TorchEngine:
         self.model = (copy.deepcopy(model) if copy_model else model).to(self.device).eval().requires_grad_(False)
         if not copy_model and self.device.type == "cpu":
             _own_memory(self.model)
+        tokenizer, processor = split_processor(tokenizer)
         self.tokenizer = tokenizer
+        self._image_processor = processor.image_processor if processor is not None else None
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
         self.prefill_tokens = prefill_tokens
@@ -175,17 +183,22 @@ class TorchEngine:
     # ------------------------------------------------------------------ the batch interface
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None
+        self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None,
+        images: list[PromptImages | None] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt, in prompt order (see the module docstring).
 
         `sessions[i]` (optional) names prompt i's episode: its kept cache is reused when the
-        prompt extends it, and the row's cache is kept for the session's next turn.
+        prompt extends it, and the row's cache is kept for the session's next turn. `images[i]`
+        (optional): the images prompt i shows.
         """
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} PromptImages for {len(prompts)} prompts: give one per prompt (None for none)")
         for i, prompt in enumerate(prompts):
             check_request(prompt, params, i, self._vocab_size, self._max_positions)
+            self._check_images(prompt, images[i] if images else None)
         if not prompts:
             return []
         finished = threading.Event()
@@ -196,7 +209,8 @@ class TorchEngine:
             if remaining[0] == 0:
                 finished.set()
 
-        requests = [Request(list(p), params, sessions[i] if sessions else None, on_done)
+        requests = [Request(list(p), params, sessions[i] if sessions else None, on_done,
+                            images=images[i] if images else None)
                     for i, p in enumerate(prompts)]
         with self._inbox_lock:
             self._inbox.extend(requests)
@@ -223,17 +237,29 @@ class TorchEngine:
         return type(self).generate is TorchEngine.generate
 
     def submit(self, prompt: list[int], params: SamplingParams, session: Hashable | None = None,
-               on_done: OnDone | None = None) -> Request:
+               on_done: OnDone | None = None, images: PromptImages | None = None) -> Request:
         """Queue one request (any thread); it joins the batch at the next step of `serve`.
 
         Raises ValueError at once for a bad request. `on_done(result)` is called from the decoding
-        thread with the Completion, or with the exception that ended the request.
+        thread with the Completion, or with the exception that ended the request. `images`: the
+        images the prompt shows.
         """
         check_request(prompt, params, 0, self._vocab_size, self._max_positions)
-        request = Request(list(prompt), params, session, on_done)
+        self._check_images(prompt, images)
+        request = Request(list(prompt), params, session, on_done, images=images)
         with self._inbox_lock:
             self._inbox.append(request)
         return request
+
+    def _check_images(self, prompt: list[int], images: PromptImages | None) -> None:
+        if images is None or not images.images:
+            return
+        if self._image_processor is None:
+            raise ValueError("a request shows images but the engine was given a tokenizer: pass the vision-language "
+                             "model's processor as the engine's tokenizer")
+        if len(images.forced) != len(prompt):
+            raise ValueError(f"PromptImages.forced has {len(images.forced)} flags for a prompt of {len(prompt)} tokens: "
+                             "give one per prompt token")
 
     def pending(self) -> int:
         """Requests waiting to join or decoding now."""
@@ -317,7 +343,7 @@ class TorchEngine:
         cache, logit_parts, versions, logit_versions, row = None, [], [], [], 0
         for g in groups:
             cache, logits, group_versions, logit_version = self._prefill(
-                [suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g])
+                [suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g], [joining[i] for i in g])
             logit_parts.append(logits)
             versions += group_versions
             logit_versions += [logit_version] * len(g)
@@ -353,6 +379,7 @@ class TorchEngine:
         suffixes: list[list[int]],
         prefix: list[int],
         reuse: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None],
+        requests: list[Request],
     ) -> tuple[Cache, torch.Tensor, list[int], int]:
         """Encode `suffixes` (after each row's kept prefix of `prefix[g]` tokens, `reuse[g]`):
         the rows' right-aligned cache, their next-token logits, each row's cache version (-1
@@ -362,7 +389,8 @@ class TorchEngine:
         # Identical prompts joining together (the completions of one group) are encoded once and
         # their rows of the cache copied; only when no row reuses a kept cache (all are whole prompts).
         encode, copies = suffixes, None
-        if width == 0 and self._plain:
+        with_images = any(r.images is not None and r.images.images for r in requests)
+        if width == 0 and self._plain and not with_images:  # (equal tokens may show different images)
             first: dict[tuple[int, ...], int] = {}
             source = [first.setdefault(tuple(s), len(first)) for s in suffixes]
             if len(first) < group:
@@ -387,10 +415,12 @@ class TorchEngine:
         step = max(1, self.prefill_tokens // len(encode)) if self.prefill_tokens and self._plain else span
         input_ids, attention_mask, position_ids = (t.to(self.device) for t in (input_ids, attention_mask, position_ids))
         seen: set[int] = set()
+        embeds = self._embed(input_ids, requests, suffixes, prefix, seen) if with_images else None
         for start in range(0, span, step):
             stop = min(span, start + step)
             logits, cache, version = self._forward(input_ids[:, start:stop], attention_mask[:, :width + stop],
-                                                   position_ids[:, start:stop], cache)
+                                                   position_ids[:, start:stop], cache,
+                                                   None if embeds is None else embeds[:, start:stop])
             seen.add(version)
             self.stats["prefill_passes"] += 1
         if copies is not None:
@@ -409,6 +439,22 @@ class TorchEngine:
         self.stats["reused_tokens"] += sum(prefix)
         return cache, logits, versions, version
 
+    def _embed(self, input_ids: torch.Tensor, requests: list[Request], suffixes: list[list[int]], prefix: list[int],
+               seen: set[int]) -> torch.Tensor:
+        """Input embeddings of a prefill (`input_ids`: the suffixes, right-aligned): the suffix part
+        of each row's whole prompt embedded with all its images (`embed_inputs`: a placeholder run
+        cut by a reused prefix still gets its own features). Adds the weights' version to `seen`."""
+        with self._lock:
+            embeds = self.model.get_input_embeddings()(input_ids)
+            for g, (request, suffix, p) in enumerate(zip(requests, suffixes, prefix)):
+                if request.images is not None and request.images.images:
+                    pixels = {**image_inputs(self._image_processor, request.images.images),
+                              "forced": torch.tensor(request.images.forced, dtype=torch.bool)}
+                    whole = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
+                    embeds[g, embeds.shape[1] - len(suffix):] = embed_inputs(self.model, whole, [pixels])[0, p:]
+            seen.add(self.version)
+        return embeds
+
     def _take_kept(self, request: Request) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None:
         """The kept cache of `request`'s session cut to what the prompt shares with it (at least one
         prompt token is left to encode), or None. The entry leaves the store (the row keeps it
@@ -420,6 +466,10 @@ class TorchEngine:
             return None
         self._kept_bytes -= kept.nbytes
         if kept.version != self.version:
+            return None
+        # The kept tokens showed these images: reuse only for a prompt that shows them first.
+        shown = request.images.images if request.images is not None else []
+        if len(kept.images) > len(shown) or any(a is not b for a, b in zip(kept.images, shown)):
             return None
         shared = _common_prefix(kept.tokens, request.prompt)
         shared = min(shared, len(request.prompt) - 1)
@@ -538,7 +588,8 @@ class TorchEngine:
             old = self._kept.pop(session, None)
             if old is not None:
                 self._kept_bytes -= old.nbytes
-            self._kept[session] = _Kept(list(row.fed), kv, row.cache_version, nbytes)
+            self._kept[session] = _Kept(list(row.fed), kv, row.cache_version, nbytes,
+                                         list(row.request.images.images) if row.request.images is not None else [])
             self._kept_bytes += nbytes
             while self._kept_bytes > self.prefix_cache_bytes:
                 _, evicted = self._kept.popitem(last=False)
@@ -550,12 +601,15 @@ class TorchEngine:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache: Cache | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Cache, int]:
-        """Last-position logits (float32), the updated KV cache, and the weight version used."""
+        """Last-position logits (float32), the updated KV cache, and the weight version used
+        (`inputs_embeds`, when given, in place of `input_ids`' embeddings: a prefill with images)."""
         cache_kwargs = {self._cache_arg: cache} if cache is not None else {}
+        tokens = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         with self._lock:
             output = self.model(
-                input_ids=input_ids,
+                **tokens,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=True,

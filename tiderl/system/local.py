@@ -96,8 +96,8 @@ class _Counting:
         self._rollout = rollout
         self.tokens = 0  # this episode's
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Any:
-        completion = await self._rollout.client.generate(prompt, params)
+    async def generate(self, prompt: list[int], params: SamplingParams, **images: Any) -> Any:
+        completion = await self._rollout.client.generate(prompt, params, **images)  # images: docs/multimodal.md
         self._rollout.decoded_tokens += len(completion.token_ids)
         self.tokens += len(completion.token_ids)
         return completion

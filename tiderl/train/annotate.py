@@ -27,11 +27,12 @@ Preparation = Callable[[list[Trajectory]], None]  # see the module docstring
 @torch.no_grad()
 def annotate_per_token(trajectories: list[Trajectory], key: str, forward: Callable[[Any], torch.Tensor],
                        pad_id: int, micro_batch_tokens: int, device: str,
-                       after: Callable[[list[int]], None] | None = None) -> None:
+                       after: Callable[[list[int]], None] | None = None, image_processor: Any = None) -> None:
     """Run `forward(micro_batch) -> [b, t]` over the trajectories (right-padded, in micro-batches
     of at most `micro_batch_tokens`) and store each row's first len(tokens) entries as
-    `annotations[key]`; `after(rows)`, when given, runs after each micro-batch's forward."""
-    batch = collate(trajectories, pad_id)
+    `annotations[key]`; `after(rows)`, when given, runs after each micro-batch's forward.
+    `image_processor`: for trajectories with images (`collate`)."""
+    batch = collate(trajectories, pad_id, image_processor)
     lengths = [len(t.tokens) for t in trajectories]
     for rows in micro_batch_indices(lengths, micro_batch_tokens):
         out = forward(slice_batch(batch, rows).to(device)).float().cpu()
@@ -49,8 +50,10 @@ class CriticSnapshot:
     `annotations["values_version"]`: the number of refreshes the snapshot had when it computed the
     values (one entry per token, all equal); the rollout pool turns it into `critic/lag_*`."""
 
-    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
+                 image_processor: Any = None):
         self.model = copy.deepcopy(critic).eval().requires_grad_(False)
+        self.image_processor = image_processor  # for trajectories with images
         self.pad_id = pad_id
         self.micro_batch_tokens = micro_batch_tokens
         self.device = device
@@ -70,14 +73,14 @@ class CriticSnapshot:
         def values(mb: Any) -> torch.Tensor:
             with self.lock:  # per micro-batch, so a refresh never waits for a whole batch
                 used[0] = self.refreshes
-                return token_values(self.model, mb.input_ids, mb.attention_mask)
+                return token_values(self.model, mb.input_ids, mb.attention_mask, mb.pixels)
 
         def stamp(rows: list[int]) -> None:
             for row in rows:
                 trajectories[row].annotations["values_version"] = [float(used[0])] * len(trajectories[row].tokens)
 
         annotate_per_token(trajectories, "values", values, self.pad_id, self.micro_batch_tokens, self.device,
-                           after=stamp)
+                           after=stamp, image_processor=self.image_processor)
 
 
 class RefLogprobs:
@@ -85,8 +88,9 @@ class RefLogprobs:
     tokens): the reference is frozen, so its forward pass can run any time before the step."""
 
     def __init__(self, ref: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, image_processor: Any = None):
         self.ref = ref
+        self.image_processor = image_processor  # for trajectories with images
         self.temperature = temperature  # the rollouts' (forward.logprob_temperature), as train_step scores them
         self.pad_id = pad_id
         self.micro_batch_tokens = micro_batch_tokens
@@ -94,8 +98,9 @@ class RefLogprobs:
 
     def __call__(self, trajectories: list[Trajectory]) -> None:
         def logprobs(mb: Any) -> torch.Tensor:
-            lp, _ = token_logprobs(self.ref, mb.input_ids, mb.attention_mask, temperature=self.temperature)
+            lp, _ = token_logprobs(self.ref, mb.input_ids, mb.attention_mask, temperature=self.temperature,
+                                   pixels=mb.pixels)
             return lp * mb.action_mask
 
         annotate_per_token(trajectories, "ref_logprobs", logprobs, self.pad_id, self.micro_batch_tokens,
-                           self.device)
+                           self.device, image_processor=self.image_processor)

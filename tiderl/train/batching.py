@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
+from tiderl.models.vision import image_inputs
 from tiderl.types import Trajectory
 
 
@@ -18,6 +20,8 @@ class Batch:
     behavior_logprobs: the engine's log-prob of each sampled token (0 elsewhere).
     rewards: `[B]` scalar rewards.
     num_action_tokens: `[B]` sampled tokens per trajectory.
+    pixels: per row, the pixel inputs of the trajectory's images (`models.vision.image_inputs`; None
+        for a row without); None when no row has images.
     """
 
     input_ids: torch.Tensor
@@ -26,15 +30,28 @@ class Batch:
     behavior_logprobs: torch.Tensor
     rewards: torch.Tensor
     num_action_tokens: torch.Tensor
+    pixels: list[dict[str, torch.Tensor] | None] | None = None
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(t.to(device) for t in self.__dict__.values()))
+        pixels = None if self.pixels is None else [
+            None if p is None else {k: v.to(device) for k, v in p.items()} for p in self.pixels]
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self) if f.name != "pixels"), pixels=pixels)
 
 
-def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
-    """Pad trajectories on the right to the longest one."""
+def collate(trajectories: list[Trajectory], pad_id: int, image_processor: Any = None) -> Batch:
+    """Pad trajectories on the right to the longest one; the images of those that show some
+    become their rows' pixel inputs through `image_processor` (the model processor's)."""
     if not trajectories:
         raise ValueError("collate() got no trajectories")
+    pixels = None
+    if any(t.images for t in trajectories):
+        if image_processor is None:
+            raise ValueError("these trajectories carry images (Trajectory.images) but no image processor was given: "
+                             "pass the vision-language model's processor.image_processor (docs/multimodal.md)")
+        # A placeholder token the policy sampled is text: features go to the forced ones only.
+        pixels = [{**image_inputs(image_processor, t.images),
+                   "forced": torch.tensor([m == 0 for m in t.loss_mask])} if t.images else None
+                  for t in trajectories]
     width = max(len(t.tokens) for t in trajectories)
     b = len(trajectories)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -50,7 +67,7 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
     # A trajectory's first token can never be scored (nothing precedes it).
     action[:, 0] = 0.0
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    return Batch(input_ids, attention, action, behavior, rewards, action.sum(dim=1))
+    return Batch(input_ids, attention, action, behavior, rewards, action.sum(dim=1), pixels)
 
 
 def micro_batch_indices(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -80,7 +97,9 @@ def slice_batch(batch: Batch, rows: list[int]) -> Batch:
     idx = torch.tensor(rows, dtype=torch.long)
     width = int(batch.attention_mask[idx].sum(dim=1).max().item())
     # The [B, T] tensors trimmed to `width`, the [B] ones (rewards, num_action_tokens) picked.
-    return Batch(*(t[idx, :width] if t.dim() == 2 else t[idx] for t in batch.__dict__.values()))
+    tensors = (getattr(batch, f.name) for f in fields(batch) if f.name != "pixels")
+    pixels = None if batch.pixels is None else [batch.pixels[r] for r in rows]
+    return Batch(*(t[idx, :width] if t.dim() == 2 else t[idx] for t in tensors), pixels=pixels)
 
 
 @dataclass

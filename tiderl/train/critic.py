@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
+from tiderl.models.vision import model_inputs
+
 LORA_STATE = "lora_adapters.safetensors"  # a LoRA critic's adapters, under the critic's own names
 
 
@@ -27,9 +29,10 @@ class ValueModel(torch.nn.Module):
         self.backbone = backbone
         self.head = head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                pixels: list[dict[str, torch.Tensor] | None] | None = None) -> torch.Tensor:
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            **model_inputs(self.backbone, input_ids, pixels), attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 
@@ -41,7 +44,7 @@ class ValueModel(torch.nn.Module):
         in bfloat16 a bias near 0.05 cannot take a step below its 2.4e-4 spacing, so at a
         critic learning rate of 1e-4 or less the values would stop moving."""
         backbone = copy.deepcopy(getattr(policy, policy.base_model_prefix))
-        head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=torch.float32)
+        head = torch.nn.Linear(policy.config.get_text_config(decoder=True).hidden_size, 1, dtype=torch.float32)
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
         return cls(backbone, head)
@@ -73,7 +76,7 @@ class ValueModel(torch.nn.Module):
         try:
             config = AutoConfig.from_pretrained(path / "backbone")
             backbone = AutoModel.from_pretrained(path / "backbone", config=config, dtype=dtype)
-            head = torch.nn.Linear(config.hidden_size, 1, dtype=torch.float32)  # see from_policy
+            head = torch.nn.Linear(config.get_text_config(decoder=True).hidden_size, 1, dtype=torch.float32)  # see from_policy
             head.load_state_dict(load_file(str(path / "value_head.safetensors")))
         except Exception as err:
             # safetensors' own errors name neither the file nor the fix.

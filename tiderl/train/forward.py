@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tiderl.algos.regularizers import entropy_from_logits
+from tiderl.models.vision import model_inputs
 
 __all__ = ["logprob_temperature", "packed_token_logprobs", "packs", "token_logprobs", "token_values"]
 
@@ -44,15 +45,17 @@ def _shift(x: torch.Tensor) -> torch.Tensor:
 def token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     with_entropy: bool = False, entropy_grad: bool = False, temperature: float = 1.0,
+    pixels: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(token t | tokens < t) under `model` at `temperature` at every position t, and with
     `with_entropy` the entropy H(softmax(z_{t-1} / temperature)) there (None otherwise).
+    `pixels` (`Batch.pixels`): the rows' images, fed through `models.vision.embed_inputs`.
 
     The entropy carries no gradient (a metric) unless `entropy_grad` (for an entropy bonus), which
     implies `with_entropy`. Uses gather minus logsumexp rather than a full log_softmax so that
     large vocabularies do not need a second `[B, T, V]` tensor.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = model(**model_inputs(model, input_ids, pixels), attention_mask=attention_mask, use_cache=False).logits
     logits = _tempered(logits[:, :-1].float(), temperature)
     picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     logprobs = _shift(picked - torch.logsumexp(logits, dim=-1))
@@ -64,10 +67,13 @@ def token_logprobs(
 
 
 def token_values(
-    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    pixels: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> torch.Tensor:
-    """The critic's V(state before token t) at every position t (a `train.critic.ValueModel`)."""
-    v = critic(input_ids=input_ids, attention_mask=attention_mask)
+    """The critic's V(state before token t) at every position t (a `train.critic.ValueModel`); it
+    sees the rows' images (`pixels`) as the policy does."""
+    with_pixels = {"pixels": pixels} if pixels else {}
+    v = critic(input_ids=input_ids, attention_mask=attention_mask, **with_pixels)
     return _shift(v[:, :-1].float())
 
 

@@ -115,11 +115,12 @@ def _logprobs(model: torch.nn.Module, b: Batch, packed: bool | None, temperature
               with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of micro-batch `b` at `temperature`, packed (no padding; the values only
     where `b.action_mask` is 1, which is all any loss reads) when `packed` is True, or None and
-    `packs(model)`."""
-    if packed or (packed is None and packs(model)):
+    `packs(model)`; never for a micro-batch with images (`b.pixels`), which runs right-padded."""
+    if b.pixels is None and (packed or (packed is None and packs(model))):
         return packed_token_logprobs(model, b.input_ids, b.attention_mask, b.action_mask, with_entropy, entropy_grad,
                                      temperature=temperature)
-    return token_logprobs(model, b.input_ids, b.attention_mask, with_entropy, entropy_grad, temperature=temperature)
+    return token_logprobs(model, b.input_ids, b.attention_mask, with_entropy, entropy_grad, temperature=temperature,
+                          pixels=b.pixels)
 
 
 @torch.no_grad()
@@ -165,6 +166,7 @@ def train_step(
     packed: bool | None = None,
     skip_zero_advantage: bool = True,
     temperature: float = 1.0,
+    image_processor: Any = None,
 ) -> dict[str, float]:
     """One optimizer step of the algorithm `cfg` describes; returns its metrics (docs/metrics.md,
     docs/algorithms.md).
@@ -181,11 +183,14 @@ def train_step(
     skip_zero_advantage: leave trajectories whose advantages are all 0 out of the actor's passes
     when that cannot change its gradient (docs/algorithms.md, "Zero-advantage trajectories").
     temperature: the one the trajectories were sampled at (`forward.logprob_temperature`).
+    image_processor: turns `Trajectory.images` into pixel inputs (a vision-language model's
+        `processor.image_processor`); needed iff some trajectory shows images.
     """
     skip = nonfinite == "skip"
     try:
         return _train_step(trajectories, actor, critic, ref, cfg, pad_id, micro_batch_tokens, train_actor, device,
-                           skip=skip, packed=packed, skip_zero_advantage=skip_zero_advantage, temperature=temperature)
+                           skip=skip, packed=packed, skip_zero_advantage=skip_zero_advantage, temperature=temperature,
+                           image_processor=image_processor)
     except NonFiniteError as exc:
         if not skip:
             raise
@@ -196,7 +201,7 @@ def train_step(
 def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner | None,
                 ref: torch.nn.Module | Learner | None, cfg: AlgoConfig, pad_id: int, micro_batch_tokens: int,
                 train_actor: bool, device: torch.device | str, skip: bool, packed: bool | None,
-                skip_zero_advantage: bool, temperature: float = 1.0) -> dict[str, float]:
+                skip_zero_advantage: bool, temperature: float = 1.0, image_processor: Any = None) -> dict[str, float]:
     if not trajectories:
         raise ValueError("train_step() got no trajectories")
     if registry.needs_critic(cfg) and critic is None:
@@ -254,7 +259,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
     metrics["reward/shaped_mean"] = float(rewards.mean())
 
     # 2. The batch and its micro-batches.
-    full = collate(trajectories, pad_id)
+    full = collate(trajectories, pad_id, image_processor)
     mask, shape = full.action_mask, full.action_mask.shape
     n_tokens = float(mask.sum())
     if n_tokens == 0:
@@ -285,7 +290,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
             # Padded: the packed pass switches the model's attention kernel for its duration, and
             # the reference may be serving the buffer's RefLogprobs on another thread meanwhile.
             ref_lp = actor.sum_across_ranks(_forward_all(local, shape, lambda b: token_logprobs(
-                ref_model, b.input_ids, b.attention_mask, temperature=temperature)[0]))
+                ref_model, b.input_ids, b.attention_mask, temperature=temperature, pixels=b.pixels)[0]))
 
     # 4. Rewards per token, the critic, the advantages of the whole batch.
     token_rewards = outcome_token_rewards(rewards, mask)
@@ -300,7 +305,7 @@ def _train_step(trajectories: list[Trajectory], actor: Learner, critic: Learner 
         critic_model = critic.model
 
         def critic_forward(b: Batch) -> torch.Tensor:
-            return token_values(critic_model, b.input_ids, b.attention_mask)
+            return token_values(critic_model, b.input_ids, b.attention_mask, b.pixels)
 
         values = _annotated(trajectories, "values", shape)
         metrics["value/precomputed"] = float(values is not None)
@@ -381,7 +386,7 @@ def _train_critic(critic: Learner, micros: list[_Micro], cfg: AlgoConfig, values
     clip = cfg.value_clip if cfg.value_clip > 0 else None
 
     def loss_fn(m: _Micro) -> tuple[torch.Tensor, dict[str, float]]:
-        v = token_values(critic.model, m.batch.input_ids, m.batch.attention_mask)
+        v = token_values(critic.model, m.batch.input_ids, m.batch.attention_mask, m.batch.pixels)
         loss, out = value_loss(v, m.take(returns), m.batch.action_mask, n_tokens,
                                old_values=m.take(values) if clip else None, clip_eps=clip)
         _check_loss(loss, "critic", m, trajectories)

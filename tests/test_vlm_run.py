@@ -1,0 +1,157 @@
+"""`tiderl train` on a visual environment with a vision-language model directory (issue 31): the
+run loads the model and its processor, episodes show images, the trainer (critic and reference
+included) reads them, and the checkpoint reloads as a vision-language model.
+
+The environment (`env.name=test_vlm_run:ColourEnv`) is this file's: the first message shows a
+coloured square and asks for its colour, answered with the `answer` tool."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tiderl.envs.protocol import Action, Observation, StepResult, Task
+from tiderl.envs.registration import WarmStart
+from tiderl.envs.setup import Setup
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255)}
+ANSWER_TOOL = {"type": "function", "function": {
+    "name": "answer", "description": "Give the colour.",
+    "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}}}
+
+
+class ColourEnv:
+    """Shows a square of the task's colour; reward 1 when the `answer` tool names it; one turn."""
+
+    shown = 0  # images shown, across instances
+
+    @classmethod
+    def setup(cls, cfg) -> Setup:
+        tasks = [Task(f"c{i}", "What colour is the square?", colour) for i, colour in enumerate(list(COLOURS) * 8)]
+        return Setup(train_tasks=tasks[:18], eval_tasks=tasks[18:], make_env=cls, name="colours")
+
+    def system_prompt(self) -> str:
+        return "Name the colour of the square with the answer tool."
+
+    def tool_schemas(self) -> list[dict]:
+        return [ANSWER_TOOL]
+
+    def reset(self, task: Task) -> Observation:
+        self.task = task
+        ColourEnv.shown += 1
+        return Observation(task.prompt, [Image.new("RGB", (40, 40), COLOURS[task.answer])])
+
+    def step(self, action: Action) -> StepResult:
+        right = any(str(call.arguments.get("colour", "")) == self.task.answer for call in action.tool_calls)
+        # An untrained model never answers: a partial reward that varies with what it writes gives
+        # the first steps a gradient.
+        reward = 1.0 if right else (len(action.text) % 7) / 10
+        return StepResult([], reward=reward, done=True, info={"success": float(right)})
+
+    def finish(self, reason: str) -> StepResult:
+        return StepResult([], reward=0.0, done=True, info={"success": 0.0})
+
+
+def answer(colour: str) -> str:
+    return f'<tool_call>\n{{"name": "answer", "arguments": {{"colour": "{colour}"}}}}\n</tool_call>'
+
+
+def demonstrations(setup: Setup, cfg, rng):
+    """The embedded model's warm start: each training task answered right (its colour)."""
+    tasks = rng.sample(setup.train_tasks, min(cfg.model.warmstart.num_traces, len(setup.train_tasks)))
+    return tasks, [[answer(t.answer)] for t in tasks], {}
+
+
+ColourEnv.warm_start = WarmStart(demonstrations)
+
+
+def corpus() -> list[str]:
+    env = ColourEnv()
+    texts = [env.system_prompt(), json.dumps(env.tool_schemas()), "What colour is the square?", "Continue."]
+    texts += [answer(colour) for colour in COLOURS]
+    return texts * 5
+
+
+@pytest.mark.slow  # trains through the CLI (about 20 s on 2 shared cores)
+def test_tiderl_train_on_a_visual_environment_with_a_vlm_directory(tmp_path):
+    from tiderl.cli import main
+    from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.models.tiny_vlm import build_tiny_vlm
+    from tiderl.models.vision import ChatProcessor
+
+    model, processor = build_tiny_vlm(corpus(), seed=0)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    assert isinstance(tokenizer, ChatProcessor) and tokenizer.pad_token_id == 0 and len(tokenizer) == len(
+        processor.tokenizer)
+    shown = ColourEnv.shown
+    run_dir = tmp_path / "run"
+    code = main(["train", "env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.path={model_dir}",
+                 f"run_dir={run_dir}", "algo.name=ppo", "rollout.batch_size=6", "train.steps=2",
+                 "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=24",
+                 "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false"])
+    assert code == 0
+    assert ColourEnv.shown >= shown + 12  # the episodes showed their images
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    # The engine's behaviour log-probs (prefill with image features) are the trainer's: on step 1
+    # nothing has trained yet, so every PPO ratio is 1.
+    assert abs(steps[0]["policy/ratio_max"] - 1) < 1e-4 and abs(steps[0]["policy/ratio_min"] - 1) < 1e-4
+    ledger = json.loads((run_dir / "system.json").read_text())["ledger"]
+    assert ledger["failed"] == 0, ledger  # no episode failed (an image without a processor would)
+    # The checkpoint is a vision-language model with its processor, and its vision tower trained.
+    actor = Path(run_dir) / "checkpoints" / "final" / "actor"
+    assert isinstance(load_tokenizer(actor), ChatProcessor)
+    trained = load_model(actor)
+    changed = [k for k, v in trained.state_dict().items()
+               if k.startswith("model.vision_model.") and not torch.equal(v, model.state_dict()[k])]
+    assert changed, "the vision tower did not train"
+    # ... and `tiderl eval` evaluates it.
+    results = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(actor), "--json", str(results), "env.name=test_vlm_run:ColourEnv",
+                 "data.source=colours", "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=24",
+                 "log.progress=false"]) == 0
+    greedy = json.loads(results.read_text())["greedy"]
+    assert greedy["n"] == 6 and greedy["by_stop_reason"].get("error") is None
+
+
+@pytest.mark.slow  # warm-starts the embedded model and trains through the CLI (about 30 s on 2 shared cores)
+def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started_on_its_images(tmp_path):
+    from tiderl.cli import main
+    from tiderl.config import load_config
+    from tiderl.envs.setup import load_setup
+    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.models.vision import ChatProcessor
+    from tiderl.rollout.torch_engine import TorchEngine
+    from tiderl.agent.loop import play_episodes
+    from tiderl.rollout.base import SamplingParams
+
+    small = ["env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.cache_dir={tmp_path / 'cache'}",
+             "model.tiny.vocab_size=400", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+             "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2", "model.tiny.max_positions=300",
+             "model.warmstart.num_traces=18", "model.warmstart.steps=80", "model.warmstart.batch_size=6",
+             "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=40"]
+    cfg = load_config(None, small)
+    path = ensure_embedded_model(cfg, load_setup(cfg), log=lambda _: None)
+    tokenizer, model = load_tokenizer(path), load_model(path)
+    assert isinstance(tokenizer, ChatProcessor) and hasattr(model, "get_image_features")
+    report = json.loads((path / "tiderl_build.json").read_text())
+    assert report["sft_loss_last"] < 0.2 * report["sft_loss_first"]
+    # Warm-started on the images: greedy, it names the colour it is shown (the question is the same).
+    tasks = [Task(c, "What colour is the square?", c) for c in COLOURS]
+    out = play_episodes(TorchEngine(model, tokenizer), tokenizer, ColourEnv, tasks,
+                        SamplingParams(temperature=0.0, max_new_tokens=40), max_turns=1, max_total_tokens=300)
+    assert [t.env_info["success"] for t in out] == [1.0, 1.0, 1.0]
+    # model.path=tiny trains it (the cached build is reused).
+    run_dir = tmp_path / "run"
+    code = main(["train", *small, "model.path=tiny", f"run_dir={run_dir}", "algo.name=ppo", "rollout.batch_size=6",
+                 "train.steps=1", "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false"])
+    assert code == 0
+    assert json.loads((run_dir / "system.json").read_text())["ledger"]["failed"] == 0
