@@ -222,7 +222,7 @@ PACKAGE_LINE_BUDGETS = {
     "models": 1320,
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2440,
-    "serve": 1020,
+    "serve": 1200,  # +180: image content parts (issue 31): images.py, read in wire.py, recorded in session.py
     "system": 2800,
     "train": 1860,
 }
@@ -231,8 +231,9 @@ PACKAGE_LINE_BUDGETS = {
 # to tiderl/lab, essays moved from docstrings to docs/) took it from 17,175 to 15,010: lower this as
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
-# judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_595
+# judge.py and their hook in run.py and config.py) added 271 (15,589). Issue 31's image content parts in
+# `tiderl serve` added 186 (15,781).
+CORE_LINE_BUDGET = 15_781
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -10,7 +10,8 @@ from tiderl.envs.registration import BuiltinEnvironment
 from tiderl.options import need, opt
 
 # Both generate their tasks; there is no other source.
-SOURCES = ("generated",)
+GRID_SOURCES = ("generated_grids",)
+TABLE_SOURCES = ("generated_charts",)
 
 
 @dataclass
@@ -47,27 +48,21 @@ class TableOptions:
     text_state: bool = opt(False, "Also name the highlighted city in the text: for text-only baselines; false = "
                            "only the chart shows which city is asked about.")
     num_train_tasks: int = opt(2000, "Training tasks generated.")
-    backend: str = opt("sqlite", "Where the task tables live: 'sqlite' or 'duckdb' (the SQL environment's "
-                       "backends, tiderl/envs/db).")
-    timeout_s: float = opt(2.0, "Statement timeout in seconds.")
 
     def check(self, cfg: Any) -> None:
         need(self.num_train_tasks >= 1, "num_train_tasks", "must be >= 1", "use 2000")
-        need(self.backend in ("sqlite", "duckdb"), "backend", f"{self.backend!r} is not a local backend",
-             "use sqlite or duckdb")
-        need(self.timeout_s > 0, "timeout_s", "must be > 0", "use 2.0")
 
 
 GRID = BuiltinEnvironment(
     setup_path="tiderl.envs.visual.setup:grid_setup",
     Options=GridOptions,
-    sources=SOURCES,
+    sources=GRID_SOURCES,
     warm_start_path="tiderl.envs.visual.setup:GRID_WARM_START",
 )
 
 TABLE = BuiltinEnvironment(
     setup_path="tiderl.envs.visual.setup:table_setup",
     Options=TableOptions,
-    sources=SOURCES,
+    sources=TABLE_SOURCES,
     warm_start_path="tiderl.envs.visual.setup:TABLE_WARM_START",
 )

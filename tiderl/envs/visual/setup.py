@@ -1,6 +1,6 @@
 """The visual environments' setups and warm starts (`env.name=visual_grid`, `visual_table`).
 
-Both generate their tasks (`data.source=generated`): `env.options.num_train_tasks` training tasks
+Both generate their tasks (`data.source=generated_grids` / `generated_charts`, the only sources): `env.options.num_train_tasks` training tasks
 and `data.eval_size` held-out ones, drawn with `data.seed` from disjoint splits (a task's split
 is a function of its layout's hash: `grid.is_held_out`). The options are
 `tiderl.envs.visual.registration.GridOptions` / `TableOptions`.
@@ -15,15 +15,16 @@ from tiderl.envs.protocol import Task
 from tiderl.envs.registration import WarmStart
 from tiderl.envs.setup import Setup
 from tiderl.envs.visual import grid, table
+from tiderl.envs.visual.registration import GRID_SOURCES, TABLE_SOURCES
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
 
-def _check_source(cfg: "RunConfig") -> None:
-    if cfg.data.source not in ("", "generated"):
+def _check_source(cfg: "RunConfig", source: str) -> None:
+    if cfg.data.source not in ("", source):
         raise ValueError(f"data.source={cfg.data.source!r}: env.name={cfg.env.name} generates its tasks. Fix: use "
-                         "data.source=generated (or leave it out).")
+                         f"data.source={source} (or leave it out).")
 
 
 def max_path(cfg: "RunConfig") -> int:
@@ -33,7 +34,7 @@ def max_path(cfg: "RunConfig") -> int:
 
 def grid_setup(cfg: "RunConfig") -> Setup:
     """Grid tasks (module docstring) and a factory of `GridEnv`s; the oracle walks a shortest path."""
-    _check_source(cfg)
+    _check_source(cfg, GRID_SOURCES[0])
     options, data = cfg.env.options, cfg.data
     shape = dict(size=options.size, min_path=options.min_path, max_path=max_path(cfg),
                  wall_fraction=options.wall_fraction)
@@ -41,7 +42,7 @@ def grid_setup(cfg: "RunConfig") -> Setup:
     held_out = grid.generate_tasks(data.seed, count=data.eval_size, held_out=True, **shape)
     factory = _GridFactory(options.cell_px, options.text_state, options.max_calls_per_turn,
                            cfg.env.system_prompt or None)
-    return Setup(train, held_out, factory, "generated", oracle=grid.oracle_turns)
+    return Setup(train, held_out, factory, GRID_SOURCES[0], oracle=grid.oracle_turns)
 
 
 class _GridFactory:
@@ -57,17 +58,17 @@ class _GridFactory:
 
 def table_setup(cfg: "RunConfig") -> Setup:
     """Chart-and-SQL tasks (module docstring) and a factory of `VisualTableEnv`s over the setup's
-    SQL backend (`env.options.backend`), with the DB environment's limits: `Limits(max_rows=
-    env.max_items, timeout_s=env.options.timeout_s, max_observation_chars)`."""
+    SQLite backend, with the DB environment's limits: `Limits(max_rows=env.max_items,
+    max_observation_chars=env.max_observation_chars)` (statements stop after 2 s)."""
     from tiderl.envs.db.tools import Limits
 
-    _check_source(cfg)
+    _check_source(cfg, TABLE_SOURCES[0])
     options, data, env = cfg.env.options, cfg.data, cfg.env
     train = table.generate_tasks(data.seed, options.num_train_tasks, held_out=False)
     held_out = table.generate_tasks(data.seed, data.eval_size, held_out=True)
-    out = Setup(train, held_out, _no_env, "generated", oracle=table.oracle_turns)
-    limits = Limits(max_rows=env.max_items, timeout_s=options.timeout_s, max_observation_chars=env.max_observation_chars)
-    out.make_env = _TableFactory(out, options.backend, limits, options.text_state, env.system_prompt or None)
+    out = Setup(train, held_out, _no_env, TABLE_SOURCES[0], oracle=table.oracle_turns)
+    limits = Limits(max_rows=env.max_items, max_observation_chars=env.max_observation_chars)
+    out.make_env = _TableFactory(out, "sqlite", limits, options.text_state, env.system_prompt or None)
     return out
 
 
@@ -111,10 +112,9 @@ def table_demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> 
     return tasks, scripts, {"misread_rate": ws.relation_noise}
 
 
-# The generators still change: their source text keys a cached model. The text state and the
-# image size change what the model sees, so they stay keyed; the SQL backend and its time limit do not.
+# The generators still change: their source text keys a cached model (every option stays keyed:
+# each changes the tasks or what the model sees).
 GRID_WARM_START = WarmStart(demonstrations=grid_demonstrations,
                             key_modules=("tiderl.envs.visual.grid", "tiderl.envs.visual.setup"))
 TABLE_WARM_START = WarmStart(demonstrations=table_demonstrations,
-                             key_modules=("tiderl.envs.visual.table", "tiderl.envs.visual.setup"),
-                             unkeyed_options=("backend", "timeout_s"))
+                             key_modules=("tiderl.envs.visual.table", "tiderl.envs.visual.setup"))
