@@ -116,6 +116,24 @@ def test_grid_text_state_describes_the_state():
     assert len(first.images) == 1
 
 
+def test_text_only_runs_get_plain_text_messages():
+    setup = _setup("visual_grid", "env.options.text_state=true", "env.options.images=false")
+    task = setup.eval_tasks[0]
+    env = setup.make_env()
+    first = env.reset(task)
+    assert isinstance(first, str) and "You are at row" in first
+    moved = env.step(parse_hermes_tool_calls(setup.oracle(task)[0]))
+    assert moved.done or (isinstance(moved.observations[0], str) and "You are at row" in moved.observations[0])
+    table_setup = _setup("visual_table", "env.options.text_state=true", "env.options.images=false")
+    question = table_setup.make_env().reset(table_setup.eval_tasks[0])
+    assert isinstance(question, str) and "The highlighted bar is" in question
+    from tiderl.options import ConfigError
+
+    for name in ("visual_grid", "visual_table"):  # neither image nor text: nothing to see
+        with pytest.raises(ConfigError, match="images.*text_state=true"):
+            load_config(None, [f"env.name={name}", "env.options.images=false"])
+
+
 def test_grid_oracle_solves_every_held_out_task_and_splits_are_disjoint():
     for max_turns in (4, 8):
         setup = _setup("visual_grid", f"env.max_turns={max_turns}", "env.options.size=6")

@@ -8,7 +8,8 @@ reward 1; the agent loop's turn limit (`env.max_turns`) ends it through `finish`
 
 The text never says where anything is: the agent has to read the image. `text_state=True`
 (`env.options.text_state`) also writes the state as text (a character map and the positions),
-for text-only baselines and for checking that the task is learnable at all.
+for text-only baselines and for checking that the task is learnable at all; with `images=False`
+as well (`env.options.images=false`) every message is plain text, for text-only models.
 
 Tasks are drawn by a seeded generator (`generate_tasks`): random walls, a start and a goal with
 a shortest path of `min_path`..`max_path` moves (BFS, `shortest_moves`). A task's id is the hash
@@ -187,15 +188,17 @@ class GridEnv:
 
     cell_px: pixels per cell side of the rendered image.
     text_state: also describe the state in text (`text_map`).
+    images: show the grid as an image (False: plain text messages, for text-only models).
     max_calls_per_turn: moves one turn may make (each answered with an image); the rest are
         not run and one error observation says so.
     """
 
     def __init__(self, cell_px: int = 16, text_state: bool = False, max_calls_per_turn: int = 4,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, images: bool = True) -> None:
         if cell_px < 4 or max_calls_per_turn < 1:
             raise ValueError(f"cell_px must be >= 4 and max_calls_per_turn >= 1, got {cell_px}, {max_calls_per_turn}")
         self.cell_px, self.text_state, self.max_calls_per_turn = cell_px, text_state, max_calls_per_turn
+        self.images = images
         self._system_prompt = system_prompt or SYSTEM_PROMPT
         self._layout: tuple[int, frozenset[Cell], Cell, Cell] | None = None
         self.agent: Cell = (0, 0)
@@ -209,7 +212,7 @@ class GridEnv:
         """[move] in OpenAI function format (a copy: callers may edit it)."""
         return [copy.deepcopy(MOVE_TOOL)]
 
-    def reset(self, task: Task) -> Observation:
+    def reset(self, task: Task) -> Observation | str:
         """Start on `task`; returns the first user message: the rendered grid and the instruction."""
         self._layout = layout_of(task)
         self.agent = self._layout[2]
@@ -255,10 +258,12 @@ class GridEnv:
             raise RuntimeError("GridEnv.step/finish called after the episode ended: call reset(task) first")
         return self._layout
 
-    def _observation(self, text: str) -> Observation:
+    def _observation(self, text: str) -> Observation | str:
         size, walls, _, goal = self._require_episode()
         if self.text_state:
             text = f"{text}\n{text_map(size, walls, self.agent, goal)}"
+        if not self.images:
+            return text
         return Observation(text, [render(size, walls, self.agent, goal, self.cell_px)])
 
     def _error(self, message: str) -> str:

@@ -26,6 +26,8 @@ class GridOptions:
                         "solves every task).")
     text_state: bool = opt(False, "Also describe the state in text (a character map and the positions): for "
                            "text-only baselines; false = the image alone shows where things are.")
+    images: bool = opt(True, "Show the grid as an image; false = text only (with text_state=true), for text-only "
+                       "models.")
     max_calls_per_turn: int = opt(4, "Moves one turn may make (each answered with an image).")
     num_train_tasks: int = opt(2000, "Training tasks generated.")
 
@@ -39,6 +41,12 @@ class GridOptions:
         need(self.max_path >= 0, "max_path", "must be >= 0", "use 0 (env.max_turns)")
         need(self.max_calls_per_turn >= 1, "max_calls_per_turn", "must be >= 1", "use 4")
         need(self.num_train_tasks >= 1, "num_train_tasks", "must be >= 1", "use 2000")
+        _need_something_shown(self)
+
+
+def _need_something_shown(options: Any) -> None:
+    need(options.images or options.text_state, "images", "is false and so is text_state: the agent would see "
+         "nothing of the state", "set env.options.text_state=true for a text-only run, or keep images=true")
 
 
 @dataclass
@@ -47,10 +55,12 @@ class TableOptions:
 
     text_state: bool = opt(False, "Also name the highlighted city in the text: for text-only baselines; false = "
                            "only the chart shows which city is asked about.")
+    images: bool = opt(True, "Show the chart; false = text only (with text_state=true), for text-only models.")
     num_train_tasks: int = opt(2000, "Training tasks generated.")
 
     def check(self, cfg: Any) -> None:
         need(self.num_train_tasks >= 1, "num_train_tasks", "must be >= 1", "use 2000")
+        _need_something_shown(self)
 
 
 GRID = BuiltinEnvironment(

@@ -41,19 +41,20 @@ def grid_setup(cfg: "RunConfig") -> Setup:
     train = grid.generate_tasks(data.seed, count=options.num_train_tasks, held_out=False, **shape)
     held_out = grid.generate_tasks(data.seed, count=data.eval_size, held_out=True, **shape)
     factory = _GridFactory(options.cell_px, options.text_state, options.max_calls_per_turn,
-                           cfg.env.system_prompt or None)
+                           cfg.env.system_prompt or None, options.images)
     return Setup(train, held_out, factory, GRID_SOURCES[0], oracle=grid.oracle_turns)
 
 
 class _GridFactory:
     """`make_env` of a grid setup (a class, so a Setup pickles for the Ray backend)."""
 
-    def __init__(self, cell_px: int, text_state: bool, max_calls_per_turn: int, system_prompt: str | None) -> None:
-        self.cell_px, self.text_state = cell_px, text_state
+    def __init__(self, cell_px: int, text_state: bool, max_calls_per_turn: int, system_prompt: str | None,
+                 images: bool) -> None:
+        self.cell_px, self.text_state, self.images = cell_px, text_state, images
         self.max_calls_per_turn, self.system_prompt = max_calls_per_turn, system_prompt
 
     def __call__(self) -> grid.GridEnv:
-        return grid.GridEnv(self.cell_px, self.text_state, self.max_calls_per_turn, self.system_prompt)
+        return grid.GridEnv(self.cell_px, self.text_state, self.max_calls_per_turn, self.system_prompt, self.images)
 
 
 def table_setup(cfg: "RunConfig") -> Setup:
@@ -68,7 +69,8 @@ def table_setup(cfg: "RunConfig") -> Setup:
     held_out = table.generate_tasks(data.seed, data.eval_size, held_out=True)
     out = Setup(train, held_out, _no_env, TABLE_SOURCES[0], oracle=table.oracle_turns)
     limits = Limits(max_rows=env.max_items, max_observation_chars=env.max_observation_chars)
-    out.make_env = _TableFactory(out, "sqlite", limits, options.text_state, env.system_prompt or None)
+    out.make_env = _TableFactory(out, "sqlite", limits, options.text_state, env.system_prompt or None,
+                                 options.images)
     return out
 
 
@@ -80,16 +82,17 @@ class _TableFactory:
     """`make_env` of a visual table setup: a `VisualTableEnv` on the setup's backend (built on
     first use, in the process that plays the episodes)."""
 
-    def __init__(self, setup: Setup, backend: str, limits: Any, text_state: bool, system_prompt: str | None) -> None:
+    def __init__(self, setup: Setup, backend: str, limits: Any, text_state: bool, system_prompt: str | None,
+                 images: bool) -> None:
         self.setup, self.backend, self.limits = setup, backend, limits
-        self.text_state, self.system_prompt = text_state, system_prompt
+        self.text_state, self.system_prompt, self.images = text_state, system_prompt, images
 
     def __call__(self) -> table.VisualTableEnv:
         from tiderl.envs.db.env import DBEnv
         from tiderl.envs.db.setup import db_backend
 
         db = DBEnv(db_backend(self.setup, self.backend), limits=self.limits)
-        return table.VisualTableEnv(db, self.text_state, self.system_prompt)
+        return table.VisualTableEnv(db, self.text_state, self.system_prompt, self.images)
 
 
 def grid_demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:

@@ -10,7 +10,8 @@ year, a total over years, the year of its best value). The chart prints no numbe
 The episode is the SQL environment's (`tiderl.envs.db.env.DBEnv`, reused whole: read-only
 sessions, row and time limits, errors as `Error:` observations, `commit_final_answer` scoring
 with `answers_match`); this module only adds the chart to the first message. `text_state=True`
-(`env.options.text_state`) also names the highlighted city in the text, for text-only baselines.
+(`env.options.text_state`) also names the highlighted city in the text, for text-only baselines
+(`images=False` drops the chart: a text-only model's run).
 
 Tasks are drawn by a seeded generator (`generate_tasks`); a task's id is the hash of its table
 and question, and the split is a function of that hash (as in `tiderl.envs.visual.grid`). The
@@ -147,10 +148,12 @@ class VisualTableEnv:
 
     db: the `DBEnv` that runs the tools and scores (module docstring).
     text_state: also name the highlighted city in the text.
+    images: show the chart (False: the first message is plain text, for text-only models).
     """
 
-    def __init__(self, db: DBEnv, text_state: bool = False, system_prompt: str | None = None) -> None:
-        self.db, self.text_state = db, text_state
+    def __init__(self, db: DBEnv, text_state: bool = False, system_prompt: str | None = None,
+                 images: bool = True) -> None:
+        self.db, self.text_state, self.images = db, text_state, images
         self._system_prompt = system_prompt or SYSTEM_PROMPT
 
     def system_prompt(self) -> str:
@@ -160,12 +163,12 @@ class VisualTableEnv:
         """The SQL environment's four tools."""
         return self.db.tool_schemas()
 
-    def reset(self, task: Task) -> Observation:
+    def reset(self, task: Task) -> Observation | str:
         """Start on `task`: the chart, then the question."""
         text = self.db.reset(task)
         if self.text_state:
             text = f"{text}\n(The highlighted bar is {task.meta['chart']['highlight']}.)"
-        return Observation(text, [render_chart(task)])
+        return Observation(text, [render_chart(task)]) if self.images else text
 
     def step(self, action: Action) -> StepResult:
         return self.db.step(action)
