@@ -104,6 +104,8 @@ def test_grid_malformed_calls_are_error_observations():
     many = env.step(Action("", [ToolCall("move", {"direction": "down"})] * 6))
     assert [type(o) for o in many.observations] == [Observation] * 4 + [str]
     assert "2 more tool calls were not run" in many.observations[-1] and many.info["tool_errors"] == 2
+    flood = env.step(Action("", [ToolCall("move", {"direction": "down"})], ["bad block"] * 1000))
+    assert len(flood.observations) == 5 and "997 more tool calls were not run" in flood.observations[-1]
 
 
 def test_grid_text_state_describes_the_state():

@@ -222,17 +222,17 @@ class GridEnv:
 
     def step(self, action: Action) -> StepResult:
         """Answer parse errors (text), then run the `move` calls in order, each answered with the
-        new image; the move that reaches the goal ends and scores the episode."""
+        new image; the move that reaches the goal ends and scores the episode. At most
+        `max_calls_per_turn` of them (malformed ones first) are answered one by one."""
         self._require_episode()
-        observations: list[str | Observation] = []
-        for error in action.parse_errors:
-            observations.append(self._error(str(error)))
-        budget = max(0, self.max_calls_per_turn - len(action.parse_errors))
-        for call in action.tool_calls[:budget]:
+        errors = action.parse_errors[: self.max_calls_per_turn]
+        observations: list[str | Observation] = [self._error(str(e)) for e in errors]
+        calls = action.tool_calls[: self.max_calls_per_turn - len(errors)]
+        for call in calls:
             observations.append(self._move(call.name, call.arguments))
             if self._ended:
                 return self._final(1.0)
-        unrun = len(action.tool_calls) - min(budget, len(action.tool_calls))
+        unrun = len(action.parse_errors) + len(action.tool_calls) - len(errors) - len(calls)
         if unrun:
             self._calls += unrun
             self._errors += unrun
