@@ -233,7 +233,8 @@ def test_loading_a_config_imports_no_environment_code():
     code = ("import sys; import tiderl.config as c; c.load_config(None, ['env.name=math']); "
             "c.describe(); print(sorted(m for m in sys.modules if m.startswith('tiderl.envs.') "
             "and not m.endswith('.registration') and m not in ('tiderl.envs.kg', 'tiderl.envs.db', "
-            "'tiderl.envs.math', 'tiderl.envs.code', 'tiderl.envs.repo')), 'torch' in sys.modules)")
+            "'tiderl.envs.math', 'tiderl.envs.code', 'tiderl.envs.repo', 'tiderl.envs.visual')), "
+            "'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[] False"
 

@@ -24,6 +24,8 @@ ENVIRONMENTS: dict[str, str] = {
     "math": "tiderl.envs.math.registration:ENVIRONMENT",
     "code": "tiderl.envs.code.registration:ENVIRONMENT",
     "repo": "tiderl.envs.repo.registration:ENVIRONMENT",
+    "visual_grid": "tiderl.envs.visual.registration:GRID",
+    "visual_table": "tiderl.envs.visual.registration:TABLE",
 }
 
 ENGINES: dict[str, str] = {

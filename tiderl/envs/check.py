@@ -10,7 +10,9 @@ What is checked (tiderl.envs.protocol has the contract in words):
 2. `make_env()` returns a fresh object per call with the five protocol methods;
 3. `system_prompt()` is text and `tool_schemas()` is a JSON-serialisable list of OpenAI
    function specs (`{"type": "function", "function": {"name": ..., "parameters": ...}}`);
-4. `reset(task)` returns the first user message (non-empty text);
+4. `reset(task)` returns the first user message: non-empty text, or an `Observation` with
+   non-empty text and images that are PIL images (each step's observations likewise: text, or
+   `Observation`s);
 5. bad model output is an observation, not an exception: a turn with a parse error, a call to
    a tool that does not exist, a call with wrong arguments and a turn without any call each
    return a `StepResult` (the episode may go on or end, but nothing raises);
@@ -32,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from tiderl.envs.protocol import Action, StepResult, ToolCall
+from tiderl.envs.protocol import Action, Observation, StepResult, ToolCall, message_text
 from tiderl.envs.setup import Setup, load_setup
 from tiderl.registry import ENVIRONMENTS
 
@@ -73,8 +75,29 @@ def _attempt(report: Report, name: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
+def message_problem(message: Any) -> str:
+    """Why `message` is not a valid environment message ("" when it is): text, or an `Observation`
+    whose text is a string and whose images are a list of PIL images."""
+    if isinstance(message, str):
+        return ""
+    if not isinstance(message, Observation):
+        return f"a {type(message).__name__}, not text or an Observation"
+    if not isinstance(message.text, str):
+        return f"an Observation whose text is a {type(message.text).__name__}"
+    if not isinstance(message.images, list):
+        return f"an Observation whose images are a {type(message.images).__name__}, not a list"
+    if not message.images:
+        return ""
+    from PIL import Image
+
+    if not all(isinstance(i, Image.Image) for i in message.images):
+        return "an Observation whose images are not a list of PIL images"
+    return ""
+
+
 def _is_result(x: Any) -> bool:
-    return isinstance(x, StepResult) and isinstance(x.observations, list) and math.isfinite(float(x.reward))
+    return (isinstance(x, StepResult) and isinstance(x.observations, list) and math.isfinite(float(x.reward))
+            and not any(message_problem(o) for o in x.observations))
 
 
 def check_environment(cfg: "RunConfig", episodes: int = 4) -> Report:
@@ -112,7 +135,8 @@ def check_environment(cfg: "RunConfig", episodes: int = 4) -> Report:
         first = _attempt(report, f"reset before {what}", lambda: fresh.reset(tasks[0]))
         if first is None:
             continue
-        report.add("reset", isinstance(first, str) and bool(first.strip()), f"returned {first!r:.60}")
+        problem = message_problem(first) or ("" if message_text(first).strip() else "its text is empty")
+        report.add("reset", not problem, f"returned {first!r:.60}: {problem}" if problem else "")
         result = _attempt(report, f"step on {what}", lambda: fresh.step(action))
         if result is not None:
             report.add(f"step on {what}", _is_result(result), "" if _is_result(result) else repr(result)[:120])

@@ -16,8 +16,9 @@ episodes of a few turns (reset, then each output parsed as the agent loop parses
 to `step`, `finish` when no output ended the episode) and renders every answer's tokens as the
 agent loop does (`ChatFormat.answer_ids`). Each call runs under a time limit, so a hang is
 counted rather than waited for. The `FuzzReport` counts exceptions, hangs and contract
-violations (an answer that is not a `StepResult` of text observations and a finite reward, or
-text a tokenizer cannot encode) and keeps the first few offending outputs.
+violations (an answer that is not a `StepResult` of text or `Observation` observations and a
+finite reward, or text a tokenizer cannot encode; an `Observation`'s text is rendered, its
+images checked to be PIL images) and keeps the first few offending outputs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiderl.agent.chat import CONTINUE_MESSAGE, ChatFormat, chat_format
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
-from tiderl.envs.protocol import StepResult, Task
+from tiderl.envs.protocol import Observation, StepResult, Task, message_text
 from tiderl.envs.setup import load_setup
 
 if TYPE_CHECKING:
@@ -439,8 +440,15 @@ def _result_problem(result: Any) -> str:
     if not isinstance(result.observations, list):
         return f"observations is a {type(result.observations).__name__}, not a list"
     for obs in result.observations:
+        if isinstance(obs, Observation):
+            from tiderl.envs.check import message_problem
+
+            problem = message_problem(obs)
+            if problem:
+                return f"an observation is {problem}"
+            obs = obs.text
         if not isinstance(obs, str):
-            return f"an observation is a {type(obs).__name__}, not text"
+            return f"an observation is a {type(obs).__name__}, not text or an Observation"
         try:
             obs.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -517,7 +525,8 @@ def fuzz_environment(cfg: "RunConfig", outputs: int = 1000, seed: int = 0, token
                     done = True
                     break
                 phase = "render"
-                _timed(lambda: fmt.answer_ids(result.observations, CONTINUE_MESSAGE), step_timeout_s)
+                _timed(lambda: fmt.answer_ids([message_text(o) for o in result.observations], CONTINUE_MESSAGE),
+                       step_timeout_s)
             if not done:
                 phase, text = "finish", "(finish after the episode's outputs)"
                 result = _timed(lambda: env.finish("max_turns"), step_timeout_s)
@@ -550,9 +559,17 @@ def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
 
 
 def _render_prompt(fmt: ChatFormat, env: Any, task: Task) -> list[int]:
-    """reset + the first prompt's tokens, as the agent loop starts an episode."""
+    """reset + the first prompt's tokens, as the agent loop starts an episode (the text of an
+    `Observation`: the fuzz's tokenizer is text-only; its images are checked, not rendered)."""
     first = env.reset(task)
-    return fmt.prompt_ids([{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": first}])
+    if isinstance(first, Observation):
+        from tiderl.envs.check import message_problem
+
+        problem = message_problem(first)
+        if problem:
+            raise TypeError(f"reset returned {problem}")
+    return fmt.prompt_ids([{"role": "system", "content": env.system_prompt()},
+                           {"role": "user", "content": message_text(first)}])
 
 
 def _tokenizer(texts: list[str]) -> Any:

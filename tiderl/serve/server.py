@@ -27,7 +27,8 @@ from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.tool_parser import tool_call_format_of
 from tiderl.rollout.base import Engine, SamplingParams
 from tiderl.rollout.client import BatchingEngine
-from tiderl.serve.session import Session, SessionStore, Turn
+from tiderl.serve.images import encode_data_url, generate, has_images, takes_images
+from tiderl.serve.session import Session, SessionStore, Turn, session_free_turn
 from tiderl.serve.wire import (
     ChatRequest,
     RequestError,
@@ -99,7 +100,7 @@ class ChatService:
         try:
             if session is not None:
                 return session.plan(fmt, request.messages, request.tools)
-            return Turn(fmt.prompt_ids(request.messages), 0, None, "", "")
+            return session_free_turn(fmt, request.messages)
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
@@ -110,6 +111,9 @@ class ChatService:
         """One completion: the response body and the content cut per sampled token (for streams)."""
         if self.client is None:
             raise RuntimeError("ChatService.start() was not called")
+        if has_images(request.messages) and not takes_images(self.tokenizer):
+            raise RequestError(f"model {self.model_name} takes no images: its tokenizer has no image processor. Fix: "
+                               "send text only, or serve a vision-language model", "messages", 400, "images_not_supported")
         fmt = self._format(request)
         turn = self._plan(fmt, request, session)
         prompt = turn.prompt
@@ -124,7 +128,7 @@ class ChatService:
             temperature=request.temperature if use_request and request.temperature is not None else self.temperature,
             top_p=request.top_p if use_request and request.top_p is not None else self.top_p,
             max_new_tokens=limit, stop=list(request.stop), stop_token_ids=[fmt.end_of_turn_id])
-        completion = await self.client.generate(list(prompt), params)
+        completion = await generate(self.client, list(prompt), turn.images, params)
         # Nothing after an end-of-turn, at most `limit` tokens (as the agent loop keeps a turn).
         keep = min(len(completion.token_ids), limit)
         if fmt.end_of_turn_id in completion.token_ids[:keep]:
@@ -144,7 +148,7 @@ class ChatService:
         if session is not None:
             record = {"id": body["id"], "time": time.time(), "prompt_ids": list(prompt), "sampled_ids": ids,
                       "logprobs": logprobs, "policy_version": versions, "finish_reason": reply.finish_reason,
-                      "parse_errors": reply.parse_errors, "message": reply.message(),
+                      "parse_errors": reply.parse_errors, "message": reply.message(), "images": len(turn.images),
                       "sampling": {"temperature": params.temperature, "top_p": params.top_p,
                                    "max_new_tokens": limit, "stop": params.stop}}
             session.commit(turn, request.messages, ids, logprobs, versions, fmt.end_of_turn_id, reply.recorded(),
@@ -304,14 +308,18 @@ class BackgroundServer:
 
 def record_to(path: str | Path) -> Any:
     """An `on_finish` for `SessionStore`: append each finished session's trajectories to `path`
-    as JSON lines (`save_trajectories`: the format `tiderl pretrain-value --trajectories` loads)."""
+    as JSON lines (`save_trajectories`: the format `tiderl pretrain-value --trajectories` loads);
+    a trajectory's images are written as PNG data URLs (`images.encode_data_url`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
     def write(session: Session) -> None:
         with lock:
-            save_trajectories(session.trajectories(), path, mode="a")
+            trajectories = session.trajectories()
+            for t in trajectories:
+                t.images = [encode_data_url(i) for i in t.images]
+            save_trajectories(trajectories, path, mode="a")
 
     return write
 

@@ -6,7 +6,8 @@ A session's requests are kept in *segments*, each one growing token sequence in 
 by `wire.message_key`) extends that segment: the earlier turns keep the ids the engine sampled,
 only the new messages are rendered (`continuation_ids`). Anything else starts a new segment whose
 `reason` says why. When the session ends (`finish`, with the reward), each segment becomes one
-`Trajectory`, the record the trainer takes from `play_episode`.
+`Trajectory`, the record the trainer takes from `play_episode`; a segment's images (the images
+of its messages, in token order) become the trajectory's `images`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiderl.agent.chat import ChatFormat, TemplateError
+from tiderl.serve.images import describe, has_images, image_prompt_ids
 from tiderl.serve.wire import RequestError, message_key
 from tiderl.types import TokenRecord, Trajectory
 
 
 def continuation_ids(fmt: ChatFormat, messages: list[dict[str, Any]]) -> list[int]:
-    """`ChatFormat.continuation_ids` of `messages`, or RequestError (400) when the template
-    renders the earlier turns differently once they follow."""
+    """`ChatFormat.continuation_ids` of `messages` (`images.image_prompt_ids` when some hold
+    images), or RequestError (400) when the template renders the earlier turns differently once
+    they follow."""
     try:
-        return fmt.continuation_ids(messages)
+        return image_prompt_ids(fmt, messages, True) if has_images(messages) else fmt.continuation_ids(messages)
     except TemplateError:
         raise RequestError("the model's chat template renders earlier turns differently when these messages "
                            "follow, so they cannot be appended to the recorded tokens", "messages") from None
@@ -43,6 +46,7 @@ class Segment(TokenRecord):
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: int = 0
     last_cut: bool = False
+    images: list[Any] = field(default_factory=list)
 
     def matches(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
         """Whether a request with `messages` and tools continues this segment's conversation."""
@@ -60,13 +64,15 @@ class Segment(TokenRecord):
 @dataclass
 class Turn:
     """What one request adds, before it is committed: the full prompt ids (what the engine
-    sees), how many of them were already recorded, and the segment it continues (None: new)."""
+    sees) and its images in token order, how many ids were already recorded, and the segment it
+    continues (None: new)."""
 
     prompt: list[int]
     reused: int
     segment: Segment | None
     reason: str
     tools_key: str
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -94,8 +100,11 @@ class Session:
         if candidates:
             segment = max(candidates, key=lambda s: len(s.messages))
             new = messages[len(segment.messages):]
-            return Turn(segment.tokens + continuation_ids(fmt, new), len(segment.tokens), segment, "", tools_key)
-        return Turn(fmt.prompt_ids(messages), 0, None, self._why_new(messages, tools_key), tools_key)
+            return Turn(segment.tokens + continuation_ids(fmt, new), len(segment.tokens), segment, "", tools_key,
+                        segment.images + _images(new))
+        turn = session_free_turn(fmt, messages)
+        turn.reason, turn.tools_key = self._why_new(messages, tools_key), tools_key
+        return turn
 
     def _why_new(self, messages: list[dict[str, Any]], tools_key: str) -> str:
         if not self.segments:
@@ -131,6 +140,7 @@ class Session:
         if segment.last_cut:
             segment.append_forced([end_of_turn])
         segment.messages = [*messages, reply]
+        segment.images = list(turn.images)
         segment.turns += 1
         self.requests.append({**record, "segment": self.segments.index(segment), "reused_prompt_tokens": reused,
                               "new_segment_reason": reason if reused == 0 else ""})
@@ -152,6 +162,7 @@ class Session:
                 env_info={**self.info, "turns": s.turns, "session": self.session_id, "segment": i,
                           "segment_reason": s.reason},
                 num_turns=s.turns, stop_reason=str(self.info.get("stop_reason") or ("length" if s.last_cut else "answer")),
+                images=list(s.images),
             ))
         return out
 
@@ -160,10 +171,26 @@ class Session:
         return {
             "session_id": self.session_id, "task_id": self.task_id, "group_id": self.group_id, "meta": self.meta,
             "finished": self.finished, "reward": self.reward, "info": self.info, "requests": self.requests,
-            "segments": [{"reason": s.reason, "turns": s.turns, "messages": s.messages, "tokens": s.tokens,
+            "segments": [{"reason": s.reason, "turns": s.turns, "messages": [_jsonable(m) for m in s.messages],
+                          "images": [describe(i) for i in s.images], "tokens": s.tokens,
                           "loss_mask": s.loss_mask, "behavior_logprobs": s.behavior_logprobs,
                           "policy_version": s.policy_version} for s in self.segments],
         }
+
+
+def session_free_turn(fmt: ChatFormat, messages: list[dict[str, Any]]) -> Turn:
+    """The Turn of a request outside any session (nothing recorded, nothing reused)."""
+    prompt = image_prompt_ids(fmt, messages, False) if has_images(messages) else fmt.prompt_ids(messages)
+    return Turn(prompt, 0, None, "", "", _images(messages))
+
+
+def _images(messages: list[dict[str, Any]]) -> list[Any]:
+    return [image for m in messages for image in m.get("images") or ()]
+
+
+def _jsonable(message: dict[str, Any]) -> dict[str, Any]:
+    """A recorded message as JSON: its images described (`images.describe`), not their pixels."""
+    return {**message, "images": [describe(i) for i in message["images"]]} if message.get("images") else message
 
 
 class SessionStore:

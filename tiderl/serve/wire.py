@@ -1,10 +1,10 @@
 """The OpenAI chat-completions wire format: reading requests, writing responses and stream chunks.
 
 Pure functions over plain dicts (no web framework, no engine): `read_request` turns a request
-body into a `ChatRequest` or raises `RequestError` naming the field and the fix;
-`assistant_reply` turns a sampled turn into the assistant message the client gets (parsed tool
-calls as OpenAI `tool_calls`, anything malformed as plain content); `completion_body` and
-`stream_chunks` write the response.
+body into a `ChatRequest` (image parts decoded: `images.decode_data_url`) or raises
+`RequestError` naming the field and the fix; `assistant_reply` turns a sampled turn into the
+assistant message the client gets (parsed tool calls as OpenAI `tool_calls`, anything malformed
+as plain content); `completion_body` and `stream_chunks` write the response.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiderl.agent.tool_parser import OPEN_TAG, parse_tool_calls
+from tiderl.serve.images import MAX_IMAGES, decode_data_url, image_key
 
 ROLES = ("system", "user", "assistant", "tool")
 # OpenAI's newer name for the system role; templates know only "system".
@@ -42,8 +43,9 @@ class ChatRequest:
     """One chat-completions request, checked and normalised.
 
     messages: each {"role", "content": str} plus, for an assistant turn that called tools,
-        "tool_calls" with arguments as dicts (what chat templates render), and for a tool
-        message its "tool_call_id"/"name" when given.
+        "tool_calls" with arguments as dicts (what chat templates render), for a tool
+        message its "tool_call_id"/"name" when given, and for a user or tool message with
+        image parts "images" (RGB PIL images, in order; shown before the text) and "image_keys".
     tools: the OpenAI tool list (None when absent or empty); parse_tools: False for
         tool_choice "none" (calls come back as content).
     temperature/top_p/max_tokens: None where the request does not set them.
@@ -79,6 +81,10 @@ def read_request(body: Any) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
     normal = [_read_message(m, i) for i, m in enumerate(messages)]
+    count = sum(len(m.get("images", ())) for m in normal)
+    if count > MAX_IMAGES:
+        raise RequestError(f"the messages hold {count} images; at most {MAX_IMAGES} are accepted in one request: "
+                           "drop older images from the conversation", "messages")
     if normal[-1]["role"] == "assistant":
         raise RequestError("the last message is an assistant message; tiderl does not continue a partial "
                            "assistant turn: end with a user, tool or system message", f"messages[{len(normal) - 1}]")
@@ -109,21 +115,36 @@ def read_request(body: Any) -> ChatRequest:
     )
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's content as one string: a string, null, or a list of {"type": "text"} parts."""
+def _content_of(content: Any, where: str, role: str) -> tuple[str, list[Any]]:
+    """A message's content as (text, images): a string, null, or a list of {"type": "text"} and
+    (user and tool messages) {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
+    parts; the texts joined, the images decoded in order."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content[{j}] is not a text part ({{'type': 'text', 'text': ...}}): "
-                                   "tiderl serves text-only models", f"{where}.content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(f"{where}.content must be a string, null or a list of text parts", f"{where}.content")
+        return content, []
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string, null or a list of content parts", f"{where}.content")
+    texts, images = [], []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url" and role in ("user", "tool"):
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            try:
+                images.append(decode_data_url(url))
+            except ValueError as exc:
+                raise RequestError(f"{at}: {exc}", at) from None
+        elif kind == "image_url":
+            raise RequestError(f"{at} is an image part in a message of role {role}; images are accepted in user and "
+                               "tool messages", at)
+        else:
+            raise RequestError(f"{at} is not a text part ({{'type': 'text', 'text': ...}}) or an image part "
+                               "({'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}})", at)
+    return "".join(texts), images
 
 
 def _read_message(message: Any, i: int) -> dict[str, Any]:
@@ -133,7 +154,10 @@ def _read_message(message: Any, i: int) -> dict[str, Any]:
     role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
     if role not in ROLES:
         raise RequestError(f"{where}.role is {message.get('role')!r}; use one of {', '.join(ROLES)}", f"{where}.role")
-    out: dict[str, Any] = {"role": role, "content": _text_of(message.get("content"), where)}
+    text, images = _content_of(message.get("content"), where, role)
+    out: dict[str, Any] = {"role": role, "content": text}
+    if images:
+        out["images"], out["image_keys"] = images, [image_key(i) for i in images]
     if role == "assistant" and message.get("tool_calls"):
         out["tool_calls"] = [_read_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(message["tool_calls"])]
     if role == "tool":
@@ -185,12 +209,12 @@ def _read_tools(tools: Any) -> list[dict[str, Any]] | None:
 
 
 def message_key(message: dict[str, Any]) -> tuple[Any, ...]:
-    """What must be equal for a message of a new request to count as the recorded one: role and
-    content, and for an assistant turn its calls' names and decoded arguments (call ids and the
-    arguments' JSON spacing are the client's business)."""
+    """What must be equal for a message of a new request to count as the recorded one: role,
+    content and images (by `image_key`), and for an assistant turn its calls' names and decoded
+    arguments (call ids and the arguments' JSON spacing are the client's business)."""
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in message.get("tool_calls") or ())
-    return (message["role"], message.get("content") or "", calls)
+    return (message["role"], message.get("content") or "", calls, tuple(message.get("image_keys") or ()))
 
 
 # Where a call starts, for the content shown beside parsed calls: a tag, a fence or a bare object.
