@@ -22,7 +22,6 @@ pytest.importorskip("uvicorn")
 from PIL import Image  # noqa: E402
 
 from tiderl.agent.loop import ScriptedEngine  # noqa: E402
-from tiderl.envs.protocol import Observation  # noqa: E402
 from tiderl.models.tiny import train_tokenizer  # noqa: E402
 from tiderl.rollout.base import Completion  # noqa: E402
 from tiderl.serve import images, wire  # noqa: E402
@@ -145,40 +144,33 @@ def test_a_text_only_model_refuses_images_with_a_clear_400(tokenizer):
 
 # ----------------------------------------------------------------------------- a model that reads images
 
-class ImageTokenizer:
-    """The tiny tokenizer as a processor would be: it has an image processor, and its chat
-    template renders an Observation's images as one `<img>` each before the text."""
+@pytest.fixture(scope="module")
+def vision():
+    """The tiny vision-language model's processor, answering as its tokenizer (`ChatProcessor`)."""
+    from tiderl.models.tiny_vlm import build_tiny_vlm, image_seq_len
+    from tiderl.models.vision import ChatProcessor
 
-    image_processor = "stand-in"
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def apply_chat_template(self, messages, **kwargs):
-        def text(m):
-            c = m.get("content")
-            return {**m, "content": "<img>" * len(c.images) + c.text} if isinstance(c, Observation) else m
-
-        return self.inner.apply_chat_template([text(m) for m in messages], **kwargs)
+    _, processor = build_tiny_vlm(["What colour is the square? The answer is red.", "and this one?", "Answer."])
+    return ChatProcessor(processor), image_seq_len(64, 16, 2)
 
 
 class RecordingClient:
-    """The engine's client: answers every prompt with `reply` and keeps the images it was given."""
+    """The engine's client: answers every prompt with `reply` and keeps the images it was given
+    (with the prompt tokens it was told are forced)."""
 
     def __init__(self, tokenizer, reply):
         self.ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.seen = []
+        self.seen, self.forced = [], []
 
     async def generate(self, prompt, params, images=None):
-        self.seen.append(list(images or []))
+        self.seen.append(list(images.images) if images else [])
+        self.forced.append((len(prompt), list(images.forced)) if images else None)
         return Completion(self.ids, [0.0] * len(self.ids), "", "stop", [0] * len(self.ids))
 
 
-def test_a_recorded_sessions_images_come_out_in_order_on_its_trajectory(tokenizer, tmp_path):
-    processor = ImageTokenizer(tokenizer)
+def test_a_recorded_sessions_images_come_out_in_order_on_its_trajectory(vision, tmp_path):
+    processor, per_image = vision
+    tokenizer = processor.tokenizer
     out = tmp_path / "sessions.jsonl"
     service = ChatService(ScriptedEngine(tokenizer, {}), processor, "tiny-vision", max_new_tokens=16,
                           max_total_tokens=1024, store=SessionStore(on_finish=record_to(out)))
@@ -201,7 +193,12 @@ def test_a_recorded_sessions_images_come_out_in_order_on_its_trajectory(tokenize
     [segment] = session.segments
     assert session.requests[1]["reused_prompt_tokens"] > 0 and session.requests[1]["images"] == 3
     text = tokenizer.decode(segment.tokens)
-    assert text.count("<img>") == 3 and text.index("<img>") < text.index("What colour")
+    assert text.count("<image>") == 3 * per_image and text.index("<image>") < text.index("What colour")
+    # The engine is told which prompt tokens were forced: all but the first reply's sampled ones.
+    (n0, forced0), (n1, forced1) = client.forced
+    assert forced0 == [1] * n0 and len(forced1) == n1
+    assert [1 - f for f in forced1[:len(segment.loss_mask)]] == segment.loss_mask[:len(forced1)]
+    assert forced1.count(0) == len(client.ids)
     record = json.loads(json.dumps(session.to_dict()))  # JSON-ready: images described, not embedded
     assert [i["key"] for i in record["segments"][0]["images"]] == [images.image_key(i) for i in (red, green, blue)]
     assert record["segments"][0]["messages"][1]["images"][0]["width"] == 8
@@ -215,8 +212,10 @@ def test_a_recorded_sessions_images_come_out_in_order_on_its_trajectory(tokenize
     assert [images.decode_data_url(u).tobytes() for u in saved.images] == [i.tobytes() for i in (red, green, blue)]
 
 
-def test_requests_outside_sessions_pass_images_to_the_engine(tokenizer):
-    service = ChatService(ScriptedEngine(tokenizer, {}), ImageTokenizer(tokenizer), "tiny-vision", max_new_tokens=16,
+def test_requests_outside_sessions_pass_images_to_the_engine(vision):
+    processor, _ = vision
+    tokenizer = processor.tokenizer
+    service = ChatService(ScriptedEngine(tokenizer, {}), processor, "tiny-vision", max_new_tokens=16,
                           max_total_tokens=1024)
     client = service.client = RecordingClient(tokenizer, "red")
     body, _ = asyncio.run(service.complete(read_request({"messages": [user("colour?", part(picture((9, 9, 9))))]}),

@@ -108,17 +108,20 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def image_prompt_ids(fmt: Any, messages: list[dict[str, Any]], continuation: bool) -> list[int]:
     """The tokens of `messages` some of which hold images, each image's placeholder tokens
-    expanded by the chat format: the whole prompt (`fmt.prompt_ids`), or, when `continuation`,
-    what follows a recorded assistant turn (`fmt.continuation_ids`)."""
+    expanded by the chat format's processor: the whole prompt (`fmt.prompt_with_images`), or, when
+    `continuation`, what follows a recorded assistant turn (`fmt.continuation_with_images`)."""
     chat = chat_messages(messages)
-    return fmt.continuation_ids(chat) if continuation else fmt.prompt_ids(chat)
+    return (fmt.continuation_with_images(chat) if continuation else fmt.prompt_with_images(chat))[0]
 
 
-async def generate(client: Any, prompt: list[int], images: list[Any], params: Any) -> Any:
-    """The engine's completion of `prompt`; `images` are the prompt's images in token order,
-    passed as `images=` when there are any."""
+async def generate(client: Any, prompt: list[int], images: list[Any], forced: list[int], params: Any) -> Any:
+    """The engine's completion of `prompt`; `images` are the prompt's images in token order and
+    `forced` flags the prompt tokens the model did not sample (the image features go to forced
+    placeholders only, as the trainer puts them: `tiderl.models.vision.PromptImages`)."""
     if images:
-        return await client.generate(prompt, params, images=images)
+        from tiderl.models.vision import PromptImages
+
+        return await client.generate(prompt, params, images=PromptImages(list(images), forced))
     return await client.generate(prompt, params)
 
 

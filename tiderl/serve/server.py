@@ -128,7 +128,9 @@ class ChatService:
             temperature=request.temperature if use_request and request.temperature is not None else self.temperature,
             top_p=request.top_p if use_request and request.top_p is not None else self.top_p,
             max_new_tokens=limit, stop=list(request.stop), stop_token_ids=[fmt.end_of_turn_id])
-        completion = await generate(self.client, list(prompt), turn.images, params)
+        recorded = [1 - m for m in turn.segment.loss_mask[:turn.reused]] if turn.segment else []
+        completion = await generate(self.client, list(prompt), turn.images,
+                                    recorded + [1] * (len(prompt) - len(recorded)), params)
         # Nothing after an end-of-turn, at most `limit` tokens (as the agent loop keeps a turn).
         keep = min(len(completion.token_ids), limit)
         if fmt.end_of_turn_id in completion.token_ids[:keep]:
