@@ -482,6 +482,7 @@ class ServerBackend:
         self._slots = threading.BoundedSemaphore(max_sessions)
         self._idle: list[Any] = []  # reset connections, ready for the next session
         self._idle_lock = threading.Lock()
+        self._resetting = 0  # connections being reset for the pool
         self.connections_opened = 0  # new connections this backend (in this process) opened
         try:
             conn = self._connect()
@@ -536,17 +537,21 @@ class ServerBackend:
 
     def _give_back(self, conn: Any) -> None:
         """Keep a used connection for a later session (reset first), or close it."""
-        with self._idle_lock:
-            keep = len(self._idle) < self.pool_size
-        if keep:
-            try:
+        with self._idle_lock:  # a place in the pool is reserved before the (slow) reset
+            keep = len(self._idle) + self._resetting < self.pool_size
+            self._resetting += keep
+        try:
+            if keep:
                 self._dialect.reset(conn)
-            except Exception:  # a connection that cannot be reset is not reused
-                keep = False
+        except Exception:  # a connection that cannot be reset is not reused
+            keep = False
+            with self._idle_lock:
+                self._resetting -= 1
         if not keep:
             _close_quietly(conn)
             return
         with self._idle_lock:
+            self._resetting -= 1
             self._idle.append(conn)
 
     def release_idle(self) -> None:

@@ -102,9 +102,17 @@ def file_setup(cfg: "RunConfig") -> Setup:
                     max_observation_chars=env.max_observation_chars)
     out.backend(("db", path), lambda: source)  # the backend the questions were loaded with
     if server_dialect(path):
-        # A server backend holds at most max_sessions sessions; evaluating more episodes at once
-        # would leave the rest waiting for a session in the threads the running ones step in.
+        # A server backend holds at most max_sessions sessions; more episodes at once would leave
+        # the rest waiting for a session in the threads the running ones step in.
         out.eval_chunk_size = source.max_sessions
+        in_flight = max(cfg.system.slots or (cfg.system.max_staleness + 1) * cfg.rollout.batch_size,
+                        cfg.system.max_slots)
+        if in_flight > source.max_sessions:
+            raise ValueError(f"training would run up to {in_flight} episodes at once (system.slots, or (system."
+                             f"max_staleness + 1) x rollout.batch_size, and system.max_slots) on a server database "
+                             f"that serves env.options.max_sessions={source.max_sessions}. Fix: raise env.options."
+                             f"max_sessions to {in_flight} (the server must accept that many connections), or set "
+                             f"system.slots={source.max_sessions}.")
     out.make_env = _DBFactory(out, path, limits, env.system_prompt or None, build=build)
     out.oracle = lambda task: oracle_turns(task, db_backend(out, path, build))
     return out

@@ -162,14 +162,25 @@ def _take_worker(spec: BackendSpec | None = None) -> _Worker:
     return _Worker()
 
 
+_WARMING: dict[BackendSpec, int] = {}  # workers on their way back to the pool with a kept connection
+
+
 def _keeps_room(spec: BackendSpec, limit: int) -> bool:
-    """Whether fewer than `limit` idle workers keep a connection of `spec`'s backend."""
+    """Whether fewer than `limit` idle workers keep a connection of `spec`'s backend (counting
+    those on their way back); if so, a place is reserved (`_return_worker` ends it)."""
     with _IDLE_LOCK:
-        return limit > 0 and sum(w.warm == spec for w in _IDLE) < limit
+        room = limit > 0 and sum(w.warm == spec for w in _IDLE) + _WARMING.get(spec, 0) < limit
+        if room:
+            _WARMING[spec] = _WARMING.get(spec, 0) + 1
+        return room
 
 
-def _return_worker(worker: _Worker, warm: BackendSpec | None = None) -> None:
+def _return_worker(worker: _Worker, warm: BackendSpec | None = None, reserved: BackendSpec | None = None) -> None:
+    """Put a worker back in the pool (keeping a connection of `warm`'s backend), or kill it when
+    it died or the pool is full; `reserved`: the spec whose `_keeps_room` place this ends."""
     with _IDLE_LOCK:
+        if reserved is not None:
+            _WARMING[reserved] -= 1
         if worker.alive() and len(_IDLE) < MAX_IDLE_WORKERS:
             worker.warm = warm
             _IDLE.append(worker)
@@ -274,12 +285,14 @@ class IsolatedSession:
         if worker is None:
             return
         keep = _keeps_room(self._spec, self._keep_idle)
+        reserved = self._spec if keep else None
         try:
             worker.call(("close", keep), OPEN_TIMEOUT_S)
         except Exception:  # a worker that cannot close cleanly is not reused
             worker.kill()
+            _return_worker(worker, None, reserved)  # a dead worker: this only ends the reservation
             return
-        _return_worker(worker, self._spec if keep else None)
+        _return_worker(worker, reserved, reserved)
 
 
 # -- the worker process -----------------------------------------------------------------------
