@@ -4,7 +4,8 @@ SQLite path, on the same database, at 1, 8 and 32 episodes in flight.
 The policy is the scripted oracle (`oracle_turns`: the gold SQL through `execute_sql`, then the
 commit), so the time measured is the environment's: opening the episode's session (on a server a
 pooled connection's transaction, plus the temporary copies of a write task), the statements,
-scoring, closing. Every episode must score 1 (a wrong one stops the benchmark). The servers are
+scoring, closing (after one untimed episode per thread, which starts the worker processes and
+fills the connection pool). Every episode must score 1 (a wrong one stops the benchmark). The servers are
 throwaway ones (`tiderl/envs/db/servers.py`: `make db-servers` installs them); the database is a
 generated music database (200 singers, 2,000 concerts) loaded into each server and a SQLite file,
 with 12 questions and 3 write tasks. Episodes run in threads, as the rollout runs them, with
@@ -145,13 +146,17 @@ def episodes_per_s(backend: Any, questions: Path, in_flight: int, passes: int) -
                 with lock:
                     failures.append(task.task_id)
 
-    threads = [threading.Thread(target=work, args=(episodes[i::in_flight],)) for i in range(in_flight)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
+    def run(batch: list) -> float:
+        threads = [threading.Thread(target=work, args=(batch[i::in_flight],)) for i in range(in_flight)]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - started
+
+    run((scripts * in_flight)[:in_flight])  # untimed: starts the worker processes, fills the pool
+    elapsed = run(episodes)
     if failures:
         raise RuntimeError(f"the oracle failed {len(failures)} episodes: {sorted(set(failures))}")
     return len(episodes) / elapsed, len(episodes)

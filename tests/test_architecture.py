@@ -219,7 +219,7 @@ PACKAGE_LINE_BUDGETS = {
     "agent": 890,
     "algos": 1580,
     "metrics": 260,
-    "models": 1320,
+    "models": 1321,  # +1: the start-up check closes the envs it resets (a DB server's session; issue 34)
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2440,
     "serve": 1020,
@@ -232,7 +232,7 @@ PACKAGE_LINE_BUDGETS = {
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_595
+CORE_LINE_BUDGET = 15_596  # +1: models/startup.py closes the envs it resets (issue 34)
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

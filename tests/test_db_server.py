@@ -606,3 +606,35 @@ def test_tiderl_train_on_a_server_database(server, tmp_path):
     assert 2 <= peak[0] <= 8, peak  # episodes ran at once, never past max_sessions
     assert checksums(server) == before
     print(f"\ntrain on {server.name}: 2 steps, ledger {ledger}, at most {peak[0]} connections at once")
+
+
+# -- the concurrency benchmark ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_db_servers_benchmark_quick():
+    """benchmarks/db_servers.py --quick: starts its own servers, every oracle episode scores 1 (it
+    raises otherwise), one row per backend at 1, 8 and 32 in flight, the ratio on the last line."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from tiderl.envs.db import servers
+
+    for cls in (servers.ThrowawayPostgres, servers.ThrowawayMariaDB):
+        try:
+            (servers.find_postgres_bin if cls is servers.ThrowawayPostgres else servers.find_mysql_bin)()
+        except SkipServer as exc:
+            pytest.skip(str(exc))
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "db_servers.py"
+    spec = importlib.util.spec_from_file_location("db_servers_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = bench.main(["--quick"])
+    rows = {line.split()[0]: line for line in lines if line.split()[0] in ("sqlite", "postgresql", "mariadb")}
+    assert set(rows) == {"sqlite", "postgresql", "mariadb"}, lines
+    for line in rows.values():
+        rates = [float(x) for x in re.findall(r"([\d.]+) e/s", line)]
+        assert len(rates) == 3 and all(r > 0 for r in rates), line
+    assert re.fullmatch(r"episodes/s at 32 in flight relative to SQLite: postgresql [\d.]+x, mariadb [\d.]+x",
+                        lines[-1]), lines[-1]

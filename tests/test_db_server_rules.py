@@ -88,7 +88,7 @@ def test_mysql_8_and_mariadb_get_their_own_time_limit(version, mariadb, setting)
 
 
 @pytest.mark.parametrize("url", ["mysql://u@localhost/db", "mysql+pymysql://u:pw@127.0.0.1:3306/db",
-                                 "mariadb://u@localhost/db?unix_socket=/tmp/m.sock", "MySQL://u@h/db",
+                                 "mariadb://u@localhost/db?unix_socket=m.sock", "MySQL://u@h/db",
                                  "mariadb+mariadbconnector://u@h/db"])
 def test_mysql_protocol_url_schemes(url):
     assert server_dialect(url) == "mysql"

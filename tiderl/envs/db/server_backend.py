@@ -53,9 +53,17 @@ Values: results holding a value over `MAX_VALUE_BYTES` are refused; MySQL's
 `max_allowed_packet` bounds what the server builds, and the worker's address space bounds the
 client.
 
-Concurrency: each session is one connection, opened for the episode and closed after it (no
-session state outlives an episode). A backend bounds its open sessions (`max_sessions`);
-`open` waits up to `wait_s` for one to close, then raises RuntimeError naming the fix.
+Concurrency: each session is one connection in its own transaction. A backend bounds its open
+sessions (`max_sessions`); `open` waits up to `wait_s` for one to close, then raises
+RuntimeError naming the fix. Connections are pooled (`pool_size`): at the end of an episode the
+connection is rolled back and reset (`_Dialect.reset`: PostgreSQL `DISCARD ALL`, MySQL
+`COM_RESET_CONNECTION`, then the session's settings again), so no session state, temporary table
+or variable outlives its episode; one that cannot be reset, or whose episode escaped its
+transaction, is closed. In worker processes each idle worker keeps its one connection
+(`worker.py`).
+
+MySQL 8 and MariaDB differ in the statement time limit (`mysql_time_limit`) and in the name of
+the read-only variable; both are chosen from the server's `VERSION()` (`is_mariadb`).
 
 Knowledge units come from `referenced_units` (a conservative reading of the SQL text).
 """
