@@ -638,3 +638,29 @@ def test_db_servers_benchmark_quick():
         assert len(rates) == 3 and all(r > 0 for r in rates), line
     assert re.fullmatch(r"episodes/s at 32 in flight relative to SQLite: postgresql [\d.]+x, mariadb [\d.]+x",
                         lines[-1]), lines[-1]
+
+
+def test_scratch_database_on_the_server_takes_percent_signs(server):
+    """AgentBench DB as upstream runs it: task tables in a scratch database on the server (the
+    SQLAlchemy backend). A literal % reaches the server as written, although PyMySQL and psycopg
+    format statements with their parameters (`LIKE '%Cal%'` once failed as "unsupported format
+    character")."""
+    from tiderl.envs.db.backend import TableSpec
+    from tiderl.envs.db.env import make_backend
+
+    name = f"scratch_{server.kind}"
+    server.server.create_database(name)
+    url = server.server.url(database=name)
+    url = url.replace("postgresql://", "postgresql+psycopg://").replace("mysql://", "mysql+pymysql://")
+    backend = make_backend(url)
+    spec = TableSpec("NBA Draft", (("player", "TEXT"), ("school", "TEXT")),
+                     (("Ana", "California"), ("Bo", "Texas"), ("Cy", "100% Cal")))
+    session = backend.open([spec], writable=False)
+    try:
+        quoted = '"NBA Draft"' if server.kind == "postgresql" else "`NBA Draft`"
+        rows = session.execute(f"SELECT player FROM {quoted} WHERE school LIKE '%Cal%'", max_rows=5, timeout_s=5).rows
+        assert sorted(r[0] for r in rows) == ["Ana", "Cy"]
+        assert session.execute(f"SELECT count(*) FROM {quoted} WHERE school LIKE '100%%'", max_rows=5,
+                               timeout_s=5).rows[0][0] == 1  # the agent's own %% is two wildcards, as written
+    finally:
+        session.close()
