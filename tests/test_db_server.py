@@ -664,3 +664,33 @@ def test_scratch_database_on_the_server_takes_percent_signs(server):
                                timeout_s=5).rows[0][0] == 1  # the agent's own %% is two wildcards, as written
     finally:
         session.close()
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_dbbench_dev_on_the_server_as_upstream_runs_it(server):
+    """AgentBench DB's dev split with each task's table in a scratch database on the server (the
+    SQLAlchemy backend), as upstream runs it on MySQL: the oracle's ceiling per backend, as
+    docs/env_db.md reports it (skipped without the data)."""
+    from tiderl.envs.db.env import make_backend
+    from tiderl.envs.db.oracle import gold_matches_answer_md5, oracle_ceiling
+    from tiderl.envs.db.tasks import dbbench_dir, load_dbbench_tasks
+
+    folder = dbbench_dir()
+    if not (folder / "dev.jsonl").is_file():
+        pytest.skip(f"AgentBench dbbench not found under {folder} (set TIDERL_DATA_DIR to the folder holding "
+                    "agentbench_dbbench/)")
+    tasks = load_dbbench_tasks(folder, "dev")
+    name = f"dbbench_{server.kind}"
+    server.server.create_database(name)
+    url = server.server.url(database=name)
+    backend = make_backend(url.replace("postgresql://", "postgresql+psycopg://").replace("mysql://", "mysql+pymysql://"))
+    report = oracle_ceiling(tasks, lambda: DBEnv(backend))
+    md5 = [gold_matches_answer_md5(t, backend) for t in tasks]
+    md5 = [m for m in md5 if m is not None]
+    if server.kind == "mysql":  # dbbench's SQL is MySQL's: the writes all run, the hints as on SQLite
+        assert round(report["success"] * 60) == 44 and report["by_type"]["INSERT"] == (20, 20)
+        assert sum(md5) == len(md5) == 40  # every gold table hashes to AgentBench's own answer_md5
+    else:  # double-quoted strings and mixed-case bare names: almost nothing runs on PostgreSQL
+        assert report["success"] < 0.05
+    print(f"\ndbbench dev on {server.name}: {report['success']:.3f}, answer_md5 {sum(md5)}/{len(md5)}")

@@ -521,8 +521,8 @@ class ServerBackend:
             if self.isolate:
                 # The worker's own backend keeps at most its one connection between sessions; the
                 # worker pool keeps at most pool_size such workers idle for this database.
-                spec = BackendSpec(f"{__name__}:ServerBackend", (("pool_size", 1), ("schema", self.schema),
-                                                                 ("url", self.url)))
+                spec = BackendSpec(f"{__name__}:ServerBackend", (("pool_size", min(1, self.pool_size)),
+                                                                 ("schema", self.schema), ("url", self.url)))
                 session: Any = IsolatedSession(spec, self.tables, writable, keep_idle=self.pool_size)
             else:
                 session = self._open_here(writable)
