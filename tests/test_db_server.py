@@ -390,6 +390,16 @@ def test_server_urls_and_mistakes_name_the_fix(server):
     expected = {"postgresql": "PostgreSQL: quote names with double quotes",
                 "mysql": "MariaDB: quote names with backticks"}
     assert expected[server.kind] in DBEnv(backend).system_prompt()
+    # Every scheme of the dialect reaches the same server (a SQLAlchemy driver suffix is ignored).
+    schemes = (("postgresql", "postgres", "postgresql+psycopg") if server.kind == "postgresql"
+               else ("mysql", "mariadb", "mysql+pymysql"))
+    for scheme in schemes:
+        url = scheme + server.reader_url[server.reader_url.index("://"):]
+        other = ServerBackend(url, isolate=False)
+        session = other.open([], False)
+        assert session.execute("SELECT count(*) FROM singer", max_rows=5, timeout_s=2).rows == [(6,)], url
+        session.close()
+        other.release_idle()
 
 
 @pytest.mark.slow
