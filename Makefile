@@ -38,7 +38,7 @@ test-shuffled: setup
 
 # PostgreSQL and MariaDB from the distribution's packages (Debian/Ubuntu: apt-get; as root or with
 # sudo), for tests/test_db_server.py, which starts throwaway servers from them and skips without them
-# (about 35 s more on 2 cores). The services are not started or enabled here: the tests start their own.
+# (about 2 minutes more on 2 cores; docs/env_db.md). The services are not started or enabled here: the tests start their own.
 db-servers: setup
 	@if command -v apt-get >/dev/null; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -390,6 +390,16 @@ def test_server_urls_and_mistakes_name_the_fix(server):
     expected = {"postgresql": "PostgreSQL: quote names with double quotes",
                 "mysql": "MariaDB: quote names with backticks"}
     assert expected[server.kind] in DBEnv(backend).system_prompt()
+    # Every scheme of the dialect reaches the same server (a SQLAlchemy driver suffix is ignored).
+    schemes = (("postgresql", "postgres", "postgresql+psycopg") if server.kind == "postgresql"
+               else ("mysql", "mariadb", "mysql+pymysql"))
+    for scheme in schemes:
+        url = scheme + server.reader_url[server.reader_url.index("://"):]
+        other = ServerBackend(url, isolate=False)
+        session = other.open([], False)
+        assert session.execute("SELECT count(*) FROM singer", max_rows=5, timeout_s=2).rows == [(6,)], url
+        session.close()
+        other.release_idle()
 
 
 @pytest.mark.slow
@@ -461,3 +471,236 @@ def test_missing_servers_and_drivers_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="not a PostgreSQL or MySQL URL") as info:
         ServerBackend("oracle://u:secret@h/db")
     assert "secret" not in str(info.value)
+
+
+# -- the connection pool ----------------------------------------------------------------------------------
+
+
+def _reader_connections(server):
+    """Connections the reader role holds on the server now (read as the superuser)."""
+    if server.kind == "postgresql":
+        sql = f"SELECT count(*) FROM pg_stat_activity WHERE usename = '{READER}'"
+    else:
+        sql = f"SELECT count(*) FROM information_schema.processlist WHERE user = '{READER}'"
+    return int(server.server.execute(sql)[0][0])
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["in_process", "worker"])
+def test_pooled_connections_are_reset_between_episodes(server, isolate):
+    """One connection serves episode after episode, and nothing of one episode reaches the next:
+    not its writes (the temporary copies are dropped), not its session state (a MySQL user
+    variable; PostgreSQL's temporary sequences and prepared statements), not its transaction."""
+    backend = ServerBackend(server.reader_url, isolate=isolate, max_sessions=4, pool_size=1)
+    tasks = _tasks(server, backend)
+    backend_id = "SELECT pg_backend_pid()" if server.kind == "postgresql" else "SELECT CONNECTION_ID()"
+    ids = set()
+    for round_ in range(3):
+        writer = DBEnv(backend)
+        writer.reset(tasks["insert"])
+        assert _sql(writer, "INSERT INTO singer (name, country, birth_year) VALUES ('Gil', 'Peru', 1999)") == \
+            "OK: 1 row affected."
+        assert "[7]" in _sql(writer, "SELECT id FROM singer WHERE name = 'Gil'")  # a fresh copy, counter at 7
+        ids.add(_sql(writer, backend_id).splitlines()[-1])
+        if server.kind == "mysql":
+            assert _sql(writer, "SELECT @seen").endswith("[null]")  # the last episode's variable is gone
+            _sql(writer, "SELECT @seen := 'episode %d'" % round_)
+        assert _commit(writer, []).reward == 1.0
+        reader = DBEnv(backend)
+        reader.reset(tasks["count"])
+        ids.add(_sql(reader, backend_id).splitlines()[-1])
+        assert _sql(reader, "SELECT count(*) FROM singer").endswith("[6]")
+        if server.kind == "mysql":
+            assert _sql(reader, "SELECT @seen").endswith("[null]")
+        assert _commit(reader, [6]).reward == 1.0
+    assert len(ids) == 1, ids  # the same server connection every time
+    if not isolate:
+        assert backend.connections_opened == 1
+    assert checksums(server)["singer"][0] == len(SINGERS)
+
+
+def test_more_episodes_in_flight_than_sessions_all_finish_isolated(server):
+    """12 write episodes at once on a backend of 4 sessions and a pool of 2: all finish (the rest
+    wait for a session), each sees its own insert and none of the others', and the server never
+    holds more than 4 of the backend's connections."""
+    baseline = _reader_connections(server)
+    backend = ServerBackend(server.reader_url, isolate=False, max_sessions=4, pool_size=2)
+    tasks = _tasks(server, backend)
+    peak, stop, errors, seen = [0], threading.Event(), [], {}
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _reader_connections(server) - baseline)
+            time.sleep(0.005)
+
+    def episode(number):
+        try:
+            env = DBEnv(backend)
+            env.reset(tasks["insert"])
+            _sql(env, f"INSERT INTO singer (name, country, birth_year) VALUES ('N{number}', 'X', 2000)")
+            time.sleep(0.05)  # stay in flight while the others run
+            seen[number] = _sql(env, "SELECT name FROM singer WHERE country = 'X'")
+            env.close()
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=episode, args=(n,)) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stop.set()
+    watcher.join()
+    assert errors == []
+    assert all(seen[n].startswith("1 row") and f'"N{n}"' in seen[n] for n in range(12)), seen
+    assert 1 <= peak[0] <= 4, peak
+    assert len(backend._idle) <= 2 and backend.connections_opened <= 12
+    backend.release_idle()
+    assert checksums(server)["singer"][0] == len(SINGERS)
+
+
+# -- training against a server ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiderl_train_on_a_server_database(server, tmp_path):
+    """`tiderl train` with a tiny model for 2 steps on the server's questions (data.train_files and
+    data.eval_files, env.options.db_path=URL): 8 episodes in flight on 8 sessions and a pool of 2
+    connections, the ledger balanced, every table's checksum unchanged."""
+    if server.kind != "postgresql":
+        pytest.skip("training is exercised on PostgreSQL (MariaDB's sessions are the same code path)")
+    from tiderl.cli import main
+    from tiderl.envs.db.env import DEFAULT_SYSTEM_PROMPT
+    from tiderl.models.loading import save_model_dir
+    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+
+    lines = server.questions.read_text().splitlines()
+    train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train_file.write_text("\n".join(lines[:14]) + "\n")
+    eval_file.write_text("\n".join(lines[14:]) + "\n")
+    texts = [DEFAULT_SYSTEM_PROMPT, *(json.loads(x)["question"] for x in lines), *(sql for _, _, sql in QUESTIONS)]
+    tokenizer = train_tokenizer(texts * 2, vocab_size=600)
+    model = save_model_dir(init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, num_heads=2,
+                                                             num_kv_heads=1, max_position_embeddings=4096), seed=0),
+                           tokenizer, tmp_path / "model")
+    before = checksums(server)
+    baseline = _reader_connections(server)
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _reader_connections(server) - baseline)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        code = main(["train", f"--run-dir={tmp_path / 'run'}", "env.name=db", "data.source=db_file",
+                     f"env.options.db_path={server.reader_url}", "env.options.max_sessions=8", "env.options.pool_size=2",
+                     f"data.train_files=[{train_file}]", f"data.eval_files=[{eval_file}]", f"model.path={model}",
+                     "algo.name=grpo", "algo.group_size=2", "rollout.batch_size=8", "rollout.max_new_tokens=8",
+                     "env.max_turns=2", "env.max_total_tokens=3000", "train.micro_batch_tokens=8192", "train.steps=2",
+                     "train.save_final=false", "eval.every=0", "log.progress=false", "log.tensorboard=false",
+                     "system.trainer_threads=1"])
+    finally:
+        stop.set()
+        watcher.join()
+    assert code == 0
+    summary = json.loads((tmp_path / "run" / "system.json").read_text())
+    ledger = summary["ledger"]
+    assert ledger["trained"] == 16 and ledger["unsettled"] == 0
+    assert ledger["started"] == sum(v for k, v in ledger.items() if k not in ("started", "unsettled")), ledger
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 2
+    assert 2 <= peak[0] <= 8, peak  # episodes ran at once, never past max_sessions
+    assert checksums(server) == before
+    print(f"\ntrain on {server.name}: 2 steps, ledger {ledger}, at most {peak[0]} connections at once")
+
+
+# -- the concurrency benchmark ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_db_servers_benchmark_quick():
+    """benchmarks/db_servers.py --quick: starts its own servers, every oracle episode scores 1 (it
+    raises otherwise), one row per backend at 1, 8 and 32 in flight, the ratio on the last line."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from tiderl.envs.db import servers
+
+    for cls in (servers.ThrowawayPostgres, servers.ThrowawayMariaDB):
+        try:
+            (servers.find_postgres_bin if cls is servers.ThrowawayPostgres else servers.find_mysql_bin)()
+        except SkipServer as exc:
+            pytest.skip(str(exc))
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "db_servers.py"
+    spec = importlib.util.spec_from_file_location("db_servers_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = bench.main(["--quick"])
+    rows = {line.split()[0]: line for line in lines if line.split()[0] in ("sqlite", "postgresql", "mariadb")}
+    assert set(rows) == {"sqlite", "postgresql", "mariadb"}, lines
+    for line in rows.values():
+        rates = [float(x) for x in re.findall(r"([\d.]+) e/s", line)]
+        assert len(rates) == 3 and all(r > 0 for r in rates), line
+    assert re.fullmatch(r"episodes/s at 32 in flight relative to SQLite: postgresql [\d.]+x, mariadb [\d.]+x",
+                        lines[-1]), lines[-1]
+
+
+def test_scratch_database_on_the_server_takes_percent_signs(server):
+    """AgentBench DB as upstream runs it: task tables in a scratch database on the server (the
+    SQLAlchemy backend). A literal % reaches the server as written, although PyMySQL and psycopg
+    format statements with their parameters (`LIKE '%Cal%'` once failed as "unsupported format
+    character")."""
+    from tiderl.envs.db.backend import TableSpec
+    from tiderl.envs.db.env import make_backend
+
+    name = f"scratch_{server.kind}"
+    server.server.create_database(name)
+    url = server.server.url(database=name)
+    url = url.replace("postgresql://", "postgresql+psycopg://").replace("mysql://", "mysql+pymysql://")
+    backend = make_backend(url)
+    spec = TableSpec("NBA Draft", (("player", "TEXT"), ("school", "TEXT")),
+                     (("Ana", "California"), ("Bo", "Texas"), ("Cy", "100% Cal")))
+    session = backend.open([spec], writable=False)
+    try:
+        quoted = '"NBA Draft"' if server.kind == "postgresql" else "`NBA Draft`"
+        rows = session.execute(f"SELECT player FROM {quoted} WHERE school LIKE '%Cal%'", max_rows=5, timeout_s=5).rows
+        assert sorted(r[0] for r in rows) == ["Ana", "Cy"]
+        assert session.execute(f"SELECT count(*) FROM {quoted} WHERE school LIKE '100%%'", max_rows=5,
+                               timeout_s=5).rows[0][0] == 1  # the agent's own %% is two wildcards, as written
+    finally:
+        session.close()
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_dbbench_dev_on_the_server_as_upstream_runs_it(server):
+    """AgentBench DB's dev split with each task's table in a scratch database on the server (the
+    SQLAlchemy backend), as upstream runs it on MySQL: the oracle's ceiling per backend, as
+    docs/env_db.md reports it (skipped without the data)."""
+    from tiderl.envs.db.env import make_backend
+    from tiderl.envs.db.oracle import gold_matches_answer_md5, oracle_ceiling
+    from tiderl.envs.db.tasks import dbbench_dir, load_dbbench_tasks
+
+    folder = dbbench_dir()
+    if not (folder / "dev.jsonl").is_file():
+        pytest.skip(f"AgentBench dbbench not found under {folder} (set TIDERL_DATA_DIR to the folder holding "
+                    "agentbench_dbbench/)")
+    tasks = load_dbbench_tasks(folder, "dev")
+    name = f"dbbench_{server.kind}"
+    server.server.create_database(name)
+    url = server.server.url(database=name)
+    backend = make_backend(url.replace("postgresql://", "postgresql+psycopg://").replace("mysql://", "mysql+pymysql://"))
+    report = oracle_ceiling(tasks, lambda: DBEnv(backend))
+    md5 = [gold_matches_answer_md5(t, backend) for t in tasks]
+    md5 = [m for m in md5 if m is not None]
+    if server.kind == "mysql":  # dbbench's SQL is MySQL's: the writes all run, the hints as on SQLite
+        assert round(report["success"] * 60) == 44 and list(report["by_type"]["INSERT"]) == [20, 20]
+        assert sum(md5) == len(md5) == 40  # every gold table hashes to AgentBench's own answer_md5
+    else:  # double-quoted strings and mixed-case bare names: almost nothing runs on PostgreSQL
+        assert report["success"] < 0.05
+    print(f"\ndbbench dev on {server.name}: {report['success']:.3f}, answer_md5 {sum(md5)}/{len(md5)}")

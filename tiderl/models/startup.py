@@ -133,6 +133,7 @@ def check_model_and_budgets(cfg: Any, tokenizer: Any, setup: Any, max_positions:
                 "model.chat_template=/path/to/template.jinja")
         # The ChatFormat checks that the template can be assembled turn by turn.
         longest = max(longest, len(chat_format(tokenizer, tools).prompt_with_images(messages)[0]))
+        getattr(env, "close", lambda: None)()  # release what reset opened (a database server's session)
     if tasks and len(failures) == len(tasks):
         # Not a StartupError (a config problem): the environment itself is broken.
         raise RuntimeError(

@@ -1,10 +1,14 @@
 """Print the oracle ceiling of the DB environment on AgentBench's dbbench splits.
 
     python -m tiderl.envs.db [--data-dir DIR] [--backend sqlite|duckdb|URL] [--split dev ...]
+    python -m tiderl.envs.db --server postgres|mariadb     # on a throwaway server (servers.py)
 
 For each split: the fraction of tasks the scripted oracle (the record's own SQL, then commit)
 solves through the environment, per answer type; how many gold tables of write tasks hash to
 AgentBench's own `answer_md5`; and (--show-failed) the ids of the tasks the oracle fails.
+`--server` starts a throwaway PostgreSQL or MariaDB (`make db-servers`) and runs the tasks in a
+scratch database there through the SQLAlchemy backend, each task's table created in it, as
+AgentBench does on MySQL.
 """
 
 from __future__ import annotations
@@ -24,8 +28,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="sqlite", help="sqlite, duckdb or a SQLAlchemy URL")
     parser.add_argument("--split", action="append", choices=SPLITS, help="repeatable; default: all splits")
     parser.add_argument("--show-failed", action="store_true", help="list the task ids the oracle fails")
+    parser.add_argument("--server", choices=("postgres", "mariadb"),
+                        help="start a throwaway server and use a scratch database on it (overrides --backend)")
     args = parser.parse_args(argv)
-    backend = make_backend(args.backend)
+    server = None
+    if args.server:
+        from tiderl.envs.db.servers import ThrowawayMariaDB, ThrowawayPostgres
+
+        server = ThrowawayPostgres() if args.server == "postgres" else ThrowawayMariaDB()
+        server.create_database("scratch")
+        url = server.url(database="scratch")
+        args.backend = url.replace("postgresql://", "postgresql+psycopg://").replace("mysql://", "mysql+pymysql://")
+    try:
+        _report(args, make_backend(args.backend))
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _report(args: argparse.Namespace, backend: object) -> None:
     for split in args.split or list(SPLITS):
         start = time.perf_counter()
         tasks = load_dbbench_tasks(args.data_dir, split)

@@ -119,14 +119,15 @@ def open_database_file(path: str | Path) -> Backend:
                      ".duckdb file.")
 
 
-def open_database(source: str | Path) -> Backend:
+def open_database(source: str | Path, **server_options: Any) -> Backend:
     """A read-only backend on a database the user already has: a PostgreSQL or MariaDB/MySQL
-    server URL (`ServerBackend`: every episode in a rolled-back read-only transaction) or a
-    SQLite/DuckDB file (`open_database_file`)."""
+    server URL (`ServerBackend(source, **server_options)`: every episode in a rolled-back
+    read-only transaction) or a SQLite/DuckDB file (`open_database_file`; `server_options` are
+    ignored)."""
     from tiderl.envs.db.server_backend import ServerBackend, server_dialect
 
     if isinstance(source, str) and server_dialect(source):
-        return ServerBackend(source)
+        return ServerBackend(source, **server_options)
     return open_database_file(source)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from tiderl.envs.db.backend import Backend, SQLError, specs_from_meta
 from tiderl.envs.db.env import DBEnv, default_backend, is_write_task, resolve_gold_write, task_tables
+from tiderl.envs.db.scoring import json_cell
 from tiderl.envs.db.sql_text import quote_identifier, split_statements
 from tiderl.envs.db.tasks import agentbench_table_md5, answer_md5
 from tiderl.envs.protocol import Action, StepResult, Task
@@ -32,15 +33,6 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     """One Hermes-format tool call: `<tool_call>\\n{json}\\n</tool_call>`, name first; non-ASCII
     text written as it is (not \\u-escaped), so it reads like the task's own text."""
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
-
-
-def _json_value(value: Any) -> Any:
-    """A result cell as a JSON value (numbers, text, null stay; anything else becomes text)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return "x'" + bytes(value).hex() + "'"
-    return str(value)
 
 
 def gold_query_cells(task: Task, backend: Backend | None = None, timeout_s: float = 10.0) -> list[Any]:
@@ -57,8 +49,8 @@ def gold_query_cells(task: Task, backend: Backend | None = None, timeout_s: floa
             result = session.execute(statement, max_rows=_ORACLE_MAX_ROWS, timeout_s=timeout_s)
         assert result is not None
         if isinstance(task.answer, dict) and "rows" in task.answer:  # a result-set task: rows as rows
-            return [[_json_value(v) for v in row] for row in result.rows]
-        return [_json_value(v) for row in result.rows for v in row]
+            return [[json_cell(v) for v in row] for row in result.rows]
+        return [json_cell(v) for row in result.rows for v in row]
     finally:
         session.close()
 

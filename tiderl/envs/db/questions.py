@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.envs.db.backend import Backend, SQLError
+from tiderl.envs.db.scoring import json_cell
 from tiderl.envs.db.sql_text import has_top_level_order_by, split_statements
 from tiderl.envs.protocol import Task
 
@@ -32,16 +33,6 @@ _SQL_KEYS = ("sql", "gold_sql", "query", "SQL")
 _WRITE_TYPES = {"INSERT", "UPDATE", "DELETE"}
 # Rows of a gold result kept (a question whose gold result is longer is refused).
 MAX_GOLD_ROWS = 100_000
-
-
-def json_cell(value: Any) -> Any:
-    """A result cell as a JSON value (numbers, text and null stay; blobs become x'hex';
-    decimals, dates and the like become their text)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return "x'" + bytes(value).hex() + "'"
-    return str(value)
 
 
 def _gold_sql(record: dict[str, Any]) -> str:

@@ -23,10 +23,27 @@ class DBOptions:
     db_path: str = opt("", "data.source=db_file: an existing SQLite or DuckDB database file, or a PostgreSQL/"
                        "MariaDB/MySQL URL (opened read-only; write tasks run on a scratch copy).")
     questions: str = opt("", "data.source=db_file: questions file, JSON lines of {question, sql or "
-                         "answer} (docs/env_db.md).")
+                         "answer} (docs/env_db.md); data.train_files / data.eval_files take files of the same "
+                         "form for training / evaluation.")
+    max_sessions: int = opt(32, "A server database (db_path is a URL): episodes open on it at once, one connection "
+                            "each; more wait for a free one (keep rollout episodes in flight at or under it).")
+    pool_size: int = opt(-1, "A server database: idle connections kept for later episodes, reset between them "
+                         "(-1 = max_sessions, 0 = a new connection per episode).")
 
     def check(self, cfg: Any) -> None:
         need(self.timeout_s > 0, "timeout_s", "must be > 0", "use 2.0")
+        need(self.max_sessions >= 1, "max_sessions", f"is {self.max_sessions}", "use 32 (at least 1)")
+        need(-1 <= self.pool_size <= self.max_sessions, "pool_size",
+             f"is {self.pool_size}, not between -1 and max_sessions ({self.max_sessions})",
+             "use -1 (as many as max_sessions) or 0 (no reuse)")
+        data = getattr(cfg, "data", None)
+        if data is not None and (data.train_files or data.eval_files):
+            need(data.source == "db_file", "data.train_files",
+                 f"question files need a database, and data.source is {data.source or 'agentbench_db'}",
+                 "add data.source=db_file env.options.db_path=<your .sqlite/.duckdb file or server URL>")
+        if data is not None:
+            need(not data.fields, "data.fields", "the DB environment's question files have fixed field names",
+                 "name the fields question, sql (or answer), id, type (docs/env_db.md)")
 
 
 ENVIRONMENT = BuiltinEnvironment(
@@ -40,6 +57,7 @@ ENVIRONMENT = BuiltinEnvironment(
         EvalFlag("--questions", ("env.options.questions={}",),
                  "shortcut for env.options.questions=... (JSONL questions on --db)"),
     ),
+    task_files=True,
     former_keys={"env.db_backend": "backend", "env.db_timeout_s": "timeout_s", "data.db_path": "db_path",
                  "data.questions": "questions"},
 )

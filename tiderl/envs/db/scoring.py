@@ -14,9 +14,11 @@ Pairing ignores order (a multiset comparison: duplicates count) unless `ordered`
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from collections import Counter
+from decimal import Decimal
 from typing import Any, Sequence
 
 DEFAULT_REL_TOL = 1e-6
@@ -32,6 +34,23 @@ _NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+(\.\d*)?|\d+(\.\d*)?|\.\d+)([eE][+-
 MAX_NUMBER_CHARS = 64
 
 
+def json_cell(value: Any) -> Any:
+    """A result cell as a JSON value, alike for every driver: numbers, text and null stay; blobs
+    become x'hex'; a time of day or interval (PyMySQL's `timedelta` for MySQL's TIME) becomes
+    `[-]HH:MM:SS[.ffffff]` as MySQL, PostgreSQL and SQLite write it; decimals, dates and the
+    like become their text (`str`: "10.50", "1970-05-01", "1970-05-01 20:30:00")."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "x'" + bytes(value).hex() + "'"
+    if isinstance(value, datetime.timedelta):
+        sign, value = ("-", -value) if value < datetime.timedelta(0) else ("", value)
+        hours, rest = divmod(value.days * 86400 + value.seconds, 3600)
+        text = f"{sign}{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
+        return text + (f".{value.microseconds:06d}" if value.microseconds else "")
+    return str(value)
+
+
 def as_number(value: Any) -> float | None:
     """The value as a finite float when it is a number or a string holding exactly one (at
     most MAX_NUMBER_CHARS characters), else None. Bounded: integers beyond float range and
@@ -44,6 +63,8 @@ def as_number(value: Any) -> float | None:
         return float(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, Decimal):  # NUMERIC / DECIMAL as psycopg and PyMySQL return them
+        return float(value) if value.is_finite() and value.adjusted() < 300 else None
     if isinstance(value, str) and len(value) <= MAX_NUMBER_CHARS and _NUMBER.fullmatch(value.strip()):
         number = float(value.strip().replace(",", ""))
         return number if math.isfinite(number) else None

@@ -53,9 +53,17 @@ Values: results holding a value over `MAX_VALUE_BYTES` are refused; MySQL's
 `max_allowed_packet` bounds what the server builds, and the worker's address space bounds the
 client.
 
-Concurrency: each session is one connection, opened for the episode and closed after it (no
-session state outlives an episode). A backend bounds its open sessions (`max_sessions`);
-`open` waits up to `wait_s` for one to close, then raises RuntimeError naming the fix.
+Concurrency: each session is one connection in its own transaction. A backend bounds its open
+sessions (`max_sessions`); `open` waits up to `wait_s` for one to close, then raises
+RuntimeError naming the fix. Connections are pooled (`pool_size`): at the end of an episode the
+connection is rolled back and reset (`_Dialect.reset`: PostgreSQL `DISCARD ALL`, MySQL
+`COM_RESET_CONNECTION`, then the session's settings again), so no session state, temporary table
+or variable outlives its episode; one that cannot be reset, or whose episode escaped its
+transaction, is closed. In worker processes each idle worker keeps its one connection
+(`worker.py`).
+
+MySQL 8 and MariaDB differ in the statement time limit (`mysql_time_limit`) and in the name of
+the read-only variable; both are chosen from the server's `VERSION()` (`is_mariadb`).
 
 Knowledge units come from `referenced_units` (a conservative reading of the SQL text).
 """
@@ -121,6 +129,21 @@ def redact_url(url: str) -> str:
     return re.sub(r"^([^:/]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
+def is_mariadb(version: str) -> bool:
+    """Whether a MySQL-protocol server's `VERSION()` is MariaDB's ("10.11.6-MariaDB-0+deb12u1";
+    MySQL says "8.0.36" or "8.4.0-log")."""
+    return "mariadb" in version.lower()
+
+
+def mysql_time_limit(mariadb: bool, timeout_s: float) -> str:
+    """The session setting that stops a statement after `timeout_s`: MariaDB's
+    `max_statement_time` (seconds, any statement) or MySQL 8's `max_execution_time`
+    (milliseconds, SELECTs only: a write is bounded by the worker's kill instead)."""
+    if mariadb:
+        return f"max_statement_time = {max(0.001, float(timeout_s)):.3f}"
+    return f"max_execution_time = {max(1, int(timeout_s * 1000))}"
+
+
 def need_driver(module: str, package: str) -> Any:
     """The imported driver module, or an ImportError naming the package to install."""
     try:
@@ -145,6 +168,7 @@ class _Dialect:
     def in_transaction(self, conn: Any) -> bool: ...
     def explain(self, exc: Exception, timeout_s: float) -> str: ...
     def broken(self, conn: Any) -> bool: ...
+    def reset(self, conn: Any) -> None: ...
 
 
 class _Postgres(_Dialect):
@@ -158,16 +182,29 @@ class _Postgres(_Dialect):
         scheme, rest = url.split("://", 1)
         conn = self.psycopg.connect("postgresql://" + rest, autocommit=True, connect_timeout=10)
         try:
-            conn.execute("SET default_transaction_read_only = on")
-            try:  # PostgreSQL 14+: notice a client that went away while its statement runs
-                conn.execute("SET client_connection_check_interval = 1000")
-            except self.psycopg.Error:
-                pass
-            conn.autocommit = False
+            self._session_defaults(conn)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _session_defaults(self, conn: Any) -> None:
+        """The session's settings (on a connection in autocommit mode; leaves it out of it)."""
+        conn.execute("SET default_transaction_read_only = on")
+        try:  # PostgreSQL 14+: notice a client that went away while its statement runs
+            conn.execute("SET client_connection_check_interval = 1000")
+        except self.psycopg.Error:
+            pass
+        conn.autocommit = False
+
+    def reset(self, conn: Any) -> None:
+        """Make a used connection as a new one: roll back, then DISCARD ALL (session settings,
+        temporary tables and sequences, prepared statements, cursors, locks, LISTENs; psycopg
+        clears its own prepared-statement cache on seeing it), then the session's settings."""
+        conn.rollback()
+        conn.autocommit = True
+        conn.execute("DISCARD ALL")
+        self._session_defaults(conn)
 
     def quote(self, name: str) -> str:
         return '"' + name.replace('"', '""') + '"'
@@ -294,8 +331,7 @@ class _MySQL(_Dialect):
                 kwargs["ssl_disabled"] = True
         conn = self.pymysql.connect(**kwargs)
         try:
-            version = str(self._all(conn, "SELECT VERSION()")[0][0])
-            self.mariadb = "mariadb" in version.lower()
+            self.mariadb = is_mariadb(str(self._all(conn, "SELECT VERSION()")[0][0]))
             # MySQL 8 and MariaDB 11.1+ name it transaction_read_only; older ones tx_read_only.
             names = {r[0].lower() for r in self._all(conn, "SHOW VARIABLES WHERE Variable_name IN "
                                                            "('transaction_read_only', 'tx_read_only')")}
@@ -327,11 +363,7 @@ class _MySQL(_Dialect):
 
     def _limit(self, conn: Any, timeout_s: float, select_limit: int | str = "DEFAULT") -> None:
         """The statement time limit, and the most rows a SELECT returns (`sql_select_limit`)."""
-        if self.mariadb:
-            limit = f"max_statement_time = {max(0.001, float(timeout_s)):.3f}"
-        else:
-            limit = f"max_execution_time = {max(1, int(timeout_s * 1000))}"
-        self._all(conn, f"SET SESSION {limit}, sql_select_limit = {select_limit}")
+        self._all(conn, f"SET SESSION {mysql_time_limit(self.mariadb, timeout_s)}, sql_select_limit = {select_limit}")
 
     def begin(self, conn: Any, tables: Sequence[TableSpec], writable: bool) -> None:
         self._limit(conn, OWN_QUERY_TIMEOUT_S)
@@ -390,6 +422,20 @@ class _MySQL(_Dialect):
     def broken(self, conn: Any) -> bool:
         return not conn.open
 
+    # COM_RESET_CONNECTION (MySQL 5.7.3+, MariaDB 10.2.4+); PyMySQL has no public call for it.
+    _RESET_CONNECTION = 0x1F
+
+    def reset(self, conn: Any) -> None:
+        """Make a used connection as a new one: COM_RESET_CONNECTION rolls back and clears the
+        session (temporary tables, user variables, session variables, prepared statements,
+        named locks) without a new login; then the connection's character set and autocommit
+        are set again."""
+        conn.rollback()
+        conn._execute_command(self._RESET_CONNECTION, b"")
+        conn._read_ok_packet()
+        conn.set_character_set(conn.charset)
+        conn.autocommit(True)
+
     def explain(self, exc: Exception, timeout_s: float) -> str:
         args = getattr(exc, "args", ())
         if args and args[0] in self._TIMEOUT_CODES:
@@ -413,6 +459,11 @@ class ServerBackend:
     url: the server URL (its password never appears in messages).
     schema: PostgreSQL only: the schema whose tables are the task's (default: current_schema()).
     max_sessions: sessions open at once (one connection each); `open` waits up to `wait_s`.
+    pool_size: idle connections kept for later episodes (None = max_sessions, 0 = a new
+        connection per episode). A connection goes back to the pool only after a reset that
+        leaves nothing of its episode (`_Dialect.reset`), and a session takes an idle one
+        before it opens a new one, so the server sees at most `max_sessions` connections
+        from one backend, in use and idle together.
     `open(tables, writable)` ignores `tables`: the database's own tables (`self.tables`, read
     once) are the task's.
     """
@@ -420,25 +471,41 @@ class ServerBackend:
     name = "server"
 
     def __init__(self, url: str, isolate: bool = True, schema: str | None = None, max_sessions: int = 32,
-                 wait_s: float = 60.0) -> None:
+                 wait_s: float = 60.0, pool_size: int | None = None) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions={max_sessions}: must be at least 1. Fix: use 32 (one connection each).")
+        pool_size = max_sessions if pool_size is None else pool_size
+        if not 0 <= pool_size <= max_sessions:
+            raise ValueError(f"pool_size={pool_size}: must be between 0 and max_sessions ({max_sessions}). Fix: "
+                             "leave it out (it follows max_sessions), or 0 for a new connection per episode.")
         self.url = url
         self.isolate = isolate
         self.schema = schema
         self.max_sessions = max_sessions
+        self.pool_size = pool_size
         self.wait_s = wait_s
         self._dialect = _dialect(url)
         self.dialect = self._dialect.name
         self.prompt_note = PROMPT_NOTES[self.dialect]
         self._slots = threading.BoundedSemaphore(max_sessions)
+        self._idle: list[Any] = []  # reset connections, ready for the next session
+        self._idle_lock = threading.Lock()
+        self._resetting = 0  # connections being reset for the pool
+        self.connections_opened = 0  # new connections this backend (in this process) opened
         try:
-            conn = self._dialect.connect(url)
+            conn = self._connect()
         except self._dialect.error as exc:
             raise ValueError(f"cannot connect to {redact_url(url)}: {str(exc).strip()}. Fix: check the URL, the "
                              "user and that the server runs.") from None
         try:
             self.tables = self._dialect.read_tables(conn, schema)
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        if isolate:  # sessions run in worker processes, each with its own connection
+            conn.close()
+        else:
+            self._give_back(conn)
         if not self.tables:
             raise ValueError(f"{redact_url(url)} has no tables{' in schema ' + schema if schema else ''}. Fix: "
                              "point the URL at the database (and schema) holding the tables to ask about.")
@@ -448,11 +515,15 @@ class ServerBackend:
         if not self._slots.acquire(timeout=self.wait_s):
             raise RuntimeError(f"ServerBackend({redact_url(self.url)!r}): all {self.max_sessions} sessions stayed in "
                                f"use for {self.wait_s:g} s. Fix: close finished episodes (DBEnv.close), run fewer "
-                               "episodes at once, or raise max_sessions (each is one server connection).")
+                               "episodes at once, or raise max_sessions (env.options.max_sessions; each is one server "
+                               "connection).")
         try:
             if self.isolate:
-                spec = BackendSpec(f"{__name__}:ServerBackend", (("schema", self.schema), ("url", self.url)))
-                session: Any = IsolatedSession(spec, self.tables, writable)
+                # The worker's own backend keeps at most its one connection between sessions; the
+                # worker pool keeps at most pool_size such workers idle for this database.
+                spec = BackendSpec(f"{__name__}:ServerBackend", (("pool_size", min(1, self.pool_size)),
+                                                                 ("schema", self.schema), ("url", self.url)))
+                session: Any = IsolatedSession(spec, self.tables, writable, keep_idle=self.pool_size)
             else:
                 session = self._open_here(writable)
         except BaseException:
@@ -460,20 +531,72 @@ class ServerBackend:
             raise
         return _Slot(session, self._slots)
 
-    def _open_here(self, writable: bool) -> "ServerSession":
+    def _connect(self) -> Any:
         conn = self._dialect.connect(self.url)
+        self.connections_opened += 1
+        return conn
+
+    def _take(self) -> tuple[Any, bool]:
+        """(a connection, whether it came from the pool)."""
+        with self._idle_lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def _give_back(self, conn: Any) -> None:
+        """Keep a used connection for a later session (reset first), or close it."""
+        with self._idle_lock:  # a place in the pool is reserved before the (slow) reset
+            keep = len(self._idle) + self._resetting < self.pool_size
+            self._resetting += keep
+        try:
+            if keep:
+                self._dialect.reset(conn)
+        except Exception:  # a connection that cannot be reset is not reused
+            keep = False
+            with self._idle_lock:
+                self._resetting -= 1
+        if not keep:
+            _close_quietly(conn)
+            return
+        with self._idle_lock:
+            self._resetting -= 1
+            self._idle.append(conn)
+
+    def release_idle(self) -> None:
+        """Close the pooled idle connections (the pool fills again as sessions close)."""
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            _close_quietly(conn)
+
+    def _open_here(self, writable: bool) -> "ServerSession":
+        conn, pooled = self._take()
         try:
             self._dialect.begin(conn, self.tables, writable)
         except self._dialect.error as exc:
-            conn.close()
+            _close_quietly(conn)
+            if pooled:  # an idle connection the server closed meanwhile: try a new one
+                return self._open_here(writable)
             raise RuntimeError(f"the episode's transaction on {redact_url(self.url)} could not be set up: "
                                f"{self._dialect.explain(exc, 0)}. Fix: write tasks copy the tables into temporary "
                                "tables, so the user needs the TEMP privilege (PostgreSQL) or CREATE TEMPORARY "
                                "TABLES (MySQL).") from None
         except BaseException:
-            conn.close()
+            _close_quietly(conn)
             raise
-        return ServerSession(self._dialect, conn, self.tables, writable)
+        return ServerSession(self._dialect, conn, self.tables, writable,
+                             give_back=self._give_back if self.pool_size else None)
+
+    def __del__(self) -> None:
+        if getattr(self, "_idle", None):
+            self.release_idle()
+
+
+def _close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass
 
 
 class _Slot:
@@ -502,9 +625,11 @@ class _Slot:
 class ServerSession:
     """One episode's connection: one transaction, rolled back on close (see the module docstring)."""
 
-    def __init__(self, dialect: _Dialect, conn: Any, tables: Sequence[TableSpec], writable: bool) -> None:
+    def __init__(self, dialect: _Dialect, conn: Any, tables: Sequence[TableSpec], writable: bool,
+                 give_back: Any = None) -> None:
         self._dialect = dialect
         self._conn = conn
+        self._give_back = give_back  # the backend's pool, which resets the connection; None: close it
         self._tables = list(tables)
         self._writable = writable
         self._by_name = {t.name: t for t in tables}
@@ -550,6 +675,7 @@ class ServerSession:
         """End the session when its transaction is gone (a lost connection, or a statement that
         ended it): nothing more may run outside the episode's transaction."""
         if self._dialect.broken(self._conn) or not self._dialect.in_transaction(self._conn):
+            self._give_back = None  # a connection whose episode escaped its transaction is not reused
             self.close()
             raise SQLError("the episode's transaction ended (the connection was lost or the statement ended it); "
                            "the session is closed")
@@ -580,10 +706,14 @@ class ServerSession:
         return rows_hash(self._own_query(f"SELECT * FROM {self._dialect.quote(name)}"))
 
     def close(self) -> None:
-        """Roll the episode back and close the connection (once; later calls do nothing)."""
+        """Roll the episode back and close the connection, or give it back to the backend's
+        pool, which resets it (once; later calls do nothing)."""
         if self.closed:
             return
         self.closed = True
+        if self._give_back is not None and not self._dialect.broken(self._conn):
+            self._give_back(self._conn)
+            return
         try:
             if not self._dialect.broken(self._conn):
                 self._conn.rollback()

@@ -9,6 +9,8 @@ overlap. At most `data.eval_size` eval tasks are kept (a fixed-seed sample). The
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,7 +20,8 @@ from tiderl.envs.db.questions import load_questions
 from tiderl.envs.db.server_backend import redact_url, server_dialect
 from tiderl.envs.db.tasks import DBBENCH_DIR, dbbench_dir, load_dbbench_tasks
 from tiderl.envs.db.tools import Limits
-from tiderl.envs.setup import Setup, data_root, sample_tasks
+from tiderl.envs.protocol import Task
+from tiderl.envs.setup import Setup, data_root, sample_tasks, task_files
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -60,31 +63,65 @@ def setup(cfg: "RunConfig") -> Setup:
 
 
 def file_setup(cfg: "RunConfig") -> Setup:
-    """Questions (`env.options.questions`) over an existing database file (`env.options.db_path`),
-    opened read-only. At most `data.eval_size` questions are held out (a fixed-seed sample); the
-    rest are the training tasks."""
+    """Questions over an existing database (`env.options.db_path`: a SQLite/DuckDB file, opened
+    read-only, or a server URL). The questions come from `env.options.questions`: at most
+    `data.eval_size` are held out (a fixed-seed sample), the rest train. `data.train_files` /
+    `data.eval_files` (question files of the same form) replace the training / held-out
+    questions: with train files every question of `env.options.questions` may be held out; with
+    eval files it all trains (at most `data.eval_size` of the eval files' questions are held out).
+    Ids of questions from those files carry the file's stem (`train/q00003`)."""
     data, env, options = cfg.data, cfg.env, cfg.env.options
-    if not options.db_path or not options.questions:
-        missing = "env.options.db_path" if not options.db_path else "env.options.questions"
-        raise ValueError(f"data.source=db_file needs {missing}. Fix: pass --db path/to.sqlite --questions q.jsonl "
-                         "(or env.options.db_path=... env.options.questions=...).")
+    train_paths, eval_paths = task_files(data.train_files, data.data_dir), task_files(data.eval_files, data.data_dir)
+    if set(train_paths) & set(eval_paths):
+        raise ValueError(f"{sorted(map(str, set(train_paths) & set(eval_paths)))} are both data.train_files and "
+                         "data.eval_files: held-out questions must not be trained on. Fix: list each file once.")
+    if not options.db_path:
+        raise ValueError("data.source=db_file needs env.options.db_path. Fix: pass --db path/to.sqlite (or a "
+                         "postgresql:// / mysql:// URL) --questions q.jsonl, or env.options.db_path=...")
+    if not options.questions and not (train_paths and eval_paths):
+        missing = "data.eval_files" if train_paths else "data.train_files" if eval_paths else "env.options.questions"
+        raise ValueError(f"data.source=db_file needs {missing}. Fix: pass --questions q.jsonl (env.options.questions"
+                         "=...), or both data.train_files=[...] and data.eval_files=[...].")
     path = options.db_path if server_dialect(options.db_path) else str(Path(options.db_path).expanduser().resolve())
-    source = open_database(path)
-    tasks = load_questions(options.questions, source, database=redact_url(path))
-    held_out = sample_tasks(tasks, data.eval_size, data.seed)
-    kept = {t.task_id for t in held_out}
-    train = [t for t in tasks if t.task_id not in kept]
-    out = Setup(train, held_out, DBEnv, "db_file", split=Path(options.questions).stem)
+    build = partial(open_database, max_sessions=options.max_sessions,
+                    pool_size=None if options.pool_size < 0 else options.pool_size)
+    source = build(path)
+    database = redact_url(path)
+    own = load_questions(options.questions, source, database=database) if options.questions else []
+    train_files = [t for p in train_paths for t in _file_questions(p, source, database)]
+    eval_files = [t for p in eval_paths for t in _file_questions(p, source, database)]
+    if eval_files:
+        held_out, train = sample_tasks(eval_files, data.eval_size, data.seed), train_files or own
+    else:
+        held_out = sample_tasks(own, data.eval_size, data.seed)
+        kept = {t.task_id for t in held_out}
+        train = train_files or [t for t in own if t.task_id not in kept]
+    split = eval_paths[0].stem if eval_paths else Path(options.questions).stem
+    out = Setup(train, held_out, DBEnv, "db_file", split=split)
     limits = Limits(max_rows=env.max_items, timeout_s=options.timeout_s,
                     max_observation_chars=env.max_observation_chars)
     out.backend(("db", path), lambda: source)  # the backend the questions were loaded with
     if server_dialect(path):
-        # A server backend holds at most max_sessions sessions; evaluating more episodes at once
-        # would leave the rest waiting for a session in the threads the running ones step in.
+        # A server backend holds at most max_sessions sessions; more episodes at once would leave
+        # the rest waiting for a session in the threads the running ones step in.
         out.eval_chunk_size = source.max_sessions
-    out.make_env = _DBFactory(out, path, limits, env.system_prompt or None, build=open_database)
-    out.oracle = lambda task: oracle_turns(task, db_backend(out, path, open_database))
+        in_flight = max(cfg.system.slots or (cfg.system.max_staleness + 1) * cfg.rollout.batch_size,
+                        cfg.system.max_slots)
+        if in_flight > source.max_sessions:
+            raise ValueError(f"training would run up to {in_flight} episodes at once (system.slots, or (system."
+                             f"max_staleness + 1) x rollout.batch_size, and system.max_slots) on a server database "
+                             f"that serves env.options.max_sessions={source.max_sessions}. Fix: raise env.options."
+                             f"max_sessions to {in_flight} (the server must accept that many connections), or set "
+                             f"system.slots={source.max_sessions}.")
+    out.make_env = _DBFactory(out, path, limits, env.system_prompt or None, build=build)
+    out.oracle = lambda task: oracle_turns(task, db_backend(out, path, build))
     return out
+
+
+def _file_questions(path: Path, backend: Any, database: str) -> list[Task]:
+    """The questions of one `data.train_files` / `data.eval_files` file, ids prefixed with its stem."""
+    return [dataclasses.replace(t, task_id=f"{path.stem}/{t.task_id}")
+            for t in load_questions(path, backend, database=database)]
 
 
 def db_backend(setup: Setup, name: str, build: Callable[[str], Any] = make_backend) -> Any:

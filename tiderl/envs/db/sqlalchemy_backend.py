@@ -174,8 +174,14 @@ class SQLAlchemySession:
         self._set_deadline(time.monotonic() + timeout_s)
         try:
             # exec_driver_sql: the text goes to the driver as is (text() would read ":name" as
-            # a bind parameter).
-            cursor = self._conn.exec_driver_sql(sql)
+            # a bind parameter). Drivers with %s parameters (PyMySQL, psycopg) still format the
+            # text with the (empty) parameters, so a literal % is doubled: `LIKE '%Ca%'` would
+            # otherwise fail as "unsupported format character".
+            if self._conn.dialect.paramstyle in ("format", "pyformat"):
+                sql_text = sql.replace("%", "%%")
+            else:
+                sql_text = sql
+            cursor = self._conn.exec_driver_sql(sql_text)
             if cursor.returns_rows:
                 rows, more, capped = fetch_limited(cursor.fetchmany, max_rows)
                 result = QueryResult(list(cursor.keys()), rows, more, capped)

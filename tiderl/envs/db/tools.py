@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tiderl.envs.db.backend import DBSession, QueryResult, SQLError
-from tiderl.envs.db.scoring import flatten_answers
+from tiderl.envs.db.scoring import flatten_answers, json_cell
 from tiderl.envs.db.sql_text import EMPTY, OTHER, WRITE, split_statements, statement_kind
 
 # name -> (argument name, JSON type name, Python type) in the order the tools take them.
@@ -100,11 +100,9 @@ def check_arguments(name: str, arguments: Any) -> dict[str, Any]:
 
 
 def _json_cell(value: Any) -> Any:
-    """A result cell JSON can show: bytes as x'hex', other non-JSON values (dates,
-    decimals) as their text."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return "x'" + bytes(value).hex() + "'"
-    return str(value)
+    """A result cell JSON can show (`scoring.json_cell`: bytes as x'hex', times as HH:MM:SS,
+    other non-JSON values such as dates and decimals as their text)."""
+    return json_cell(value)
 
 
 def format_result(result: QueryResult, limits: Limits) -> str:

@@ -17,6 +17,11 @@ replays the write statements that had succeeded (the killed statement itself nev
 committed: a scratch database is only ever changed by whole statements), so a write task's
 scratch copy survives the kill. A worker also dies with its parent (its request pipe closes).
 
+A worker keeps the backends it built, so a worker reused by the same backend reuses them; a
+server backend's idle connection stays open in its worker only while the parent allows it
+(`IsolatedSession(keep_idle=...)`: at most that many idle workers keep one per backend, and
+`_take_worker` hands them to the same backend first), which is `ServerBackend`'s pool.
+
 What is guaranteed: a session call returns within `timeout_s + KILL_GRACE_S` plus the time
 to kill a process (milliseconds), for any statement; the worker's address space is capped at
 `WORKER_MEMORY_BYTES` (`RLIMIT_AS`), so no statement can build values beyond that (the
@@ -97,6 +102,8 @@ class _Worker:
             os.close(reply_write)
         self._requests = Connection(request_write, readable=False)
         self._replies = Connection(reply_read, writable=False)
+        # The backend whose idle server connection this (idle) worker keeps, if any.
+        self.warm: BackendSpec | None = None
 
     def call(self, message: tuple[Any, ...], timeout_s: float) -> Any:
         """Send one request and return the reply's value (raising what the worker raised).
@@ -135,19 +142,47 @@ _IDLE: list[_Worker] = []
 _IDLE_LOCK = threading.Lock()
 
 
-def _take_worker() -> _Worker:
+def _take_worker(spec: BackendSpec | None = None) -> _Worker:
+    """An idle worker: one that keeps a connection of `spec`'s backend first, then one that
+    keeps none, then any (whose kept connection it closes on opening another backend)."""
     with _IDLE_LOCK:
-        while _IDLE:
-            worker = _IDLE.pop()
-            if worker.alive():
-                return worker
+        for worker in [w for w in _IDLE if not w.alive()]:
+            _IDLE.remove(worker)
             worker.kill()
+        for wanted in (spec, None):
+            for index in range(len(_IDLE) - 1, -1, -1):
+                if _IDLE[index].warm == wanted:
+                    worker = _IDLE.pop(index)
+                    worker.warm = None
+                    return worker
+        if _IDLE:
+            worker = _IDLE.pop()
+            worker.warm = None
+            return worker
     return _Worker()
 
 
-def _return_worker(worker: _Worker) -> None:
+_WARMING: dict[BackendSpec, int] = {}  # workers on their way back to the pool with a kept connection
+
+
+def _keeps_room(spec: BackendSpec, limit: int) -> bool:
+    """Whether fewer than `limit` idle workers keep a connection of `spec`'s backend (counting
+    those on their way back); if so, a place is reserved (`_return_worker` ends it)."""
     with _IDLE_LOCK:
+        room = limit > 0 and sum(w.warm == spec for w in _IDLE) + _WARMING.get(spec, 0) < limit
+        if room:
+            _WARMING[spec] = _WARMING.get(spec, 0) + 1
+        return room
+
+
+def _return_worker(worker: _Worker, warm: BackendSpec | None = None, reserved: BackendSpec | None = None) -> None:
+    """Put a worker back in the pool (keeping a connection of `warm`'s backend), or kill it when
+    it died or the pool is full; `reserved`: the spec whose `_keeps_room` place this ends."""
+    with _IDLE_LOCK:
+        if reserved is not None:
+            _WARMING[reserved] -= 1
         if worker.alive() and len(_IDLE) < MAX_IDLE_WORKERS:
+            worker.warm = warm
             _IDLE.append(worker)
             return
     worker.kill()
@@ -168,8 +203,11 @@ def timeout_message(timeout_s: float) -> str:
 class IsolatedSession:
     """A `DBSession` whose database lives in a worker process (see the module docstring)."""
 
-    def __init__(self, spec: BackendSpec, tables: Sequence[TableSpec], writable: bool) -> None:
+    def __init__(self, spec: BackendSpec, tables: Sequence[TableSpec], writable: bool, keep_idle: int = 0) -> None:
         self._spec = spec
+        # Idle workers that may keep this backend's connection open after a session (a server's
+        # connection pool, `ServerBackend.pool_size`); 0: the worker closes it with the session.
+        self._keep_idle = keep_idle
         self._tables = list(tables)
         self._writable = writable
         self._writes: list[tuple[str, float]] = []  # (statement, its time limit), to replay
@@ -181,7 +219,7 @@ class IsolatedSession:
 
     def _start(self) -> _Worker:
         """A worker with the session open (and the earlier writes replayed)."""
-        worker = _take_worker()
+        worker = _take_worker(self._spec)
         try:
             worker.call(("open", self._spec, self._tables, self._writable), OPEN_TIMEOUT_S)
             for sql, timeout_s in self._writes:
@@ -246,12 +284,15 @@ class IsolatedSession:
             worker, self._worker = self._worker, None
         if worker is None:
             return
+        keep = _keeps_room(self._spec, self._keep_idle)
+        reserved = self._spec if keep else None
         try:
-            worker.call(("close",), OPEN_TIMEOUT_S)
+            worker.call(("close", keep), OPEN_TIMEOUT_S)
         except Exception:  # a worker that cannot close cleanly is not reused
             worker.kill()
+            _return_worker(worker, None, reserved)  # a dead worker: this only ends the reservation
             return
-        _return_worker(worker)
+        _return_worker(worker, reserved, reserved)
 
 
 # -- the worker process -----------------------------------------------------------------------
@@ -273,6 +314,7 @@ def _serve(requests: Connection, replies: Connection) -> None:
                 if session is not None:
                     session.close()
                     session = None
+                _release_idle(backends, keep=spec)  # a worker keeps one backend's idle connection at most
                 backend = backends.get(spec)
                 if backend is None:
                     backend = backends[spec] = spec.build()
@@ -281,6 +323,8 @@ def _serve(requests: Connection, replies: Connection) -> None:
             elif op == "close":
                 if session is not None:
                     session.close()
+                if not (args and args[0]):  # the parent keeps no connection of this backend here
+                    _release_idle(backends, keep=None)
                 session, value = None, None
             elif session is None:
                 raise RuntimeError("no session is open in this worker")
@@ -303,6 +347,13 @@ def _serve(requests: Connection, replies: Connection) -> None:
             return
         except Exception as exc:  # a value that does not pickle
             replies.send(("error", ("SQLError", f"the result could not be sent back: {exc}")))
+
+
+def _release_idle(backends: dict[BackendSpec, Any], keep: BackendSpec | None) -> None:
+    """Close the idle connections the worker's backends keep (a server's pool), but `keep`'s."""
+    for spec, backend in backends.items():
+        if spec != keep and hasattr(backend, "release_idle"):
+            backend.release_idle()
 
 
 def main(argv: list[str]) -> None:
