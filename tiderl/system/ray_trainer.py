@@ -27,7 +27,8 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect, cpu_module, kill_actor
 from tiderl.train.checkpoint import load_sharded, save_sharded
 from tiderl.train.forward import logprob_temperature
-from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
+from tiderl.train.lora import is_lora
+from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, published_state, unwrapped
 from tiderl.train.memory import enable_activation_checkpointing
 from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import train_step
@@ -98,11 +99,12 @@ class TrainerRank:
                               temperature=logprob_temperature(cfg.rollout.temperature))
 
     def publish(self, version: int) -> tuple[list[Any] | None, float | None]:
-        """Gather the full policy weights (a collective); rank 0 puts them in the object store
-        and returns ([reference], checksum), the others (None, None). The reference is wrapped
-        in a list so that Ray hands it over instead of resolving it."""
+        """Gather what the engines load (`published_state`, a collective: the full policy
+        weights, or a LoRA policy's adapters alone); rank 0 puts them in the object store and
+        returns ([reference], checksum), the others (None, None). The reference is wrapped in a
+        list so that Ray hands it over instead of resolving it."""
         assert self.actor is not None
-        state = full_state_dict(self.actor.model, self.actor.mode)
+        state = published_state(self.actor.model, self.actor.mode)
         if self.rank != 0:
             return None, None
         return [ray.put(state)], weights_checksum(state)
@@ -235,7 +237,13 @@ class RayParallelTrainer:
         if self.published is None or self.mirrored_version == self.published.version:
             return
         state = self._get(self.published.ref, "fetching the published weights")
-        self.run.actor.model.load_state_dict(state)
+        model = self.run.actor.model
+        if is_lora(model):  # the adapters alone were published: the frozen base is the driver's already
+            missing = {k for k in model.state_dict() if ".lora_A." in k or ".lora_B." in k} - set(state)
+            if missing or model.load_state_dict(state, strict=False).unexpected_keys:
+                raise RuntimeError(f"the published LoRA state does not fit the driver's policy (missing {sorted(missing)[:3]})")
+        else:
+            model.load_state_dict(state)
         self.mirrored_version = self.published.version
 
     def close(self) -> None:
