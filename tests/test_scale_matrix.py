@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from tiderl.cli import main
 
@@ -42,8 +43,6 @@ def expected(name: str) -> tuple[str, str] | None:
     """None when `name` is accepted, else (field, reason) of its refusal."""
     if name.startswith("http-"):
         return HTTP_ON_RAY  # checked before LoRA's engine check: both hold for http + LoRA
-    if name == "torch-drift":
-        return ("drift.every_steps", "do not share")
     return None
 
 
@@ -53,9 +52,9 @@ COMBINATIONS = combinations()
 def test_the_matrix_has_the_25_combinations_of_issue_30():
     assert len(COMBINATIONS) == 25 and len({name for name, _ in COMBINATIONS}) == 25
     accepted = [name for name, _ in COMBINATIONS if expected(name) is None]
-    # Before issue 30's slice: 8 (torch engine without LoRA on ranks, no drift). Now: every
-    # torch-engine combination; the HTTP engine on Ray stays refused (docs/scale.md says why).
-    assert len(accepted) == 12, accepted
+    # Before issue 30's slice: 8 (torch engine without LoRA on ranks, no drift on Ray). Now: every
+    # torch-engine combination and drift; the HTTP engine on Ray stays refused (docs/scale.md says why).
+    assert len(accepted) == 13, accepted
 
 
 @pytest.mark.parametrize("name,overrides", COMBINATIONS, ids=[n for n, _ in COMBINATIONS])
@@ -76,3 +75,35 @@ def test_lora_with_the_http_engine_names_the_engine_on_the_local_backend_too(cap
     code = main(["train", "--config", CONFIG, "--dry-run", "rollout.engine=http", TWO_SERVERS, "model.lora.r=8"])
     err = capsys.readouterr().err
     assert code == 2 and LORA_ON_HTTP[0] in err and LORA_ON_HTTP[1] in err, err
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_train_with_the_local_backend(tmp_path):
+    """`train.parallel=ddp` with `system.backend=local`: the ranks run on a Ray the trainer starts
+    (and stops), rollouts stay in this process, and its engine gets the ranks' weights each step."""
+    ray = pytest.importorskip("ray")
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.rollout.weights import weights_checksum
+    from tiderl.run import build_run
+
+    assert not ray.is_initialized()
+    cfg = load_config(CONFIG, [
+        "env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
+        "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+        "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
+        "rollout.batch_size=4", "algo.critic_warmup_steps=0", "algo.entropy_coef=0.01", "env.max_turns=2",
+        "rollout.max_new_tokens=16", "log.progress=false", "log.tensorboard=false", "system.wait_timeout_s=300",
+        "train.steps=2", "train.parallel=ddp", "train.world_size=2", "system.max_staleness=1",
+        f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
+    run = build_run(cfg)
+    before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
+    history, summary = train(run)
+    assert [h["policy_version"] for h in history] == [1, 2]
+    assert all(h["time/publish_s"] > 0 for h in history)  # the ranks gathered and published each step
+    ledger = summary["ledger"]
+    assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started") and ledger["trained"] == 8
+    after = run.actor.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert run.engine.version == 2 and run.engine.state_checksum() == weights_checksum(after)
+    assert not ray.is_initialized()  # the Ray the trainer started is gone
