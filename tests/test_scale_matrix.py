@@ -107,3 +107,46 @@ def test_data_parallel_ranks_train_with_the_local_backend(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert run.engine.version == 2 and run.engine.state_checksum() == weights_checksum(after)
     assert not ray.is_initialized()  # the Ray the trainer started is gone
+
+
+@pytest.mark.slow
+def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_backend(tmp_path):
+    """What a refused HTTP-on-Ray row can run instead: `system.backend=local` with
+    `rollout.engine=http` over two servers (vLLM stand-ins, `support.StubServer`) and 2 FSDP2
+    ranks; every step the ranks' weights reach both servers (reloaded, probed, checksummed)."""
+    pytest.importorskip("ray")
+    pytest.importorskip("httpx")
+    import copy
+
+    from support import StubServer
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.rollout.http_engine import HttpEngine
+    from tiderl.rollout.weights import weights_checksum
+    from tiderl.run import build_run
+
+    common = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16",
+              "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+              "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.warmstart.num_traces=40",
+              "model.warmstart.steps=2", "model.warmstart.batch_size=16", "rollout.batch_size=4",
+              "algo.critic_warmup_steps=0", "algo.entropy_coef=0.01", "env.max_turns=2", "rollout.max_new_tokens=16",
+              "log.progress=false", "log.tensorboard=false", "system.wait_timeout_s=300",
+              f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
+    first = build_run(load_config(CONFIG, common))  # builds (and caches) the model the servers start with
+    servers = [StubServer(copy.deepcopy(first.actor.model), first.tokenizer) for _ in range(2)]
+    try:
+        run = build_run(load_config(CONFIG, common + [
+            "rollout.engine=http", f"rollout.options.urls=[{servers[0].url},{servers[1].url}]",
+            "train.steps=2", "train.parallel=fsdp2", "train.world_size=2", "system.max_staleness=1"]))
+        assert isinstance(run.engine, HttpEngine)
+        history, summary = train(run)
+        assert [h["policy_version"] for h in history] == [1, 2]
+        assert summary["ledger"]["trained"] == 8 and summary["ledger"]["failed"] == 0
+        assert [s.reloads for s in servers] == [2, 2]  # one reload per step on each server
+        assert all(s.requests for s in servers)  # requests went to both
+        want = weights_checksum(run.actor.model.state_dict())
+        assert run.engine.state_checksum() == want
+        assert all(weights_checksum(s.engine.model.state_dict()) == want for s in servers)
+    finally:
+        for s in servers:
+            s.close()
