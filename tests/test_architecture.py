@@ -223,16 +223,17 @@ PACKAGE_LINE_BUDGETS = {
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2440,
     "serve": 1020,
-    "system": 2800,
-    "train": 1860,
+    "system": 2825,  # +25: issue 30: drift in the Ray workers, LoRA publish and local-backend ranks (ray_trainer)
+    "train": 1885,  # +25: issue 30: LoRA on DDP/FSDP2 ranks (published_state), LoRA sharded checkpoint export
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
 # to tiderl/lab, essays moved from docstrings to docs/) took it from 17,175 to 15,010: lower this as
 # the core shrinks, never by squeezing lines. Issue 35's waste accounting and stale policies
 # (system.stale) added 149 lines (15,318). Issue 32's rewards from models (tiderl/rewards/model.py,
-# judge.py and their hook in run.py and config.py) added 271 (15,589).
-CORE_LINE_BUDGET = 15_595
+# judge.py and their hook in run.py and config.py) added 271 (15,589). Issue 30's LoRA on data-parallel
+# ranks, drift on Ray and ranks with the local backend added 51 (15,646).
+CORE_LINE_BUDGET = 15_650
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:
