@@ -33,7 +33,8 @@ class LoraSettings:
         need(self.r == 0 or bool(self.target_modules), "target_modules", "is empty",
              "name the layers to adapt, e.g. [q_proj, v_proj]")
         need(self.r == 0 or cfg.rollout.engine == "torch", "r",
-             f"only the torch engine merges adapters, not rollout.engine={cfg.rollout.engine}",
+             f"only the torch engine loads adapters, not rollout.engine={cfg.rollout.engine} (its sync sends whole "
+             "weights)",
              "use rollout.engine=torch with LoRA")
 
     def unread(self, cfg: Any) -> dict[str, str]:
