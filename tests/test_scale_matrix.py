@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from tiderl.cli import main
 
@@ -78,43 +77,12 @@ def test_lora_with_the_http_engine_names_the_engine_on_the_local_backend_too(cap
 
 
 @pytest.mark.slow
-def test_data_parallel_ranks_train_with_the_local_backend(tmp_path):
-    """`train.parallel=ddp` with `system.backend=local`: the ranks run on a Ray the trainer starts
-    (and stops), rollouts stay in this process, and its engine gets the ranks' weights each step."""
-    ray = pytest.importorskip("ray")
-    from tiderl.config import load_config
-    from tiderl.recipe import train
-    from tiderl.rollout.weights import weights_checksum
-    from tiderl.run import build_run
-
-    assert not ray.is_initialized()
-    cfg = load_config(CONFIG, [
-        "env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16", "model.tiny.vocab_size=512",
-        "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-        "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
-        "rollout.batch_size=4", "algo.critic_warmup_steps=0", "algo.entropy_coef=0.01", "env.max_turns=2",
-        "rollout.max_new_tokens=16", "log.progress=false", "log.tensorboard=false", "system.wait_timeout_s=300",
-        "train.steps=2", "train.parallel=ddp", "train.world_size=2", "system.max_staleness=1",
-        f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
-    run = build_run(cfg)
-    before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
-    history, summary = train(run)
-    assert [h["policy_version"] for h in history] == [1, 2]
-    assert all(h["time/publish_s"] > 0 for h in history)  # the ranks gathered and published each step
-    ledger = summary["ledger"]
-    assert ledger["started"] == sum(v for k, v in ledger.items() if k != "started") and ledger["trained"] == 8
-    after = run.actor.model.state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert run.engine.version == 2 and run.engine.state_checksum() == weights_checksum(after)
-    assert not ray.is_initialized()  # the Ray the trainer started is gone
-
-
-@pytest.mark.slow
 def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_backend(tmp_path):
     """What a refused HTTP-on-Ray row can run instead: `system.backend=local` with
     `rollout.engine=http` over two servers (vLLM stand-ins, `support.StubServer`) and 2 FSDP2
-    ranks; every step the ranks' weights reach both servers (reloaded, probed, checksummed)."""
-    pytest.importorskip("ray")
+    ranks. The ranks run on a Ray the trainer starts (and stops); every step their weights reach
+    the driver's engine and through it both servers (reloaded, probed, checksummed)."""
+    ray = pytest.importorskip("ray")
     pytest.importorskip("httpx")
     import copy
 
@@ -132,6 +100,7 @@ def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_ba
               "algo.critic_warmup_steps=0", "algo.entropy_coef=0.01", "env.max_turns=2", "rollout.max_new_tokens=16",
               "log.progress=false", "log.tensorboard=false", "system.wait_timeout_s=300",
               f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
+    assert not ray.is_initialized()
     first = build_run(load_config(CONFIG, common))  # builds (and caches) the model the servers start with
     servers = [StubServer(copy.deepcopy(first.actor.model), first.tokenizer) for _ in range(2)]
     try:
@@ -147,6 +116,8 @@ def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_ba
         want = weights_checksum(run.actor.model.state_dict())
         assert run.engine.state_checksum() == want
         assert all(weights_checksum(s.engine.model.state_dict()) == want for s in servers)
+        assert all(h["time/publish_s"] > 0 for h in history)  # the ranks gathered and published each step
+        assert not ray.is_initialized()  # the Ray the trainer started is gone
     finally:
         for s in servers:
             s.close()
