@@ -130,7 +130,7 @@ def test_lora_on_fsdp2_ray_ranks_with_staleness_trains_checkpoints_exports_and_r
     """`tiderl train` with LoRA (policy and critic) on 2 FSDP2 ranks, staleness 2, on Ray: the
     rollout workers get the adapters alone (checksums checked at every sync), the ledger
     balances, the sharded checkpoint exports merged weights with the trained policy's logits,
-    and `train.resume=auto` goes on from it."""
+    and `train.resume=auto` goes on from it (with the local backend: ranks on Ray, episodes here)."""
     ray = pytest.importorskip("ray")
     from tiderl.config import load_config
     from tiderl.recipe import train
@@ -175,12 +175,17 @@ def test_lora_on_fsdp2_ray_ranks_with_staleness_trains_checkpoints_exports_and_r
             want = run.actor.model(input_ids=ids).logits
             torch.testing.assert_close(plain(input_ids=ids).logits, want, atol=1e-5, rtol=0)
 
-        resumed = build_run(config("train.steps=3", "train.resume=auto"))
+        # Resumed with the local backend: the same ranks, the episodes in this process.
+        resumed = build_run(config("train.steps=3", "train.resume=auto", "system.backend=local"))
         assert resumed.step == 2
         for k, v in adapter_state(run.actor.model).items():
             assert torch.equal(adapter_state(resumed.actor.model)[k], v), k
         history, summary = train(resumed)
         assert [h["policy_version"] for h in history] == [3]
         assert summary["ledger"]["failed"] == 0
+        assert isinstance(resumed.engine, LoraTorchEngine) and resumed.engine.version == 3
+        assert resumed.engine.state_checksum() == weights_checksum(adapter_state(resumed.actor.model))
+        assert any(not torch.equal(adapter_state(resumed.actor.model)[k], v)
+                   for k, v in adapter_state(run.actor.model).items())  # step 3 moved the adapters
     finally:
         ray.shutdown()
