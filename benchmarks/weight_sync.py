@@ -10,10 +10,13 @@ model built from a config with random weights; one Ray actor holds a `TorchEngin
   in the object store again, and the engine loads them.
 
 Both are verified (the engine's checksum must equal rank 0's). Sizes: `tiny` (the test model's
-shape) and `100m` (hidden 768, 12 layers, vocab 32000: ~0.1B parameters).
+shape) and `100m` (hidden 768, 12 layers, vocab 32000: ~0.1B parameters). With `--lora R` the
+policy carries LoRA adapters of rank R on the attention projections: the ranks publish the
+adapters alone and the engine is a `LoraTorchEngine` (docs/scale.md, "LoRA on data-parallel ranks").
 
     .venv/bin/python benchmarks/weight_sync.py            # tiny and 100m, 3 repeats
     .venv/bin/python benchmarks/weight_sync.py --quick    # tiny only, 1 repeat
+    .venv/bin/python benchmarks/weight_sync.py --lora 16  # the same with a LoRA policy
 
 Last line: seconds per sync for each size and path, and via_driver / direct.
 """
@@ -33,8 +36,9 @@ import torch  # noqa: E402
 
 from tiderl.config import RunConfig, TrainConfig  # noqa: E402
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
-from tiderl.rollout.torch_engine import TorchEngine  # noqa: E402
+from tiderl.rollout import make_engine  # noqa: E402
 from tiderl.system.ray_trainer import RankBundle, TrainerRank  # noqa: E402
+from tiderl.train.lora import apply_lora, policy_state  # noqa: E402
 
 SIZES = {
     "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1),
@@ -48,16 +52,19 @@ class EngineHost:
 
     def __init__(self, model: torch.nn.Module):
         tokenizer = train_tokenizer(["a b c"], vocab_size=300)
-        self.engine = TorchEngine(model, tokenizer)
+        self.engine = make_engine(RunConfig(), model, tokenizer, seed=0)  # a LoraTorchEngine for a LoRA policy
 
     def load(self, state: dict, version: int) -> float:
         self.engine.update_weights(state, version)
         return self.engine.state_checksum()
 
 
-def measure(size: str, repeats: int) -> dict[str, float]:
+def measure(size: str, repeats: int, lora: int = 0) -> dict[str, float]:
     model = init_tiny_model(tiny_qwen2_config(**SIZES[size], max_position_embeddings=256), seed=0)
     params = sum(p.numel() for p in model.parameters())
+    if lora:
+        model = apply_lora(model, lora, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    sent_mib = sum(v.numel() * v.element_size() for v in policy_state(model).values()) / 2**20
     cfg = RunConfig(train=TrainConfig(parallel="fsdp2", world_size=2))
     bundle = ray.put(RankBundle(cfg, model, None, None, 0))
     ranks = [ray.remote(TrainerRank).options(num_cpus=0).remote(r, 2, bundle) for r in range(2)]
@@ -87,7 +94,8 @@ def measure(size: str, repeats: int) -> dict[str, float]:
     for actor in (*ranks, engine):
         ray.kill(actor)
     out = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{size}: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB fp32): "
+    print(f"{size}{f' LoRA r={lora}' if lora else ''}: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB "
+          f"fp32), {sent_mib:.2f} MiB per sync: "
           f"direct {out['direct']:.3f}s (gather, checksum and put on rank 0 {out['gather']:.3f}s, engine "
           f"load and checksum {out['load']:.3f}s), via driver {out['via_driver']:.3f}s per sync (median of {repeats})", flush=True)
     return out
@@ -97,11 +105,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model only, 1 repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank of the policy (0 = full weights)")
     args = parser.parse_args()
     sizes, repeats = (["tiny"], 1) if args.quick else (["tiny", "100m"], args.repeats)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        results = {size: measure(size, repeats) for size in sizes}
+        results = {size: measure(size, repeats, args.lora) for size in sizes}
     finally:
         ray.shutdown()
     print("; ".join(f"{s}: direct {r['direct']:.3f}s, via_driver {r['via_driver']:.3f}s, "

@@ -215,7 +215,7 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2770,  # +4: Trajectory.images (issue 31)
+    "tiderl": 2780,  # +4: Trajectory.images, +10: eval --oracle renders a visual environment with a processor (issue 31)
     "agent": 980,  # +90: images in chat assembly and the agent loop (issue 31)
     "algos": 1580,
     "metrics": 260,
@@ -225,8 +225,12 @@ PACKAGE_LINE_BUDGETS = {
     "rewards": 705,  # +265: rewards from models (issue 32): model.py (reward model, weights) and judge.py
     "rollout": 2525,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     "serve": 1210,  # +190: image content parts (issue 31): images.py, read in wire.py, recorded in session.py
-    "system": 2830,  # +27: system.stale.drain (issue 35)
-    "train": 1890,  # +30: batches, log-probs, values and preparations with images (issue 31)
+    # +27: system.stale.drain (issue 35); +25: issue 30: drift in the Ray workers, LoRA publish and
+    # local-backend ranks (ray_trainer)
+    "system": 2855,
+    # +30: batches, log-probs, values and preparations with images (issue 31); +25: issue 30: LoRA on
+    # DDP/FSDP2 ranks (published_state), LoRA sharded checkpoint export
+    "train": 1920,
 }
 # The whole core outside tiderl/envs/ and tiderl/lab/. The target is 14,000 lines (issue 29); the
 # honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
@@ -236,8 +240,9 @@ PACKAGE_LINE_BUDGETS = {
 # judge.py and their hook in run.py and config.py) added 271 (15,589).
 # Issue 35's drain rule (system.stale.drain) added 27. Issue 31's images (tiny VLM, chat assembly,
 # agent loop, engine, trainer, loading) added 542, its image content parts in `tiderl serve` 192; issue
-# 34's start-up check closing the envs it resets 1 (16,353).
-CORE_LINE_BUDGET = 16_360
+# 34's start-up check closing the envs it resets 1. Issue 30's LoRA on data-parallel ranks, drift on
+# Ray and ranks with the local backend added 51 (16,415).
+CORE_LINE_BUDGET = 16_420
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

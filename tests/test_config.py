@@ -169,7 +169,8 @@ def test_environment_options_follow_env_name():
     (["env.name=repo", "data.source=folder"], "env.options.task_dir: data.source=folder reads task folders from it"),
     (["env.name=repo", "env.options.task_dir=/x"], "env.options.task_dir: set to '/x', but only data.source=folder"),
     # An option's check may name a run-level key in full.
-    (["env.options.drift.every_steps=5", "system.backend=ray"], "env.options.drift.every_steps: a drifting world"),
+    (["env.options.drift.every_steps=5", "system.backend=agent", "system.options.agent=mypkg.agents:solve"],
+     "env.options.drift.every_steps: a drifting world"),
     # A data source the environment does not register names the one that does.
     (["env.name=kg", "data.source=agentbench_db"], "data.source: env.name=kg reads embedded, metaqa, agentbench_kg, "
                                                    "not 'agentbench_db'. Fix: use one of those, or env.name=db"),

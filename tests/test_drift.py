@@ -142,8 +142,11 @@ def test_config_rules():
         load_config("configs/math_small_sao_tiny.yaml", ["env.options.drift.every_steps=5"])
     with pytest.raises(ConfigError, match="env.options.drift.kind.*every_steps=0 turns drift off"):
         load_config("configs/sao.yaml", ["env.options.drift.kind=facts"])
-    with pytest.raises(ConfigError, match="env.options.drift.every_steps.*system.backend=local"):
-        load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "system.backend=ray"])
+    with pytest.raises(ConfigError, match="env.options.drift.every_steps.*system.backend=local or ray"):
+        load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "system.backend=agent",
+                                         "system.options.agent=mypkg.agents:solve"])
+    on_ray = load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "system.backend=ray"])
+    assert on_ray.system.backend == "ray"  # each rollout worker moves its world (tests/test_ray_envs.py)
     with pytest.raises(ConfigError, match="env.options.drift.fraction"):
         load_config("configs/sao.yaml", ["env.options.drift.every_steps=5", "env.options.drift.fraction=0"])
     with pytest.raises(ConfigError, match="env.options.drift.kind"):

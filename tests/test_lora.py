@@ -83,8 +83,11 @@ def test_lora_config_fields():
         load_config(None, ["model.lora.alpha=32"])
     with pytest.raises(ConfigError, match="model.lora.target_modules.*empty"):
         load_config(None, ["model.lora.r=8", "model.lora.target_modules=[]"])
-    with pytest.raises(ConfigError, match="model.lora.r.*train.parallel"):
-        load_config(None, ["model.lora.r=8", "system.backend=ray", "train.parallel=ddp", "train.world_size=2"])
+    # LoRA on data-parallel ranks (tests/test_parallel_lora.py); the HTTP engine has no adapter path.
+    assert load_config(None, ["model.lora.r=8", "system.backend=ray", "train.parallel=fsdp2",
+                              "train.world_size=2"]).model.lora.r == 8
+    with pytest.raises(ConfigError, match="model.lora.r.*rollout.engine=http"):
+        load_config(None, ["model.lora.r=8", "rollout.engine=http"])
 
 
 @pytest.mark.slow

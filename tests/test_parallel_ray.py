@@ -118,8 +118,10 @@ def test_sharded_checkpoints_on_ray_ranks_resume(cluster, model_cache, tmp_path,
 
 def test_parallel_config_errors(tmp_path):
     base = ["system.backend=ray"]
-    with pytest.raises(ConfigError, match="train.parallel.*system.backend=ray"):
-        load_config(None, ["train.parallel=ddp", "train.world_size=2"])
+    with pytest.raises(ConfigError, match="train.parallel.*system.backend=ray or local"):
+        load_config(None, ["train.parallel=ddp", "train.world_size=2", "system.backend=agent",
+                           "system.options.agent=mypkg.agents:solve"])
+    assert load_config(None, ["train.parallel=ddp", "train.world_size=2"]).system.backend == "local"
     with pytest.raises(ConfigError, match="train.world_size.*one rank is one process"):
         load_config(None, base + ["train.parallel=fsdp2", "train.world_size=1"])
     with pytest.raises(ConfigError, match="train.world_size.*train.parallel=none"):

@@ -192,8 +192,8 @@ class TrainConfig:
                              "one trajectory at a time. Needs system.trainer_threads > 0 (a fixed thread count).")
     parallel: str = opt("none", "Data-parallel trainer: none (one process: the driver), ddp or fsdp2 "
                         "(train.world_size ranks as Ray actors in a placement group, torch.distributed with gloo on "
-                        "CPU and NCCL on GPU; needs system.backend=ray). The loss and gradients equal the "
-                        "single-process ones. docs/ray.md", ("none", "ddp", "fsdp2"))
+                        "CPU and NCCL on GPU; with system.backend=local, on a local Ray started for them). The loss "
+                        "and gradients equal the single-process ones. docs/ray.md", ("none", "ddp", "fsdp2"))
     world_size: int = opt(1, "Trainer ranks with train.parallel=ddp/fsdp2 (one process, and with "
                           "model.device=cuda one GPU, each).")
     rank_resources: dict[str, float] = opt(
@@ -519,9 +519,9 @@ def validate(cfg: RunConfig) -> None:
     need(t.parallel == "none" or t.world_size >= 2, "train.world_size",
          f"is {t.world_size} with train.parallel={t.parallel}: one rank is one process",
          "use train.world_size >= 2, or train.parallel=none")
-    need(t.parallel == "none" or sysc.backend == "ray", "train.parallel",
-         f"{t.parallel} runs its ranks as Ray actors, and system.backend={sysc.backend}",
-         "set system.backend=ray, or train.parallel=none")
+    need(t.parallel == "none" or sysc.backend in ("ray", "local"), "train.parallel",
+         f"{t.parallel} trains with rollouts on system.backend=ray or local, not {sysc.backend}",
+         "set system.backend=ray or local, or train.parallel=none")
     need(t.autocast == "none" or cfg.model.dtype == "float32", "train.autocast",
          f"{t.autocast} keeps fp32 master weights, but model.dtype={cfg.model.dtype}",
          "use model.dtype=float32 with train.autocast=bfloat16")

@@ -26,8 +26,13 @@ measured on the same questions.
 How the environment learns the step: the recipe calls `Setup.on_step(version)` once before the
 first episode and after every optimizer step (`DriftingWorld.at_step`). Episodes that start
 after that call play in the new world; episodes already running finish in the world they
-started in (each env binds its world at `reset`). The world lives in the process that trains,
-so drift runs on the local backend only (the config rejects it with `system.backend=ray`).
+started in (each env binds its world at `reset`). On the Ray backend each rollout worker holds
+its own copy of the setup (the world comes with it, phase 0 built from the same graph and seed)
+and moves it to the version of every weight update it loads
+(`tiderl.system.ray_backend.RolloutWorker`): the changes are pure functions of (data.seed,
+phase), so every worker builds the very worlds the driver does, and nothing but the version
+travels. The world then follows the weights a worker samples with, which is the local order too
+(the recipe moves it right after the step that publishes the weights).
 """
 
 from __future__ import annotations
@@ -187,6 +192,17 @@ class DriftingWorld:
         self.schedule = schedule
         self.step = 0
         self._worlds = [World(0, base, {r: r for r in forward_relations(base)})]
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy for another process (a Ray rollout worker) needs: the base world, the
+        schedule and the step. Later phases are rebuilt there on first use (the same worlds:
+        each change is seeded by the phase); a lock does not travel."""
+        return {"schedule": self.schedule, "step": self.step, "base": self._worlds[0]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.schedule, self.step = state["schedule"], state["step"]
+        self._worlds = [state["base"]]
         self._lock = threading.Lock()
 
     def at_step(self, step: int) -> None:

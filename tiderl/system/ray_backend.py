@@ -157,6 +157,11 @@ class RolloutWorker:
         self.engine.version = bundle.version
         if state is not None:
             self.engine.update_weights(state, bundle.version if version is None else version)
+        # A world that changes with the step (the KG's drift) follows the weight version this
+        # worker samples with: its copy of the setup is moved here, as the driver's is by the recipe.
+        self.on_step = bundle.setup.on_step
+        if self.on_step is not None:
+            self.on_step(self.engine.version)
         self.tokenizer = bundle.tokenizer
         self.make_env = training_env_factory(cfg, bundle.setup.make_env, seed=seed)
         self.params = sampling_params(cfg.rollout, bundle.tokenizer.eos_token_id, greedy=False)
@@ -195,9 +200,12 @@ class RolloutWorker:
 
     async def update_weights(self, state: dict[str, Any], version: int) -> float:
         """Load `state` as `version` (between two decode steps; episodes in flight go on with
-        the new weights) and return the checksum of the weights now held."""
+        the new weights), move a drifting world to `version`, and return the checksum of the
+        weights now held."""
         client = self._ensure_client()
         await client.update_weights(state, version)
+        if self.on_step is not None:  # episodes that start from now on play in this version's world
+            self.on_step(self.engine.version)
         return await client.call(self.engine.state_checksum)
 
     async def checksum(self) -> float:

@@ -27,7 +27,8 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect, cpu_module, kill_actor
 from tiderl.train.checkpoint import load_sharded, save_sharded
 from tiderl.train.forward import logprob_temperature
-from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, unwrapped
+from tiderl.train.lora import is_lora, policy_state
+from tiderl.train.parallel import ParallelLearner, full_state_dict, init_rank, published_state, unwrapped
 from tiderl.train.memory import enable_activation_checkpointing
 from tiderl.train.precision import trainer_autocast
 from tiderl.train.step import train_step
@@ -98,11 +99,12 @@ class TrainerRank:
                               temperature=logprob_temperature(cfg.rollout.temperature))
 
     def publish(self, version: int) -> tuple[list[Any] | None, float | None]:
-        """Gather the full policy weights (a collective); rank 0 puts them in the object store
-        and returns ([reference], checksum), the others (None, None). The reference is wrapped
-        in a list so that Ray hands it over instead of resolving it."""
+        """Gather what the engines load (`published_state`, a collective: the full policy
+        weights, or a LoRA policy's adapters alone); rank 0 puts them in the object store and
+        returns ([reference], checksum), the others (None, None). The reference is wrapped in a
+        list so that Ray hands it over instead of resolving it."""
         assert self.actor is not None
-        state = full_state_dict(self.actor.model, self.actor.mode)
+        state = published_state(self.actor.model, self.actor.mode)
         if self.rank != 0:
             return None, None
         return [ray.put(state)], weights_checksum(state)
@@ -144,7 +146,12 @@ class RayParallelTrainer:
         self.timeout_s = cfg.system.wait_timeout_s
         self.refreshers = [p for p in preparations if hasattr(p, "refresh")]
         # The driver needs the trained critic every step when it computes critic values itself.
-        self.pull_critic = run.critic is not None and (bool(self.refreshers) or cfg.system.options.remote_critic)
+        self.pull_critic = run.critic is not None and (bool(self.refreshers) or
+                                                       getattr(cfg.system.options, "remote_critic", False))
+        # With system.backend=local the ranks run on a Ray this trainer starts (and stops), and the
+        # engine in this process loads the weights from the driver's mirror.
+        self.on_ray = cfg.system.backend == "ray"
+        self.connected_here = False
         self.ranks: list[Any] = []
         self.pg: Any = None
         self.published: PublishedWeights | None = None
@@ -165,7 +172,7 @@ class RayParallelTrainer:
         and form their process group."""
         if self.ranks:
             return
-        connect(self.cfg.system.options.address)
+        self.connected_here = connect(getattr(self.cfg.system.options, "address", ""))
         gpu = self.cfg.model.device.startswith("cuda")
         bundle = {"CPU": 1, **({"GPU": 1} if gpu else {}), **self.cfg.train.rank_resources}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)],
@@ -220,10 +227,14 @@ class RayParallelTrainer:
         self._get([r.save_sharded.remote(str(path)) for r in self.ranks], f"saving the sharded checkpoint {path}")
         return {"parallel": self.cfg.train.parallel, "world_size": self.world_size}
 
-    def weights(self) -> PublishedWeights:
-        """Rank 0's latest weights, by reference, with their checksum."""
+    def weights(self) -> PublishedWeights | dict[str, torch.Tensor]:
+        """Rank 0's latest weights, by reference, with their checksum; for an engine in this
+        process (system.backend=local), the driver's mirror brought up to them."""
         if self.published is None:
             raise RuntimeError("RayParallelTrainer.weights() before the first step")
+        if not self.on_ray:
+            self.pull_actor()
+            return policy_state(self.run.actor.model)
         return self.published
 
     def _pull_critic(self) -> None:
@@ -235,7 +246,8 @@ class RayParallelTrainer:
         if self.published is None or self.mirrored_version == self.published.version:
             return
         state = self._get(self.published.ref, "fetching the published weights")
-        self.run.actor.model.load_state_dict(state)
+        # A LoRA policy's ranks publish the adapters alone: the frozen base is the driver's already.
+        self.run.actor.model.load_state_dict(state, strict=not is_lora(self.run.actor.model))
         self.mirrored_version = self.published.version
 
     def close(self) -> None:
@@ -254,3 +266,5 @@ class RayParallelTrainer:
             if self.pg is not None and ray.is_initialized():
                 remove_placement_group(self.pg)
             self.ranks, self.pg = [], None
+            if self.connected_here and ray.is_initialized():
+                ray.shutdown()

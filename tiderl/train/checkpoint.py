@@ -65,6 +65,8 @@ def save_checkpoint(path: str | Path, step: int, actor: Learner, critic: Learner
         sharded = shards(tmp / SHARDED)
         actor.model.config.save_pretrained(tmp / "actor_config")
         tokenizer.save_pretrained(tmp / "actor_config")
+        if is_lora(actor.model):  # the shards hold base and adapters under peft's names: export rebuilds it
+            actor.model.peft_config["default"].save_pretrained(tmp / "actor_config")
     torch.save({
         "step": step,
         "actor_optimizer": actor.optimizer.state_dict() if shards is None else None,
@@ -297,7 +299,8 @@ def _load_adapters(adapter_dir: Path, model: torch.nn.Module) -> None:
 def export_actor(checkpoint: str | Path, out: str | Path, base_model: str | Path | None = None) -> Path:
     """Write the actor of `checkpoint` to `out` as a plain Hugging Face model directory (weights,
     config, tokenizer with its chat template): the whole weights gathered from a sharded
-    checkpoint, or a LoRA policy's adapters merged into its base model (`base_model`, by default
+    checkpoint (a LoRA policy's with its adapters merged in: its shards hold the base too), or a
+    single-process LoRA policy's adapters merged into its base model (`base_model`, by default
     the base model directory the adapters name). `out` must not exist yet; it appears whole (a
     temporary directory renamed at the end). Returns `out`."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -315,7 +318,14 @@ def export_actor(checkpoint: str | Path, out: str | Path, base_model: str | Path
         source = checkpoint / "actor_config"
         config = AutoConfig.from_pretrained(source)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
-        load_sharded_weights(checkpoint / SHARDED, model, "actor")
+        if (source / "adapter_config.json").is_file():  # a LoRA policy's ranks: base and adapters, then merged
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig.from_pretrained(str(source)))
+            load_sharded_weights(checkpoint / SHARDED, model, "actor")
+            model = model.merge_and_unload()
+        else:
+            load_sharded_weights(checkpoint / SHARDED, model, "actor")
     elif lora_base_of(checkpoint / "actor") is not None:
         source = checkpoint / "actor"
         model = load_policy(source, base_model=base_model).merge_and_unload()

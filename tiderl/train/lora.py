@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 @dataclass
 class LoraSettings:
     """LoRA adapters on the policy (through `peft`, the optional extra `lora`): only the adapters
-    train, and only they travel to the engines, which merge them into their base weights."""
+    train (in one process or on DDP/FSDP2 ranks), and only they travel to the engines, which add
+    them beside their base weights (`tiderl.rollout.lora.LoraTorchEngine`)."""
 
     r: int = opt(0, "LoRA rank (0 = off: full fine-tuning).")
     alpha: float = opt(16.0, "LoRA scale numerator: the update is (alpha / r) * B A.")
@@ -31,10 +32,9 @@ class LoraSettings:
         need(self.alpha > 0, "alpha", "must be > 0", "use e.g. 16")
         need(self.r == 0 or bool(self.target_modules), "target_modules", "is empty",
              "name the layers to adapt, e.g. [q_proj, v_proj]")
-        need(self.r == 0 or cfg.train.parallel == "none", "r",
-             f"LoRA is not built for train.parallel={cfg.train.parallel} yet", "use train.parallel=none with LoRA")
         need(self.r == 0 or cfg.rollout.engine == "torch", "r",
-             f"only the torch engine merges adapters, not rollout.engine={cfg.rollout.engine}",
+             f"only the torch engine loads adapters, not rollout.engine={cfg.rollout.engine} (its sync sends whole "
+             "weights)",
              "use rollout.engine=torch with LoRA")
 
     def unread(self, cfg: Any) -> dict[str, str]:

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from tiderl.train.learner import Learner, LossFn
+from tiderl.train.lora import is_lora
 
-__all__ = ["ParallelLearner", "assign_micro_batches", "backend_for", "full_state_dict", "init_rank", "wrap_model"]
+__all__ = ["ParallelLearner", "assign_micro_batches", "backend_for", "full_state_dict", "init_rank", "published_state",
+           "wrap_model"]
 
 
 def backend_for(device: str) -> str:
@@ -107,6 +109,26 @@ def full_state_dict(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor
     if dist.get_rank() != 0:
         return {}
     return {k: v.detach().to("cpu") for k, v in unwrapped(model).state_dict().items()}
+
+
+def published_state(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor]:
+    """What rank 0 sends to the engines after a step, on the CPU (other ranks get {}): the
+    adapters of a LoRA policy (`tiderl.train.lora.policy_state` of the unwrapped model; FSDP2
+    gathers only the trainable parameters, so the frozen base never travels), else
+    `full_state_dict`. A collective: every rank must call it."""
+    inner = unwrapped(model)
+    if not is_lora(inner):
+        return full_state_dict(model, mode)
+    if mode == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                     ignore_frozen_params=True))
+    elif dist.get_rank() != 0:
+        return {}
+    else:
+        state = inner.state_dict()
+    return {k: v.detach().to("cpu") for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
 
 
 class ParallelLearner(Learner):

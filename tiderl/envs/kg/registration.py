@@ -17,7 +17,7 @@ SOURCES = ("embedded", "metaqa", "agentbench_kg")
 @dataclass
 class DriftOptions:
     """A world that changes during training (online learning; `tiderl/envs/drift.py`,
-    docs/online.md): in-memory graphs (embedded, metaqa) on the local backend only."""
+    docs/online.md): in-memory graphs (embedded, metaqa), on the local or the Ray backend."""
 
     every_steps: int = opt(0, "Optimizer steps between two changes of the world (0 = no drift).")
     fraction: float = opt(0.2, "Share of the facts (kind=facts) or of the relations (kind=relations) one "
@@ -54,9 +54,11 @@ class KGOptions:
         drift, off = self.drift, DriftOptions()
         need(drift.every_steps >= 0, "drift.every_steps", "must be >= 0", "use 0 (off) or e.g. 20")
         need(0 < drift.fraction <= 1, "drift.fraction", f"{drift.fraction} is outside (0, 1]", "use e.g. 0.2")
-        need(drift.every_steps == 0 or cfg.system.backend == "local", "drift.every_steps",
-             "a drifting world lives in the training process, which the Ray backend's workers do not share",
-             "use system.backend=local, or env.options.drift.every_steps=0")
+        need(drift.every_steps == 0 or cfg.system.backend in ("local", "ray"), "drift.every_steps",
+             f"a drifting world moves with the weight version in the training process (system.backend=local) or "
+             f"in each Ray rollout worker (ray), and system.backend={cfg.system.backend}'s external agent plays in a world "
+             "of its own",
+             "use system.backend=local or ray, or env.options.drift.every_steps=0")
         for key in ("fraction", "kind"):
             need(drift.every_steps > 0 or getattr(drift, key) == getattr(off, key), f"drift.{key}",
                  f"set to {getattr(drift, key)!r}, but drift.every_steps=0 turns drift off, so it would be ignored",
