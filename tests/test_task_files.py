@@ -114,7 +114,7 @@ def test_files_replace_the_sources_tasks_and_are_found_under_the_data_root(tmp_p
 
 
 @pytest.mark.parametrize("more, field", [
-    (["env.name=kg", "data.train_files=[a.jsonl]"], "data.train_files"),
+    (["env.name=repo", "data.train_files=[a.jsonl]"], "data.train_files"),
     (["env.name=db", "data.fields={question: q}"], "data.fields"),
     (["env.name=math", "data.fields={prompt: q}"], "data.fields"),
 ])
