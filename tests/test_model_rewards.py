@@ -130,7 +130,7 @@ def test_a_run_shapes_with_the_reward_model_and_trains(reward_dir, tmp_path_fact
     assert run.model_rewards is not None
     played = rollout(run, run.setup.train_tasks[:2])
     for t in played:
-        shaped = run.shape(t)
+        (shaped,) = run.model_rewards.shape([t])
         messages = conversation_of(run.tokenizer.decode(t.tokens, skip_special_tokens=False))
         assert messages[-1]["role"] == "assistant"  # the policy's ChatML turns were read back
         expected = 0.5 * independent_score(reward_dir, messages) + 2.0 * t.reward
@@ -138,7 +138,12 @@ def test_a_run_shapes_with_the_reward_model_and_trains(reward_dir, tmp_path_fact
     seen = []
     history, _ = train(run, observer=lambda version, metrics, batch: seen.extend(batch))
     assert len(history) == 2 and seen
+    # Every trained episode was scored on its way from the backend (tiderl/rewards/scoring.py), in
+    # batches of at most reward.model.batch_size, and its reward holds the weighted score.
     assert all(PART in t.reward_parts for t in seen)
+    for t in seen:
+        assert t.reward == pytest.approx(sum(t.reward_parts.values()), abs=1e-5)
+        assert t.reward_parts[PART] == pytest.approx(0.5 * t.env_info[f"{PART}/score"], abs=1e-6)
 
 
 # -- a generative judge over an OpenAI-compatible URL -----------------------------------------

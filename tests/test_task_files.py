@@ -114,7 +114,7 @@ def test_files_replace_the_sources_tasks_and_are_found_under_the_data_root(tmp_p
 
 
 @pytest.mark.parametrize("more, field", [
-    (["env.name=kg", "data.train_files=[a.jsonl]"], "data.train_files"),
+    (["env.name=repo", "data.train_files=[a.jsonl]"], "data.train_files"),
     (["env.name=db", "data.fields={question: q}"], "data.fields"),
     (["env.name=math", "data.fields={prompt: q}"], "data.fields"),
 ])
@@ -137,10 +137,15 @@ def gsm8k_root() -> Path:
 
 @pytest.mark.data
 @pytest.mark.slow
-def test_gsm8k_train_file_trains_with_math_and_evaluates_every_step(tmp_path):
+def test_gsm8k_train_file_trains_with_math_and_evaluates_every_step(tmp_path, monkeypatch):
     """GSM8K's train.jsonl as it is (7,473 records, answers after ####) trains a tiny model with
     env.name=math; the held-out tasks are GSM8K's test questions (data.source=gsm8k), none of them
-    a training question, evaluated after every step."""
+    a training question, evaluated after every step; the W&B (offline) and MLflow (local store)
+    runs get each step's held-out success (issue 32's done-when, in one run)."""
+    pytest.importorskip("wandb", reason="log.trackers needs the trackers extra (pip install 'tiderl[trackers]')")
+    pytest.importorskip("mlflow", reason="log.trackers needs the trackers extra (pip install 'tiderl[trackers]')")
+    from mlflow.tracking import MlflowClient
+
     from tiderl.evaluate import evaluate_modes, oracle_engine, oracle_limits
     from tiderl.models.loading import save_model_dir
     from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
@@ -162,13 +167,25 @@ def test_gsm8k_train_file_trains_with_math_and_evaluates_every_step(tmp_path):
     cfg = load_config(None, [*base, f"model.path={model}", "algo.name=grpo", "algo.group_size=2", "rollout.batch_size=4",
                              "rollout.max_new_tokens=8", "env.max_turns=1", "env.max_total_tokens=768",
                              "train.micro_batch_tokens=4096", "train.steps=2", "eval.every=1", "eval.n=4",
-                             "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1"])
+                             "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1",
+                             "log.trackers=[wandb, mlflow]"])
+    store = f"file:{tmp_path / 'mlruns'}"
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": store,
+                       "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "tiderl-gsm8k"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     run = build_run(cfg)
     trained: list[str] = []
     history, _ = train(run, observer=lambda version, metrics, batch: trained.extend(t.task_id for t in batch))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/success" in r] == [1, 2]
     assert all(0 <= r["eval/success"] <= 1 and r["eval/success_se"] >= 0 for r in rows)
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1  # written offline
+    client = MlflowClient(store)
+    [mlrun] = client.search_runs([client.get_experiment_by_name("tiderl-gsm8k").experiment_id])
+    points = client.get_metric_history(mlrun.info.run_id, "eval.success")
+    assert [(p.step, p.value) for p in points] == [(r["step"], pytest.approx(r["eval/success"])) for r in rows
+                                                   if "eval/success" in r]
     train_ids = {t.task_id for t in setup.train_tasks}
     assert len(trained) == 8 and set(trained) <= train_ids and all(i.startswith("gsm8k/train-") for i in trained)
     # The rewards check the answers read from the file: the reference answer is rewarded, another is not.

@@ -77,19 +77,23 @@ class DataConfig:
     data_dir: str = opt("", "Root of the shared benchmark data ('' = $TIDERL_DATA_DIR or ../shared/data).")
     eval_size: int = opt(200, "Held-out questions per evaluation (fixed-seed sample).")
     seed: int = opt(0, "Seed of the world, the questions and the split.")
-    train_files: list[str] = opt([], "Your own training tasks, in place of the source's: JSONL files (Parquet too with "
-                                 "pyarrow, the `data` extra), for an environment that reads files (the others refuse "
-                                 "them). A relative path not found from the working directory is read under the data "
-                                 "root (data.data_dir), e.g. [gsm8k/train.jsonl].")
+    train_files: list[str] = opt([], "Your own training tasks, in place of the source's: JSONL files, Parquet files or "
+                                 "folders saved by datasets' save_to_disk (these two need pyarrow, the `data` extra; "
+                                 "kg also reads MetaQA's question<TAB>answers .txt files), for an environment that "
+                                 "reads files (math, code, kg; the others refuse them). A relative path not found "
+                                 "from the working directory is read under the data root (data.data_dir), e.g. "
+                                 "[gsm8k/train.jsonl].")
     eval_files: list[str] = opt([], "Your own held-out tasks, likewise, in place of the source's (a fixed-seed sample of "
                                 "at most data.eval_size).")
-    fields: dict[str, str] = opt({}, "Which field of a record holds the question, the answer and the id, e.g. {question: "
-                                 "problem, answer: solution} ({} = question/problem/prompt, answer/solution, "
-                                 "id/unique_id).")
+    fields: dict[str, str] = opt({}, "Which field of a record holds what, e.g. {question: problem, answer: solution} "
+                                 "({} = the common formats as they are; the roles: math question/answer/id, code "
+                                 "question/tests/entry_point/reference/id, kg question/answer/topic/path/id; "
+                                 "docs/env_*.md).")
 
     def check(self, cfg: Any) -> None:
-        need(set(self.fields) <= {"question", "answer", "id"}, "fields", f"names {sorted(self.fields)}",
-             "map only question, answer and id to a record's field names")
+        roles = environments.task_fields(cfg.env.name)
+        need(roles is None or set(self.fields) <= set(roles), "fields", f"names {sorted(self.fields)}",
+             f"map only {', '.join(roles or ())} to a record's field names")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         files = environments.reads_task_files(cfg.env.name)

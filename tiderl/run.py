@@ -33,6 +33,7 @@ from tiderl.models.loading import check_device, load_model, load_tokenizer
 from tiderl.models.startup import check_model_and_budgets
 from tiderl.rewards.curiosity import CuriosityShaper
 from tiderl.rewards.model import ModelRewards
+from tiderl.rewards.scoring import BatchScorer, ScoredBackend
 from tiderl.rewards.tool_errors import penalize_no_call_turns, penalize_tool_errors
 from tiderl.rollout import Engine, make_engine
 from tiderl.rollout.weights import weights_checksum
@@ -119,10 +120,9 @@ class Run:
         return self.setup.make_env
 
     def shape(self, trajectory: Trajectory) -> Trajectory:
-        """The trajectory with the reward model's and judge's scores (`reward.*`), the curiosity bonus
-        of the current step, and the tool-error and no-call penalties when on."""
-        if self.model_rewards is not None:
-            trajectory = self.model_rewards.shape([trajectory])[0]
+        """The trajectory with the curiosity bonus of the current step, and the tool-error and
+        no-call penalties when on. (The reward model's and judge's scores, `reward.*`, come first,
+        off the event loop: `open_pool` wraps the backend in a `ScoredBackend`.)"""
         shaped = self.curiosity.shape(trajectory, self.step)
         if self.cfg.env.tool_error_penalty > 0:
             shaped = penalize_tool_errors(shaped, self.cfg.env.tool_error_penalty, self.cfg.env.max_turns)
@@ -313,6 +313,8 @@ def open_pool(run: Run, backend: RolloutBackend, preparations: list[Preparation]
     if schedule is not None and schedule.get("ledger_offset") is not None \
             and run.resume_state.get("run_dir") == str(Path(cfg.run_dir).resolve()):
         lost = cut_back(path, schedule["ledger_offset"], run.step, run.resumed_from)
+    if run.model_rewards is not None:  # scored in batches on a thread of their own (tiderl/rewards/scoring.py)
+        backend = ScoredBackend(backend, BatchScorer.from_config(cfg, run.model_rewards))
     run.pool = RolloutPool(PoolSettings.from_config(cfg), lambda: run.tasks.take(1)[0], backend, buffer,
                            shape=run.shape, ledger_log=LedgerLog(path), start_version=run.step)
     if schedule is not None:

@@ -14,7 +14,8 @@ An environment is one object (a class or a module-level object) with:
   warm-started on it;
 - `eval_flags` (optional): `EvalFlag`s, shortcuts of `tiderl eval` for its options;
 - `task_files` (optional, default true for a user's): whether it reads `data.train_files`,
-  `data.eval_files` and `data.fields` (a built-in that does not has them refused).
+  `data.eval_files` and `data.fields` (a built-in that does not has them refused);
+  `task_fields` (optional): the roles `data.fields` may map (a user's: any).
 
 A built-in is a `BuiltinEnvironment` in its own package's `registration.py`, named by
 `tiderl.registry.ENVIRONMENTS`: torch-free and quick to import, so loading a config imports
@@ -81,6 +82,7 @@ class BuiltinEnvironment:
     eval_flags: tuple[EvalFlag, ...] = ()
     former_keys: dict[str, str] = dataclasses.field(default_factory=dict)
     task_files: bool = False
+    task_fields: tuple[str, ...] = ("question", "answer", "id")
 
     def setup(self, cfg: Any) -> Any:
         """The environment's `Setup` for `cfg` (imports the environment's code)."""
@@ -120,6 +122,11 @@ def sources(name: str) -> tuple[str, ...]:
 def reads_task_files(name: str) -> bool:
     """Whether environment `name` reads `data.train_files` / `data.eval_files` (module docstring)."""
     return bool(getattr(environment(name), "task_files", True))
+
+
+def task_fields(name: str) -> tuple[str, ...] | None:
+    """The roles `data.fields` may map for environment `name` (None = any)."""
+    return getattr(environment(name), "task_fields", None)
 
 
 def builtin(name: str) -> BuiltinEnvironment:

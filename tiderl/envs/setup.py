@@ -102,15 +102,28 @@ def sample_tasks(tasks: list[Task], size: int, seed: int) -> list[Task]:
     return [tasks[i] for i in keep]
 
 
+# What Dataset.save_to_disk writes: state.json (listing the .arrow files of the split, in
+# order) beside them; DatasetDict.save_to_disk one such folder per split and dataset_dict.json.
+DATASET_STATE, DATASET_DICT = "state.json", "dataset_dict.json"
+
+
 def task_files(names: list[str], data_dir: str = "") -> list[Path]:
     """The files `data.train_files` / `data.eval_files` name: each path as given, or, relative and
-    not found from the working directory, under the data root (`data_root`)."""
+    not found from the working directory, under the data root (`data_root`). A file, or a folder
+    that `datasets`' `Dataset.save_to_disk` wrote (it holds `state.json`)."""
     out = []
     for name in names:
         path = Path(name).expanduser()
         if not path.is_absolute() and not path.exists():
             path = data_root(data_dir) / name
-        if not path.is_file():
+        if path.is_dir() and (path / DATASET_DICT).is_file():
+            splits = json.loads((path / DATASET_DICT).read_text()).get("splits", [])
+            raise ValueError(f"task file {name!r} is a saved DatasetDict (splits {', '.join(splits)}), not one "
+                             f"split. Fix: name one split's folder, e.g. {name.rstrip('/')}/{(splits or ['train'])[0]}")
+        if path.is_dir() and not (path / DATASET_STATE).is_file():
+            raise ValueError(f"task file {name!r} is a folder without {DATASET_STATE}, so not a dataset saved with "
+                             "Dataset.save_to_disk. Fix: name a JSON Lines or Parquet file, or a saved dataset's folder")
+        if not path.is_file() and not path.is_dir():
             raise FileNotFoundError(f"task file {name!r} not found (looked in {Path.cwd()} and {data_root(data_dir)}). "
                                     "Fix: pass an existing file, or set data.data_dir / $TIDERL_DATA_DIR to the folder "
                                     "that holds it")
@@ -118,16 +131,48 @@ def task_files(names: list[str], data_dir: str = "") -> list[Path]:
     return out
 
 
+def file_split(data: Any) -> tuple[list[Path], list[Path]]:
+    """`data.train_files` and `data.eval_files` as paths (`task_files`); a path in both is refused,
+    since held-out tasks must never be trained on."""
+    train, held_out = task_files(data.train_files, data.data_dir), task_files(data.eval_files, data.data_dir)
+    both = set(train) & set(held_out)
+    if both:
+        raise ValueError(f"{sorted(map(str, both))} are both data.train_files and data.eval_files: held-out tasks "
+                         "must not be trained on. Fix: list each file once")
+    return train, held_out
+
+
+def record_field(record: dict[str, Any], names: tuple[str, ...], where: str, example: str) -> Any:
+    """The value of the first of `names` that `record` holds (not None, not ""); else a ValueError
+    naming the record (`where`), the fields looked for and `data.fields` (`example`: its fix)."""
+    for name in names:
+        if record.get(name) not in (None, ""):
+            return record[name]
+    raise ValueError(f"{where}: no {' or '.join(names)} field. Fix: name the record's fields in data.fields, "
+                     f"e.g. {example}")
+
+
+def field_names(defaults: dict[str, tuple[str, ...]], fields: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """Per role, the field names to look for: the one `data.fields` gives, else the defaults."""
+    return {role: (fields[role],) if role in fields else names for role, names in defaults.items()}
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a task file: JSON Lines (one object a line, blank lines skipped) or, for a
-    `.parquet` file, its rows (needs pyarrow: `pip install 'tiderl[data]'`)."""
-    if path.suffix == ".parquet":
+    """The records of a task file: JSON Lines (one object a line, blank lines skipped), a
+    `.parquet` file's rows, or the rows of a folder saved with `Dataset.save_to_disk` (read
+    with pyarrow, without the `datasets` package). Parquet and saved datasets need pyarrow
+    (`pip install 'tiderl[data]'`)."""
+    if path.is_dir() or path.suffix == ".parquet":
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError(f"{path}: reading Parquet needs pyarrow. Fix: pip install 'tiderl[data]', or "
+            kind = "a saved dataset" if path.is_dir() else "Parquet"
+            raise ImportError(f"{path}: reading {kind} needs pyarrow. Fix: pip install 'tiderl[data]', or "
                               "convert the file to JSON Lines") from None
-        return pq.read_table(path).to_pylist()
+        if not path.is_dir():
+            return pq.read_table(path).to_pylist()
+        return _saved_dataset_rows(pa, path)
     records = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -141,3 +186,23 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         records.append(record)
     return records
+
+
+def _saved_dataset_rows(pa: Any, folder: Path) -> list[dict[str, Any]]:
+    """The rows of a `Dataset.save_to_disk` folder: its .arrow files (Arrow IPC streams), in the
+    order state.json lists them."""
+    state = json.loads((folder / DATASET_STATE).read_text())
+    names = [f["filename"] for f in state.get("_data_files", [])]
+    if not names:
+        raise ValueError(f"{folder / DATASET_STATE} lists no data files (_data_files). Fix: save the dataset again "
+                         "with Dataset.save_to_disk")
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        with pa.memory_map(str(folder / name)) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:  # the file (random access) layout, not the stream one
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+        rows += table.to_pylist()
+    return rows

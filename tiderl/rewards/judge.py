@@ -10,6 +10,7 @@ names the task. Standard library only.
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.error
 import urllib.request
@@ -39,6 +40,9 @@ class JudgeOptions:
     max_score: float = opt(10.0, "The top of the judge's scale: its number is divided by it.")
     timeout_s: float = opt(60.0, "Seconds one judge request may take.")
     batch_size: int = opt(8, "Judge requests in flight at once.")
+    api_key_env: str = opt("", "The environment variable holding the judge server's API key, sent as "
+                               "'Authorization: Bearer <key>' ('' = no key). The key itself is never in the config "
+                               "or the logs.")
 
     def check(self, cfg: object) -> None:
         need("{conversation}" in self.prompt, "prompt", "has no {conversation} placeholder",
@@ -46,6 +50,9 @@ class JudgeOptions:
         need(self.max_score > 0, "max_score", "must be > 0", "use e.g. 10")
         need(self.timeout_s > 0, "timeout_s", "must be > 0", "use e.g. 60")
         need(self.batch_size >= 1, "batch_size", "must be >= 1", "use e.g. 8")
+        need(not self.url or not self.api_key_env or bool(os.environ.get(self.api_key_env)), "api_key_env",
+             f"names ${self.api_key_env}, which is not set (or empty)",
+             f"export {self.api_key_env}=<the judge server's key>, or set reward.judge.api_key_env ''")
 
 
 def render(template: str, messages: Sequence[dict[str, str]]) -> str:
@@ -58,6 +65,16 @@ class Judge:
 
     def __init__(self, options: JudgeOptions) -> None:
         self.options = options
+        self._headers = {"Content-Type": "application/json"}
+        if options.api_key_env:
+            key = os.environ.get(options.api_key_env)
+            if not key:
+                raise ValueError(f"reward.judge.api_key_env names ${options.api_key_env}, which is not set. Fix: "
+                                 f"export {options.api_key_env}=<the judge server's key>, or set it ''")
+            self._headers["Authorization"] = f"Bearer {key}"
+
+    def __repr__(self) -> str:  # never the key
+        return f"Judge(url={self.options.url!r}, model={self.options.model!r})"
 
     def scores(self, conversations: Sequence[list[dict[str, str]]], task_ids: Sequence[str] = ()) -> list[float]:
         """One score per conversation, in order; RuntimeError naming the task on any failure."""
@@ -70,7 +87,7 @@ class Judge:
         body = {"model": o.model, "temperature": 0.0,
                 "messages": [{"role": "user", "content": render(o.prompt, messages)}]}
         request = urllib.request.Request(o.url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers=self._headers)
         where = f"judge at {o.url} on task {task_id}"
         try:
             with urllib.request.urlopen(request, timeout=o.timeout_s) as response:

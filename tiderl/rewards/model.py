@@ -58,6 +58,14 @@ class RewardConfig:
     judge: JudgeOptions = section(JudgeOptions, "A generative judge's score in the training reward.")
     rule_weight: float = opt(1.0, "Weight of the environment's own (rule) reward in the training reward when "
                                   "reward.model.path or reward.judge.url is set.")
+    batch_wait_s: float = opt(0.05, "Seconds a finished episode waits for others to be scored with it (a batch is "
+                                    "also scored once it holds the largest reward.*.batch_size episodes).")
+    timeout_s: float = opt(600.0, "Seconds one batch of episodes may take to score (0 = no limit); past it each "
+                                  "of its episodes fails with the tasks named, and is retried.")
+
+    def check(self, cfg: Any) -> None:
+        need(self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0", "use e.g. 0.05")
+        need(self.timeout_s >= 0, "timeout_s", "must be >= 0 (0 = no limit)", "use e.g. 600")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -67,6 +75,8 @@ class RewardConfig:
                 out.update({f"{name}.{f.name}": f"reward.{name}.{what} is '', so nothing reads it"
                             for f in dataclasses.fields(kind) if f.name != what})
         if not (self.model.path or self.judge.url):
+            out.update(dict.fromkeys(("batch_wait_s", "timeout_s"), "neither reward.model.path nor reward.judge.url "
+                                     "is set: nothing is scored"))
             out["rule_weight"] = ("neither reward.model.path nor reward.judge.url is set: the environment's reward "
                                   "is used as is")
         return out

@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 
 from tiderl.envs.protocol import Task
+from tiderl.envs.setup import field_names, read_records, record_field
 
 HUMANEVAL_FILE = Path("humaneval") / "HumanEval.jsonl.gz"
 MBPP_FILE = Path("mbpp") / "sanitized-mbpp.json"
@@ -113,23 +114,21 @@ def called_functions(test_code: str) -> list[str]:
 def load_humaneval(root: Path) -> list[Task]:
     """The 164 HumanEval problems as code tasks (module docstring)."""
     path = root / HUMANEVAL_FILE
-    tasks = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            entry = row["entry_point"]
-            tests = f"{row['test']}\n\ncheck({entry})\n"
-            tasks.append(Task(
-                task_id=row["task_id"],
-                prompt=HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"]),
-                answer={"tests": tests},
-                meta={"source": "humaneval", "prelude": row["prompt"], "entry_points": [entry],
-                      "visible_tests": docstring_examples(row["prompt"], entry),
-                      "reference": row["prompt"] + row["canonical_solution"]},
-            ))
-    return tasks
+        return [humaneval_task(row, row["task_id"]) for row in (json.loads(line) for line in f if line.strip())]
+
+
+def humaneval_task(row: dict, task_id: str) -> Task:
+    """A HumanEval record (`prompt`, `test`, `entry_point`, `canonical_solution`) as a code task."""
+    entry = row["entry_point"]
+    return Task(
+        task_id=task_id,
+        prompt=HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"]),
+        answer={"tests": f"{row['test']}\n\ncheck({entry})\n"},
+        meta={"source": "humaneval", "prelude": row["prompt"], "entry_points": [entry],
+              "visible_tests": docstring_examples(row["prompt"], entry),
+              "reference": row["prompt"] + (row.get("canonical_solution") or "")},
+    )
 
 
 def load_mbpp(root: Path, split: str) -> list[Task]:
@@ -144,14 +143,100 @@ def load_mbpp(root: Path, split: str) -> list[Task]:
         in_eval = tid in MBPP_EVAL_IDS
         if (split == "eval") != in_eval or (split == "train" and tid in MBPP_PROMPT_IDS):
             continue
-        asserts = list(row["test_list"])
-        tests = "\n".join(list(row.get("test_imports") or []) + asserts) + "\n"
-        text = " ".join(str(row["prompt"]).split())
-        tasks.append(Task(
-            task_id=f"mbpp/{tid}",
-            prompt=MBPP_INSTRUCTION.format(text=text, test=asserts[0]),
-            answer={"tests": tests},
-            meta={"source": "mbpp", "prelude": "", "entry_points": called_functions("\n".join(asserts)),
-                  "visible_tests": asserts[:1], "reference": row["code"]},
-        ))
+        tasks.append(mbpp_task(row["prompt"], list(row["test_list"]), list(row.get("test_imports") or []),
+                               row["code"], f"mbpp/{tid}"))
     return tasks
+
+
+def mbpp_task(text: str, asserts: list[str], imports: list[str], reference: str, task_id: str) -> Task:
+    """An MBPP problem (its text, its assert statements, the imports they need, the reference
+    code) as a code task: the text and the first assert are shown, every assert is hidden."""
+    tests = "\n".join(imports + asserts) + "\n"
+    text = " ".join(str(text).split())
+    return Task(
+        task_id=task_id,
+        prompt=MBPP_INSTRUCTION.format(text=text, test=asserts[0]),
+        answer={"tests": tests},
+        meta={"source": "mbpp", "prelude": "", "entry_points": called_functions("\n".join(asserts)),
+              "visible_tests": asserts[:1], "reference": reference},
+    )
+
+
+# -- your own task files (data.train_files, data.eval_files) ------------------------------------
+
+# The fields of a code record, per role (first present wins; data.fields names others): MBPP's
+# (`text` or sanitized MBPP's `prompt`, `test_list`, `code`) and HumanEval's (`prompt`, `test`,
+# `entry_point`, `canonical_solution`). A record with an entry point is read as HumanEval's.
+FIELD_NAMES = {"question": ("text", "prompt", "question"), "tests": ("test_list", "test", "tests"),
+               "entry_point": ("entry_point",), "reference": ("code", "canonical_solution", "reference"),
+               "id": ("task_id", "id")}
+FIELDS_EXAMPLE = "{question: description, tests: checks, reference: solution}"
+
+
+def file_tasks(paths: list[Path], fields: dict[str, str]) -> list[Task]:
+    """The code tasks of `data.train_files` / `data.eval_files` (`read_records`): a HumanEval-shaped
+    record (with an entry point) as `humaneval_task`, any other as an MBPP problem (`mbpp_task`;
+    its tests a list of assert statements, or test code whose assert lines are its asserts).
+    Task id `<folder>/<file stem>-<id>` (the record's id, else its index). A record without a
+    question or tests, with tests that are not Python, or an entry point that is not a name, is an
+    error naming the file, the record, the field and the fix."""
+    names = field_names(FIELD_NAMES, fields)
+    tasks = []
+    for path in paths:
+        for i, record in enumerate(read_records(path)):
+            where = f"{path}: record {i + 1}"
+            key = next((record[n] for n in names["id"] if record.get(n) not in (None, "")), i)
+            task_id = f"{path.parent.name}/{path.stem}-{key}"
+            question = record_field(record, names["question"], where, FIELDS_EXAMPLE)
+            tests = record_field(record, names["tests"], where, FIELDS_EXAMPLE)
+            tests_field = next(n for n in names["tests"] if record.get(n) not in (None, ""))
+            reference = next((record[n] for n in names["reference"] if record.get(n)), "")
+            entry = next((record[n] for n in names["entry_point"] if record.get(n)), None)
+            if entry is not None:
+                if not str(entry).isidentifier():
+                    raise ValueError(f"{where}: {names['entry_point'][0]} {entry!r} is not a function name. Fix: "
+                                     "give the name of the function the tests check")
+                _check_python(str(tests), where, tests_field)
+                if not re.search(r"^def check\(", str(tests), re.MULTILINE):
+                    raise ValueError(f"{where}: field {tests_field} defines no check(candidate), which "
+                                     "HumanEval's tests call with the entry point. Fix: define it, or give the tests "
+                                     "as a list of assert statements without an entry_point")
+                row = {"prompt": str(question), "test": str(tests), "entry_point": str(entry),
+                       "canonical_solution": str(reference)}
+                task = humaneval_task(row, task_id)
+            else:
+                asserts = _asserts(tests, where, tests_field)
+                imports = [str(x) for x in record.get("test_imports") or []]
+                task = mbpp_task(str(question), asserts, imports, str(reference), task_id)
+            task.meta["file"] = str(path)
+            tasks.append(task)
+    return tasks
+
+
+def _check_python(code: str, where: str, name: str) -> None:
+    try:
+        ast.parse(code)
+    except SyntaxError as exc:
+        raise ValueError(f"{where}: field {name} is not Python ({exc.msg}, line {exc.lineno}). Fix: give the "
+                         "test code as written, or name the right field in data.fields") from None
+
+
+def _asserts(tests: object, where: str, name: str) -> list[str]:
+    """An MBPP record's tests as assert statements: a list of them, or the assert lines of test code."""
+    if isinstance(tests, str):
+        _check_python(tests, where, name)
+        asserts = [line.strip() for line in tests.splitlines() if line.strip().startswith("assert")]
+    elif isinstance(tests, (list, tuple)) and all(isinstance(t, str) for t in tests):
+        asserts = [t.strip() for t in tests]
+        for n, statement in enumerate(asserts, 1):
+            _check_python(statement, where, name)
+            if not statement.startswith("assert"):
+                raise ValueError(f"{where}: item {n} of field {name} is not an assert statement ({statement[:60]!r}). "
+                                 "Fix: list assert statements only, as MBPP's test_list does, or give test code")
+    else:
+        raise ValueError(f"{where}: field {name} is a {type(tests).__name__}; expected a list of assert "
+                         "statements or test code. Fix: give the tests as MBPP's test_list or HumanEval's test")
+    if not asserts:
+        raise ValueError(f"{where}: field {name} holds no assert statement, so no answer could fail. Fix: give "
+                         "the tests as assert statements (MBPP's test_list), or HumanEval's test with an entry_point")
+    return asserts

@@ -32,4 +32,5 @@ class CodeOptions:
 FORMER_KEYS = {f"env.{f}": f for f in ("sandbox_cpu_s", "sandbox_wall_s", "sandbox_memory_mb", "sandbox_concurrency")}
 
 ENVIRONMENT = BuiltinEnvironment(setup_path="tiderl.envs.code.setup:setup", Options=CodeOptions, sources=SOURCES,
-                                 former_keys=FORMER_KEYS)
+                                 former_keys=FORMER_KEYS, task_files=True,
+                                 task_fields=("question", "tests", "entry_point", "reference", "id"))

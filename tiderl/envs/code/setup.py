@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tiderl.envs.code.data import HUMANEVAL_FILE, MBPP_FILE, load_humaneval, load_mbpp
+from tiderl.envs.code.data import HUMANEVAL_FILE, MBPP_FILE, file_tasks, load_humaneval, load_mbpp
 from tiderl.envs.code.env import CodeEnv, tool_call_text
 from tiderl.envs.code.registration import SOURCES
 from tiderl.envs.code.sandbox import Limits, Sandbox
 from tiderl.envs.protocol import Task
-from tiderl.envs.setup import Setup, data_root, sample_tasks
+from tiderl.envs.setup import Setup, data_root, file_split, sample_tasks, task_files
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -33,10 +33,23 @@ def shared_sandbox(setup: Setup, cfg: "RunConfig") -> Sandbox:
 
 
 def code_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:
-    """(training tasks, held-out tasks) of `data.source`."""
+    """(training tasks, held-out tasks) of `data.source`, or of `data.train_files` /
+    `data.eval_files` in place of the source's (`file_tasks`)."""
     data = cfg.data
     if data.source not in SOURCES:
         raise ValueError(f"data.source={data.source!r} is not a code source. Fix: use one of {', '.join(SOURCES)}.")
+    train_files, eval_files = file_split(data)
+    train, held_out = source_tasks(cfg) if not (train_files and eval_files) else ([], [])
+    if train_files:
+        train = file_tasks(train_files, data.fields)
+    if eval_files:
+        held_out = sample_tasks(file_tasks(eval_files, data.fields), data.eval_size, data.seed)
+    return train, held_out
+
+
+def source_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:
+    """(training tasks, held-out tasks) of `data.source` (module docstring)."""
+    data = cfg.data
     root = data_root(data.data_dir)
     needed = root / (HUMANEVAL_FILE if data.source == "humaneval" else MBPP_FILE)
     if not needed.is_file():
@@ -58,7 +71,8 @@ def oracle_turns(task: Task) -> list[str]:
 def setup(cfg: "RunConfig") -> Setup:
     """Code tasks of `data.source` and a factory of `CodeEnv`s sharing one sandbox."""
     train, held_out = code_tasks(cfg)
-    out = Setup(train, held_out, CodeEnv, cfg.data.source, oracle=oracle_turns)
+    name = ",".join(f"{p.parent.name}/{p.stem}" for p in task_files(cfg.data.train_files, cfg.data.data_dir))
+    out = Setup(train, held_out, CodeEnv, name or cfg.data.source, oracle=oracle_turns)
     out.make_env = _CodeFactory(out, cfg)
     return out
 

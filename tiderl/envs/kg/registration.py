@@ -70,6 +70,8 @@ ENVIRONMENT = BuiltinEnvironment(
     Options=KGOptions,
     sources=SOURCES,
     warm_start_path="tiderl.envs.kg.warm_start:WARM_START",
+    task_files=True,
+    task_fields=("question", "answer", "topic", "path", "id"),
     eval_flags=(EvalFlag("--hops", ("env.options.hops=[{}]",), "shortcut for env.options.hops=[...], e.g. 1,2,3"),),
     former_keys={"data.hops": "hops", "data.num_films": "num_films", "data.num_people": "num_people",
                  "data.eval_fraction": "eval_fraction", "data.num_train_tasks": "num_train_tasks",

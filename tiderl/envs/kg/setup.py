@@ -28,7 +28,7 @@ from tiderl.envs.kg.tasks import (
 )
 from tiderl.envs.kg.tools import ObservationLimits
 from tiderl.envs.protocol import Task
-from tiderl.envs.setup import Setup, data_root, sample_tasks
+from tiderl.envs.setup import Setup, data_root, file_split, sample_tasks
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -58,6 +58,7 @@ def setup(cfg: "RunConfig") -> Setup:
     else:
         raise ValueError(f"data.source={data.source!r} is not a knowledge-graph source. Fix: use embedded, "
                          "metaqa or agentbench_kg with env.name=kg.")
+    _read_task_files(cfg, out)
     env, prompt = cfg.env, cfg.env.system_prompt or None
     limits = ObservationLimits(max_items=env.max_items, max_chars=env.max_observation_chars)
     out.make_env = _KGFactory(out, options.sparql_endpoint, options.max_listed, prompt, limits)
@@ -65,6 +66,25 @@ def setup(cfg: "RunConfig") -> Setup:
     if options.drift.every_steps > 0:
         _add_drift(cfg, out)
     return out
+
+
+def _read_task_files(cfg: "RunConfig", out: Setup) -> None:
+    """Replace the setup's training and/or held-out tasks by those of `data.train_files` /
+    `data.eval_files` (`tiderl.envs.kg.files`), asked of the source's graph."""
+    data = cfg.data
+    train_files, eval_files = file_split(data)
+    if not (train_files or eval_files):
+        return
+    if out.store is None:
+        raise ValueError(f"data.train_files / data.eval_files ask questions of an in-memory graph; data.source="
+                         f"{out.name} queries an endpoint. Fix: use data.source=embedded or metaqa with task files")
+    from tiderl.envs.kg.files import file_tasks
+
+    if train_files:
+        out.train_tasks = file_tasks(train_files, data.fields, out.store)
+        out.name = ",".join(f"{p.parent.name}/{p.stem}" for p in train_files)
+    if eval_files:
+        out.eval_tasks = sample_tasks(file_tasks(eval_files, data.fields, out.store), data.eval_size, data.seed)
 
 
 def _add_drift(cfg: "RunConfig", out: Setup) -> None:

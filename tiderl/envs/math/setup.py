@@ -45,7 +45,7 @@ from tiderl.envs.math.registration import SOURCES as MATH_SOURCES
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Task
 from tiderl.envs.registration import WarmStart
-from tiderl.envs.setup import Setup, data_root, sample_tasks, task_files
+from tiderl.envs.setup import Setup, data_root, file_split, sample_tasks
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -63,10 +63,7 @@ def setup(cfg: "RunConfig") -> Setup:
     """The tasks of `data.source` (or of `data.train_files` / `data.eval_files`, in place of the
     source's) and a factory of `MathEnv`s (module docstring)."""
     data, options = cfg.data, cfg.env.options
-    train_files, eval_files = task_files(data.train_files, data.data_dir), task_files(data.eval_files, data.data_dir)
-    if set(train_files) & set(eval_files):
-        raise ValueError(f"{sorted(map(str, set(train_files) & set(eval_files)))} are both data.train_files and "
-                         "data.eval_files: held-out tasks must not be trained on. Fix: list each file once")
+    train_files, eval_files = file_split(data)
     if train_files and eval_files:  # the source's own tasks are not needed
         train, held_out = [], []
     elif data.source == "arithmetic":
