@@ -267,3 +267,13 @@ def test_no_fuzzed_output_crashes_the_environment(name):
     assert report.steps >= 500 and report.finished > 0
     if name == "visual_table":  # commit_final_answer calls end episodes; a grid ends only at its goal
         assert report.answers > 0
+
+
+def test_grid_options_no_task_satisfies_are_a_clean_config_error(capsys):
+    from tiderl.cli import main
+
+    code = main(["eval", "--env", "visual_grid", "--oracle", "env.options.size=4", "env.options.wall_fraction=0",
+                 "env.options.num_train_tasks=300"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config error: env.options: only" in err and "Fix: lower env.options.wall_fraction" in err
+    assert "Traceback" not in err

@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"tiderl: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # found once the environment sets up (say, options no task satisfies)
+        print(f"tiderl: config error: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_config(chosen: RunConfig | None) -> int:

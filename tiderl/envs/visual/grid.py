@@ -28,6 +28,7 @@ from collections import deque
 from typing import Any
 
 from tiderl.envs.protocol import Action, Observation, StepResult, Task
+from tiderl.options import ConfigError
 
 DIRECTIONS: dict[str, tuple[int, int]] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 
@@ -142,8 +143,9 @@ def generate_tasks(seed: int, size: int, count: int, held_out: bool, min_path: i
                           {"size": size, "walls": sorted(list(w) for w in walls), "start": list(start),
                            "goal": list(goal), "shortest": len(path)}))
     if len(tasks) < count:
-        raise ValueError(f"only {len(tasks)} of {count} grid tasks with a {min_path}..{max_path}-move path found on a "
-                         f"{size}x{size} grid. Fix: lower env.options.wall_fraction or widen min_path/max_path")
+        raise ConfigError(f"env.options: only {len(tasks)} of {count} grid tasks with a {min_path}..{max_path}-move "
+                          f"path found on a {size}x{size} grid. Fix: lower env.options.wall_fraction or "
+                          "env.options.num_train_tasks, or widen min_path/max_path")
     return tasks
 
 
