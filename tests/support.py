@@ -524,3 +524,16 @@ def parity_model_dir(folder: Path) -> Path:
     model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2,
                                               num_kv_heads=1, max_position_embeddings=512), seed=0)
     return save_model_dir(model, tokenizer, folder / "model")
+
+
+def local_ray_cluster(module_name: str) -> Iterator[None]:
+    """A 2-CPU local Ray cluster for a test module's fixture (`yield from`); the module's own test
+    classes travel by value, as Ray's workers cannot import a test module by name."""
+    import sys
+
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[module_name])
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()

@@ -5,7 +5,6 @@ critic's values against the local one's."""
 import asyncio
 import copy
 import json
-import sys
 import threading
 import time
 
@@ -14,6 +13,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from support import local_ray_cluster  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
 from tiderl.recipe import train  # noqa: E402
 from tiderl.rollout.weights import weights_checksum  # noqa: E402
@@ -37,11 +37,7 @@ TIMEOUT_S = 400  # every blocking Ray call in this file waits at most this long
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Test-only actor classes live in this module, which Ray's workers cannot import by name.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+    yield from local_ray_cluster(__name__)
 
 
 def small_config(cache, run_dir, *more):

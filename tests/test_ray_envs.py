@@ -10,13 +10,13 @@ import asyncio
 import json
 import os
 import sqlite3
-import sys
 
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
 
+from support import local_ray_cluster  # noqa: E402
 from tiderl.agent.loop import ScriptedEngine, play_episode  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
 from tiderl.envs.setup import data_root, load_setup  # noqa: E402
@@ -34,11 +34,7 @@ EPISODES = 3  # oracle episodes per environment
 
 @pytest.fixture(scope="module")
 def cluster():
-    # The test worker classes live in this module, which Ray's workers cannot import by name.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+    yield from local_ray_cluster(__name__)
 
 
 def tiny_policy(tokenizer) -> torch.nn.Module:

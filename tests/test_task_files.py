@@ -117,6 +117,9 @@ def test_files_replace_the_sources_tasks_and_are_found_under_the_data_root(tmp_p
     (["env.name=repo", "data.train_files=[a.jsonl]"], "data.train_files"),
     (["env.name=db", "data.fields={question: q}"], "data.fields"),
     (["env.name=math", "data.fields={prompt: q}"], "data.fields"),
+    (["env.name=math", "data.fields={tests: t}"], "data.fields"),
+    (["env.name=code", "data.fields={answer: a}"], "data.fields"),
+    (["env.name=kg", "data.fields={tests: t}"], "data.fields"),
 ])
 def test_file_settings_an_environment_would_not_read_are_refused(more, field):
     with pytest.raises(ConfigError) as error:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.config import ConfigError, load_config
+from tiderl.config import load_config
 from tiderl.envs.code.data import file_tasks as code_file_tasks
 from tiderl.envs.protocol import Action, ToolCall
 from tiderl.envs.setup import load_setup, read_records, task_files
@@ -218,14 +218,3 @@ def test_kg_questions_the_graph_cannot_answer_are_refused(tmp_path, world):
             r"relations \['no_such_relation'\] are not in the graph. Fix:")
     refused({"question": f"[{topic}]?"}, r"no answers or answer field. Fix: name the record's fields in data.fields")
     refused(f"[{topic}] without a tab\n", r"bad.txt:1: expected 'question with \[topic\]<TAB>answer\|answer'", ".txt")
-
-
-@pytest.mark.parametrize("more, field", [
-    (["env.name=math", "data.fields={tests: t}"], "data.fields"),
-    (["env.name=code", "data.fields={answer: a}"], "data.fields"),
-    (["env.name=kg", "data.fields={tests: t}"], "data.fields"),
-])
-def test_each_environment_takes_only_its_own_field_roles(more, field):
-    with pytest.raises(ConfigError) as error:
-        load_config(None, more)
-    assert error.value.field == field and "Fix:" in str(error.value)
