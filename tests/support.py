@@ -537,3 +537,18 @@ def local_ray_cluster(module_name: str) -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
+
+
+def block_import(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """Make every import of a module whose name starts with `prefix` raise ImportError (a package
+    that is not installed), for the rest of the test."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def blocked(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith(prefix):
+            raise ImportError(f"no {prefix}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from support import data_roots
+from support import block_import, data_roots
 from tiderl.config import ConfigError, load_config
 from tiderl.envs.math.data import file_tasks, reference_answer
 from tiderl.envs.setup import load_setup, read_records, task_files
@@ -78,16 +78,7 @@ def test_parquet_reads_the_same_tasks_as_jsonl(tmp_path):
 
 
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_pyarrow(name, *args, **kwargs):
-        if name.startswith("pyarrow"):
-            raise ImportError("no pyarrow")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    block_import(monkeypatch, "pyarrow")
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     with pytest.raises(ImportError, match=r"pip install 'tiderl\[data\]'"):
         read_records(tmp_path / "t.parquet")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from support import block_import
 from tiderl.config import load_config
 from tiderl.envs.code.data import file_tasks as code_file_tasks
 from tiderl.envs.protocol import Action, ToolCall
@@ -74,19 +75,10 @@ def test_folders_that_are_not_one_saved_split_are_refused_with_the_fix(tmp_path)
 
 
 def test_a_saved_dataset_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
-    import builtins
-
     folder = tmp_path / "saved"
     folder.mkdir()
     (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
-    real_import = builtins.__import__
-
-    def no_pyarrow(name, *args, **kwargs):
-        if name.startswith("pyarrow"):
-            raise ImportError("no pyarrow")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    block_import(monkeypatch, "pyarrow")
     with pytest.raises(ImportError, match=r"reading a saved dataset needs pyarrow. Fix: pip install 'tiderl\[data\]'"):
         read_records(folder)
 
