@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-fast test-shuffled db-servers vllm clean
+.PHONY: setup demo test test-learning test-fast test-shuffled db-servers vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,9 +20,14 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) -m tiderl.cli demo --config configs/kg_sao_tiny.yaml --run-dir $(RUN_DIR)
 
-# The full suite (what CI runs): 10-12 minutes on 2 cores.
+# The suite CI runs: every test but the learning test, 12-20 minutes on 2 cores.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not learning" tests
+
+# The learning test (tests/test_learning.py): 60 SAO steps must raise held-out success by more than
+# 3 standard errors; 6-7 minutes on 2 free cores once its model is cached, 10+ when it builds it.
+test-learning: setup
+	$(PY) -m pytest -q -s -m learning tests
 
 # The fast tier: every test that does not train a model (`-m "not slow"`), under 3 minutes.
 test-fast: setup

@@ -23,7 +23,8 @@ from tiderl.evaluate import evaluate
 from tiderl.recipe import train
 from tiderl.run import build_run
 
-pytestmark = pytest.mark.slow
+# Not in `make test` (CI): minutes of training do not fit CI's time budget; `make test-learning` runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.learning]
 
 CONFIG = "configs/ci_learning.yaml"
 # The gain must exceed this many standard errors of the difference of the two success rates.
