@@ -42,7 +42,7 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.vs_trl import SIZES, VOCAB
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

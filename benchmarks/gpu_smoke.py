@@ -66,9 +66,9 @@ def main() -> int:
 
     from tiderl.config import load_config
     from tiderl.envs.setup import load_setup
-    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.embedded.build import ensure_embedded_model
     from tiderl.models.loading import count_parameters, load_tokenizer, save_model_dir
-    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
     from tiderl.recipe import train
     from tiderl.run import build_run
 

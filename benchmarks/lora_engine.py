@@ -60,7 +60,7 @@ QUESTIONS = [
 
 def load(args: argparse.Namespace):
     if args.quick:
-        from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+        from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 
         tokenizer = train_tokenizer(QUESTIONS * 4, vocab_size=400)
         model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2,

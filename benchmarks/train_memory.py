@@ -54,7 +54,7 @@ def one_mode(args: argparse.Namespace) -> dict:
     import torch
 
     from tiderl.config import AlgoConfig, preset_defaults
-    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
     from tiderl.train.critic import ValueModel
     from tiderl.train.learner import Learner
     from tiderl.train.memory import enable_activation_checkpointing

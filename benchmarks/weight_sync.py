@@ -35,7 +35,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from tiderl.config import RunConfig, TrainConfig  # noqa: E402
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
 from tiderl.rollout import make_engine  # noqa: E402
 from tiderl.system.ray_trainer import RankBundle, TrainerRank  # noqa: E402
 from tiderl.train.lora import apply_lora, policy_state  # noqa: E402

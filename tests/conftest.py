@@ -74,7 +74,7 @@ def cache(tmp_path_factory):
 def tokenizer():
     """A BPE tokenizer (320 tokens) trained on support.CORPUS."""
     from support import CORPUS
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
 
     return train_tokenizer(CORPUS, vocab_size=320)
 

@@ -36,7 +36,7 @@ from tiderl.envs.db.backend import TableSpec
 from tiderl.envs.kg.rdf import XSD, GraphSpec, RdfSchema
 from tiderl.envs.kg.sparql import OxigraphClient
 from tiderl.envs.kg.store import TripleStore
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.types import NO_VERSION, Trajectory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -518,7 +518,7 @@ def parity_model_dir(folder: Path) -> Path:
     corpus, saved as a Hugging Face directory under `folder`."""
     import user_env
     from tiderl.models.loading import save_model_dir
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
 
     tokenizer = train_tokenizer(user_env.corpus(), vocab_size=300)
     model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2,

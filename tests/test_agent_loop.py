@@ -13,7 +13,7 @@ from support import versions
 from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episodes
 from tiderl.envs.protocol import Action, StepResult, Task
-from tiderl.models.tiny import IM_END_ID, train_tokenizer
+from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.types import NO_VERSION
 

@@ -19,7 +19,7 @@ from tiderl.algos.losses import PolicyLossInputs, dis_token_loss, value_loss
 from tiderl.config import preset_defaults
 from tiderl.algos.registry import needs_critic, needs_ref
 from tiderl.config import AlgoConfig
-from tiderl.models.tiny import init_tiny_model
+from tiderl.embedded.tiny import init_tiny_model
 from tiderl.train.batching import collate
 from tiderl.train.critic import ValueModel
 from tiderl.train.forward import token_logprobs, token_values

@@ -252,7 +252,10 @@ def core_lines(root: Path = ROOT) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts
-        if parts[0] in ("envs", "lab"):
+        # Outside the core: the environments, the research tools, and the embedded tiny models (the
+        # demo and CI kit behind model.path=tiny, not what a user deploys with a Hugging Face model),
+        # which the core reaches only through EMBEDDED_SEAMS.
+        if parts[0] in ("envs", "lab", "embedded"):
             continue
         package = "tiderl" if len(parts) == 1 else parts[0]
         sizes[package] = sizes.get(package, 0) + path.read_text().count("\n")
@@ -269,6 +272,28 @@ def test_nothing_in_the_core_imports_the_lab():
     bad = sorted((m, e) for m, edges in import_graph().items() if not _in_lab(m) for e in edges
                  if _in_lab(e) and (m, e) != ("tiderl.cli", "tiderl.lab.simulate_cli"))
     assert bad == [], bad
+
+
+# The only imports of tiderl/embedded/ from the core: the tiny model's options in the config, the
+# cached build when model.path=tiny (a run, `tiderl serve`), and a tokenizer trained as the tiny
+# model's for `tiderl eval --oracle` without a model.
+EMBEDDED_SEAMS = {
+    ("tiderl.config", "tiderl.embedded.options"),
+    ("tiderl.run", "tiderl.embedded.build"),
+    ("tiderl.serve.server", "tiderl.embedded.build"),
+    ("tiderl.cli", "tiderl.embedded.tiny_vlm"),
+}
+
+
+def _outside_the_core(module: str) -> bool:
+    return any(module == f"tiderl.{p}" or module.startswith(f"tiderl.{p}.") for p in ("envs", "lab", "embedded"))
+
+
+def test_the_core_reaches_the_embedded_models_only_at_their_seams():
+    found = {(m, e) for m, edges in import_graph().items() if not _outside_the_core(m) for e in edges
+             if e.startswith("tiderl.embedded")}
+    assert sorted(found - EMBEDDED_SEAMS) == [], "an import of tiderl.embedded outside EMBEDDED_SEAMS"
+    assert found == EMBEDDED_SEAMS, f"a seam no longer imports it: drop it from EMBEDDED_SEAMS {sorted(EMBEDDED_SEAMS - found)}"
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGE_LINE_BUDGETS))

@@ -389,7 +389,7 @@ def test_oracle_turns_replay_to_success(backend):
 def test_oracle_through_the_agent_loop(backend):
     pytest.importorskip("transformers")
     from tiderl.agent.loop import ScriptedEngine, play_episodes
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
     from tiderl.rollout.base import SamplingParams
 
     tasks = [task_from_record(RECORD, "select", "dev"), write_task(MADISON_950)]

@@ -1,7 +1,7 @@
 """The embedded model's cache key: what a build depends on changes it, and nothing else."""
 
 from tiderl.config import load_config
-from tiderl.models import embedded
+from tiderl.embedded import build as embedded
 
 
 def test_math_key_follows_the_generator_source(monkeypatch):

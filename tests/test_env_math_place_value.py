@@ -175,8 +175,8 @@ def test_copy_check_settings_are_validated():
 def test_supervised_warm_start_stops_at_the_first_passing_check():
     import torch
 
-    from tiderl.models.embedded import supervised_finetune
-    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.models.warmstart import supervised_finetune
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
     from tiderl.types import Trajectory
 
     model = init_tiny_model(tiny_qwen2_config(16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -207,7 +207,7 @@ def test_warm_start_that_hits_its_cap_warns_and_says_so_in_the_build_report(tmp_
     every check and that none passed."""
     import json
 
-    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.embedded.build import ensure_embedded_model
 
     cfg = load_config(CONFIG, [
         "env.options.num_train_tasks=200", "data.eval_size=8", "model.tiny.vocab_size=400",

@@ -116,7 +116,7 @@ def test_the_environment_passes_the_contract_with_its_options():
 
 @pytest.mark.slow  # a (two-step) warm start
 def test_the_embedded_model_is_built_from_the_environments_warm_start(tmp_path):
-    from tiderl.models.embedded import build_key, ensure_embedded_model
+    from tiderl.embedded.build import build_key, ensure_embedded_model
 
     small = [f"env.name={NAME}", f"model.cache_dir={tmp_path}", "model.tiny.vocab_size=300",
              "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",

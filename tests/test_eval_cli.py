@@ -25,7 +25,7 @@ from tiderl.evaluate import (
     summarize_samples,
 )
 from tiderl.envs.protocol import Action, StepResult, Task
-from tiderl.models.tiny import IM_END_ID, train_tokenizer
+from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.types import Trajectory
 

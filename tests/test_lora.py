@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("peft")
 
 from tiderl.config import AlgoConfig, ConfigError, load_config, preset_defaults  # noqa: E402
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
 from tiderl.rollout.base import SamplingParams  # noqa: E402
 from tiderl.rollout.lora import LoraTorchEngine  # noqa: E402
 from tiderl.rollout.weights import weights_checksum  # noqa: E402

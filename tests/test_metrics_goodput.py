@@ -169,7 +169,7 @@ def test_pool_logs_the_lag_histogram_within_the_staleness_bound(staleness):
 
 
 def test_critic_snapshot_stamps_the_refresh_count_it_computed_with():
-    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
     from tiderl.train.annotate import CriticSnapshot
     from tiderl.train.critic import ValueModel
 

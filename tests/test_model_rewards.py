@@ -14,7 +14,7 @@ from transformers import Qwen2ForSequenceClassification
 
 from support import CORPUS, rollout, small_config
 from tiderl.config import ConfigError, load_config
-from tiderl.models.tiny import tiny_qwen2_config, train_tokenizer
+from tiderl.embedded.tiny import tiny_qwen2_config, train_tokenizer
 from tiderl.rewards import judge
 from tiderl.rewards.judge import Judge, JudgeOptions, render
 from tiderl.rewards.model import PART, ModelRewards, RewardConfig, RewardModel, RewardModelOptions, conversation_of

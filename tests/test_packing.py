@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiderl.config import load_config
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.train.batching import collate, pack
 from tiderl.train.forward import packed_token_logprobs, packs, token_logprobs
 from tiderl.train.learner import Learner

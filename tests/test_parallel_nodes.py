@@ -77,7 +77,7 @@ def test_sharded_checkpoint_across_two_nodes_resumes_like_the_uninterrupted_run(
     ranks that went on without stopping."""
     import dataclasses
 
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
     from tiderl.train.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = load_config(None, [

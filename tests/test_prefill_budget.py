@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine, _prefill_groups
 

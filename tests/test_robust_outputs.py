@@ -19,7 +19,7 @@ from tiderl.envs.kg.backend import numeric_value
 from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.sparql import SparqlError
 from tiderl.envs.protocol import Action, StepResult, Task, ToolCall
-from tiderl.models.tiny import train_tokenizer
+from tiderl.embedded.tiny import train_tokenizer
 from tiderl.rollout.base import SamplingParams
 
 # The backslash is typed out: the model writes the JSON escape of a lone surrogate.

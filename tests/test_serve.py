@@ -36,7 +36,7 @@ from tiderl.envs.protocol import Action, ToolCall
 from tiderl.envs.setup import load_setup
 from tiderl.evaluate import oracle_texts
 from tiderl.models.loading import save_model_dir
-from tiderl.models.tiny import (
+from tiderl.embedded.tiny import (
     IM_END_ID,
     init_tiny_model,
     tiny_qwen2_config,

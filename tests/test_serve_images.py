@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 from PIL import Image  # noqa: E402
 
 from tiderl.agent.loop import ScriptedEngine  # noqa: E402
-from tiderl.models.tiny import train_tokenizer  # noqa: E402
+from tiderl.embedded.tiny import train_tokenizer  # noqa: E402
 from tiderl.rollout.base import Completion  # noqa: E402
 from tiderl.serve import images, wire  # noqa: E402
 from tiderl.serve.server import BackgroundServer, ChatService, create_app, record_to  # noqa: E402
@@ -147,7 +147,7 @@ def test_a_text_only_model_refuses_images_with_a_clear_400(tokenizer):
 @pytest.fixture(scope="module")
 def vision():
     """The tiny vision-language model's processor, answering as its tokenizer (`ChatProcessor`)."""
-    from tiderl.models.tiny_vlm import build_tiny_vlm, image_seq_len
+    from tiderl.embedded.tiny_vlm import build_tiny_vlm, image_seq_len
     from tiderl.models.vision import ChatProcessor
 
     _, processor = build_tiny_vlm(["What colour is the square? The answer is red.", "and this one?", "Answer."])

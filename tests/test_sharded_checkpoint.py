@@ -29,7 +29,7 @@ CFG, MICRO = parallel_cases()["sao"]  # actor and critic (frozen attention), two
 
 
 def tiny_tokenizer():
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
 
     return train_tokenizer(["a tiny corpus for a tokenizer"] * 3, vocab_size=300)
 

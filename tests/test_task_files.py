@@ -142,7 +142,7 @@ def test_gsm8k_train_file_trains_with_math_and_evaluates_every_step(tmp_path, mo
 
     from tiderl.evaluate import evaluate_modes, oracle_engine, oracle_limits
     from tiderl.models.loading import save_model_dir
-    from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
     from tiderl.recipe import train
     from tiderl.run import build_run
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tiderl.models.chat_template import IM_END, IM_START, PAD
+from tiderl.embedded.chat_template import IM_END, IM_START, PAD
 from tiderl.models.loading import count_parameters, load_model, load_tokenizer, save_model_dir
-from tiderl.models.tiny import (
+from tiderl.embedded.tiny import (
     IM_END_ID,
     IM_START_ID,
     PAD_ID,

@@ -150,7 +150,7 @@ def test_never_raises_on_random_text():
 
 
 def test_format_travels_with_the_tokenizer():
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
 
     tok = train_tokenizer(["some text to train on"] * 4, vocab_size=300)
     assert tool_call_format_of(tok) == "auto"

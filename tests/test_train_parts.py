@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.forward import token_logprobs, token_values

@@ -16,8 +16,9 @@ from PIL import Image
 from tiderl.agent.chat import chat_format
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.envs.protocol import Action, Observation, StepResult, Task
-from tiderl.models.tiny import train_tokenizer
-from tiderl.models.tiny_vlm import build_tiny_vlm, image_seq_len, load_processor
+from tiderl.embedded.tiny import train_tokenizer
+from tiderl.embedded.tiny_vlm import build_tiny_vlm, image_seq_len
+from tiderl.models.loading import load_processor
 from tiderl.rollout.base import SamplingParams
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255)}

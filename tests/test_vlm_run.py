@@ -80,7 +80,7 @@ def corpus() -> list[str]:
 def test_tiderl_train_on_a_visual_environment_with_a_vlm_directory(tmp_path):
     from tiderl.cli import main
     from tiderl.models.loading import load_model, load_tokenizer
-    from tiderl.models.tiny_vlm import build_tiny_vlm
+    from tiderl.embedded.tiny_vlm import build_tiny_vlm
     from tiderl.models.vision import ChatProcessor
 
     model, processor = build_tiny_vlm(corpus(), seed=0)
@@ -126,7 +126,7 @@ def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started
     from tiderl.cli import main
     from tiderl.config import load_config
     from tiderl.envs.setup import load_setup
-    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.embedded.build import ensure_embedded_model
     from tiderl.models.loading import load_model, load_tokenizer
     from tiderl.models.vision import ChatProcessor
     from tiderl.rollout.torch_engine import TorchEngine

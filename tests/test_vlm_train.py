@@ -15,7 +15,7 @@ from test_vlm import CORPUS, SquaresEnv, square
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
 from tiderl.envs.protocol import Observation, StepResult, Task
-from tiderl.models.tiny_vlm import build_tiny_vlm
+from tiderl.embedded.tiny_vlm import build_tiny_vlm
 from tiderl.models.vision import PromptImages, image_inputs
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine
@@ -216,7 +216,7 @@ def test_a_tiny_vlm_learns_to_name_the_colour_it_is_shown(vlm):
     """The images carry signal end to end: after a short supervised warm start on demonstrations
     (the answer is the colour of the square, the question the same text every time), the torch
     engine's greedy answer names the colour of the square it is shown, for every colour."""
-    from tiderl.models.embedded import supervised_finetune
+    from tiderl.models.warmstart import supervised_finetune
 
     model, processor = vlm
     model = copy.deepcopy(model)

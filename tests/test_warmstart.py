@@ -11,7 +11,7 @@ from tiderl.config import load_config
 from tiderl.envs.setup import load_setup
 from tiderl.evaluate import oracle_texts
 from tiderl.models.loading import load_model, save_model_dir
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.models.warmstart import demonstrations, warm_start
 from tiderl.train.batching import collate
 from tiderl.train.forward import token_logprobs

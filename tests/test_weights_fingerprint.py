@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import RANDOM_ELEMENTS, STRIDED_ELEMENTS, sample_positions, weights_checksum
 from tiderl.run import sync_weights

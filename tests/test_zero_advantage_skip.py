@@ -12,7 +12,7 @@ import torch
 from tiderl.algos.losses import PolicyLossInputs
 from tiderl.algos.registry import zero_advantage_rows_skippable
 from tiderl.config import AlgoConfig, preset_defaults
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.train.learner import Learner
 from tiderl.train.step import train_step
 from tiderl.types import NO_VERSION, Trajectory

@@ -294,20 +294,14 @@ def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, A
 
         tokenizer, source = load_tokenizer(path), str(path)
     else:
+        from tiderl.embedded.tiny_vlm import tiny_tokenizer
         from tiderl.envs.protocol import Observation
-        from tiderl.models.tiny import train_tokenizer
 
         texts = oracle_texts(setup.make_env(), setup.eval_tasks, scripts)
         first = setup.make_env().reset(setup.eval_tasks[0]) if setup.eval_tasks else ""
-        if isinstance(first, Observation) and first.images:  # a visual environment: a processor renders images
-            from tiderl.models.tiny_vlm import make_processor, train_vlm_tokenizer
-            from tiderl.models.vision import ChatProcessor
-
-            tokenizer = ChatProcessor(make_processor(train_vlm_tokenizer(texts, cfg.model.tiny.vocab_size)))
-            source = f"the tiny vision-language model's processor ({len(tokenizer.tokenizer)} tokens) trained on the oracle's texts"
-        else:
-            tokenizer = train_tokenizer(texts, vocab_size=cfg.model.tiny.vocab_size)
-            source = f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"
+        shows_images = isinstance(first, Observation) and bool(first.images)  # a processor renders them
+        tokenizer, source = tiny_tokenizer(texts, cfg.model.tiny.vocab_size, shows_images)
+        source += " trained on the oracle's texts"
     env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
     return dataclasses.replace(cfg, env=env_cfg, rollout=rollout), oracle_engine(tokenizer, scripts), tokenizer, source
 

@@ -22,9 +22,9 @@ from tiderl import registry
 from tiderl.algos import registry as algo_registry
 from tiderl.algos.presets import PRESETS, TRAINER_KEYS
 from tiderl.algos.registry import AlgoConfig
+from tiderl.embedded.options import TinyModelConfig, WarmStartConfig
 from tiderl.envs import registration as environments
 from tiderl.metrics.trackers import check_trackers
-from tiderl.models.options import TinyModelConfig, WarmStartConfig
 from tiderl.options import (
     ConfigError,
     build,

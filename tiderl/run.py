@@ -135,7 +135,7 @@ def resolve_model_path(cfg: RunConfig, setup: Setup) -> str:
     """The policy's model dir: `model.path`, or the embedded default (built once, cached)."""
     if cfg.model.path != "tiny":
         return cfg.model.path
-    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.embedded.build import ensure_embedded_model
 
     return str(ensure_embedded_model(cfg, setup))
 

@@ -27,8 +27,7 @@ from typing import Any
 
 from tiderl.agent.text import valid_text
 from tiderl.envs.protocol import Observation
-from tiderl.models.chat_template import IMAGE_PLACEHOLDER
-from tiderl.models.vision import split_processor
+from tiderl.models.vision import IMAGE_PLACEHOLDER, split_processor
 
 # The reference conversation: placeholders no template and no real message will contain.
 _REF_SYSTEM = "tiderl reference system message"

@@ -574,7 +574,7 @@ def _render_prompt(fmt: ChatFormat, env: Any, task: Task) -> list[int]:
 
 def _tokenizer(texts: list[str]) -> Any:
     """A small byte-level tokenizer with tiderl's chat template (no download)."""
-    from tiderl.models.tiny import train_tokenizer
+    from tiderl.embedded.tiny import train_tokenizer
 
     return train_tokenizer([t for t in texts if t] * 2, vocab_size=400)
 

@@ -36,7 +36,7 @@ from tiderl.registry import ENVIRONMENTS, load_object, resolve
 
 @dataclass(frozen=True)
 class WarmStart:
-    """How the embedded tiny model is warm-started on an environment (`tiderl/models/embedded.py`).
+    """How the embedded tiny model is warm-started on an environment (`tiderl/embedded/build.py`).
 
     demonstrations(setup, cfg, rng) -> (tasks, scripts, report entries): training tasks and the
         assistant turns that (imperfectly, on purpose) solve them, drawn with `rng`; the

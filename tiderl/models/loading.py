@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoProcessor,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -168,7 +170,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """
     source = str(Path(path).expanduser()) if lora_base_of(Path(path).expanduser()) else _check_source(path)
     if _is_vision_language(source):
-        from tiderl.models.tiny_vlm import load_processor
         from tiderl.models.vision import ChatProcessor
 
         tokenizer = ChatProcessor(load_processor(source))  # a tokenizer that carries its processor
@@ -183,10 +184,25 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if not tokenizer.chat_template:
         raise ValueError(
             f"the tokenizer at {source} has no chat template: use an instruct/chat model, or set "
-            "tokenizer.chat_template (e.g. tiderl.models.chat_template.CHAT_TEMPLATE) and save it "
+            "tokenizer.chat_template (e.g. tiderl.embedded.chat_template.CHAT_TEMPLATE) and save it "
             "with tiderl.models.loading.save_model_dir"
         )
     return tokenizer
+
+
+def load_processor(path: str | Path) -> Any:
+    """The multi-modal processor saved in `path` (`processor.save_pretrained`).
+
+    `AutoProcessor` falls back to the bare tokenizer when the folder has no processor config (a
+    model saved with only `tokenizer.save_pretrained`): that is refused here, with the fix, rather
+    than found later as images that never reach the model.
+    """
+    processor = AutoProcessor.from_pretrained(str(path))
+    if not (hasattr(processor, "image_processor") and hasattr(processor, "tokenizer")):
+        raise ValueError(f"{path} holds no image processor (AutoProcessor gave a {type(processor).__name__}): save the "
+                         "vision-language model's processor there with processor.save_pretrained(path), not only its "
+                         "tokenizer")
+    return processor
 
 
 def _is_vision_language(source: str) -> bool:

@@ -21,7 +21,40 @@ from typing import Any
 
 from tiderl.agent.chat import chat_format, message_parts
 from tiderl.agent.tool_parser import set_tool_call_format
-from tiderl.models.chat_template import CHATML_TURNS
+
+# The turns after the system turn, shared by every ChatML template of tiderl (the fallback below
+# with full tool schemas and the embedded tiny model's, tiderl.embedded.chat_template): tool
+# responses grouped in one user turn, assistant tool calls in Hermes tags, then the generation prompt.
+CHATML_TURNS = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{ '<|im_start|>user' + nl }}"
+    "{%- else -%}"
+    "{{ nl }}"
+    "{%- endif -%}"
+    "{{ '<tool_response>' + nl + m['content'] + nl + '</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
+    "{{ '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + m['role'] + nl + (m['content'] if m['content'] else '') }}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}"
+    "{%- for call in m['tool_calls'] -%}"
+    "{%- if m['content'] or not loop.first -%}{{ nl }}{%- endif -%}"
+    "{{ '<tool_call>' + nl }}"
+    "{{- {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson -}}"
+    "{{ nl + '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant' + nl }}"
+    "{%- endif -%}"
+)
 
 # A ChatML template (Qwen, SmolLM2, Hermes and many others use ChatML turns) that lists the
 # tools in the system turn as JSON schemas and asks for Hermes-style calls. Tool responses are

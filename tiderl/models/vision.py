@@ -11,6 +11,10 @@ from typing import Any
 
 import torch
 
+# The image placeholder of a processor that does not name its own (`image_token`): Idefics3's,
+# which the tiny vision-language model's chat template writes too.
+IMAGE_PLACEHOLDER = "<image>"
+
 
 @dataclass
 class PromptImages:

@@ -342,7 +342,7 @@ def service_from_config(cfg: RunConfig, record: str | None = None) -> ChatServic
     path = cfg.model.path
     if path == "tiny":
         from tiderl.envs.setup import load_setup
-        from tiderl.models.embedded import ensure_embedded_model
+        from tiderl.embedded.build import ensure_embedded_model
 
         path = str(ensure_embedded_model(cfg, load_setup(cfg)))
     tokenizer = load_tokenizer(path)

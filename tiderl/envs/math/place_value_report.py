@@ -42,7 +42,8 @@ def outcome(task: Task, text: str) -> str:
 
 def outcomes_by_kind(model_dir: str | Path, cfg: RunConfig, setup: Setup) -> dict[str, Counter]:
     """Greedy answers of the model in `model_dir` to the held-out questions, counted per kind."""
-    from tiderl.models.embedded import greedy_turns, scripted_traces
+    from tiderl.embedded.build import greedy_turns
+    from tiderl.models.warmstart import scripted_traces
     from tiderl.models.loading import load_model, load_tokenizer
 
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
@@ -58,7 +59,7 @@ def outcomes_by_kind(model_dir: str | Path, cfg: RunConfig, setup: Setup) -> dic
 
 def report(run_dir: Path, before_dir: Path | None = None) -> str:
     """The per-kind table of one run dir (module docstring)."""
-    from tiderl.models.embedded import embedded_model_dir
+    from tiderl.embedded.build import embedded_model_dir
 
     cfg = load_config(str(run_dir / "config.yaml"))
     if cfg.data.source != "place_value":

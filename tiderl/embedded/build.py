@@ -17,7 +17,7 @@ no embedded model (a clear error names the fix). Building it:
    being the cap.
 
 An environment whose messages show images (`Observation`s) gets the tiny vision-language model
-instead (`tiderl.models.tiny_vlm`, the same `model.tiny` sizes; docs/multimodal.md), warm-started
+instead (`tiderl.embedded.tiny_vlm`, the same `model.tiny` sizes; docs/multimodal.md), warm-started
 the same way on its demonstrations with their images.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -36,27 +35,18 @@ from pathlib import Path
 
 import torch
 
-from tiderl.agent.loop import ScriptedEngine
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.embedded.tiny_vlm import init_tiny_vlm, make_processor, tiny_vlm_config, train_vlm_tokenizer
 from tiderl.envs.protocol import Env, Observation, Task, message_text
 from tiderl.envs.registration import WarmStart, environment
 from tiderl.envs.setup import Setup
-from tiderl.evaluate import run_samples
 from tiderl.models.fetch import cache_root
 from tiderl.models.loading import count_parameters, save_model_dir
 from tiderl.models.startup import StartupError
-from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
-from tiderl.models.tiny_vlm import init_tiny_vlm, make_processor, tiny_vlm_config, train_vlm_tokenizer
 from tiderl.models.vision import ChatProcessor
-from tiderl.rollout.base import SamplingParams
-from tiderl.train.batching import Batch, collate, micro_batch_indices, slice_batch
-from tiderl.train.forward import packed_token_logprobs, token_logprobs
-from tiderl.train.learner import Learner
-from tiderl.types import Trajectory
-
-def _log(message: str) -> None:
-    print(message, flush=True)  # the build takes minutes: show progress even when piped
+from tiderl.models.warmstart import log_progress, scripted_traces, supervised_finetune
 
 
 # Bump when the build recipe changes, so stale caches are not reused.
@@ -129,7 +119,7 @@ def embedded_model_dir(cfg: RunConfig) -> Path:
     return cache_root(cfg.model.cache_dir) / "models" / f"{family}-tiny-{cfg.data.source}-{build_key(cfg)}"
 
 
-def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=_log) -> Path:
+def ensure_embedded_model(cfg: RunConfig, setup: Setup, log=log_progress) -> Path:
     """Return the cached embedded model dir, building it first if it is missing (StartupError
     naming the fix when the environment has no embedded model)."""
     path = embedded_model_dir(cfg)
@@ -169,7 +159,7 @@ def corpus_texts(env: Env, tasks: list[Task], scripts: list[list[str]], shown: l
     return texts
 
 
-def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=_log) -> dict:
+def build_embedded_model(cfg: RunConfig, setup: Setup, out_dir: Path, log=log_progress) -> dict:
     """Build tokenizer and model, warm-start them, save to `out_dir`. Returns a build report."""
     t_start = time.perf_counter()
     ws, tiny = cfg.model.warmstart, cfg.model.tiny
@@ -245,7 +235,7 @@ def _tiny_vlm(cfg: RunConfig, texts: list[str]) -> tuple[torch.nn.Module, ChatPr
     return init_tiny_vlm(config, cfg.seed), ChatProcessor(make_processor(tokenizer))
 
 
-def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module, log=_log):
+def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module, log=log_progress):
     """The warm start's stopping rule: `(check(step) -> passed, report)`. `check` answers the
     environment's copy-check questions greedily with `model` and passes when, for every kind of
     question, at least `warmstart.copy_check_threshold` of the answers are copied variants;
@@ -301,70 +291,3 @@ def greedy_turns(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, 
             out.append(row[:row.index(eos_id)] if eos_id in row else row)
     model.train(was_training)
     return out
-
-
-def scripted_traces(tokenizer, setup: Setup, tasks: list[Task], scripts: list[list[str]],
-                    cfg: RunConfig) -> list[Trajectory]:
-    """Play the scripts through the agent loop (`evaluate.run_samples`), so demonstrations have
-    the RL token layout; a scripted engine per chunk of at most 128 tasks with distinct questions
-    (it recognises an episode by its question)."""
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                            stop_token_ids=[tokenizer.eos_token_id])
-    left = iter(scripts)  # the chunks come in task order
-    groups = run_samples(lambda chunk: ScriptedEngine(tokenizer, {task.prompt: next(left) for task in chunk}),
-                         tokenizer, setup.make_env, tasks, params, cfg.env, chunk_size=128)
-    return [group[0] for group in groups]
-
-
-def supervised_finetune(model: torch.nn.Module, traces: list[Trajectory], pad_id: int,
-                        steps: int, batch_size: int, lr: float, seed: int,
-                        log=_log, check=None, check_every: int = 0, decay: bool = True,
-                        micro_batch_tokens: int = 8192, threads: int = 1, packed: bool = False,
-                        image_processor=None) -> list[float]:
-    """Cross-entropy on the assistant tokens of `traces` (AdamW, a linear warm-up over 5% of
-    `steps`, then cosine decay over `steps`, or, with `decay=False`, a constant rate), in
-    micro-batches of at most `micro_batch_tokens` padded tokens, on `threads` intra-op threads;
-    `packed`: through `packed_token_logprobs` (no padding, logits only where the loss is, which
-    for a 150k-token vocabulary is most of the memory). Traces with images need the VLM's
-    `image_processor` (`train.batching.collate`); their micro-batches run unpacked.
-    With `check`, `check(step)` runs after every `check_every` steps and at the last one, and
-    training stops at the first True (so `steps` is a cap). Returns the loss of every step taken."""
-    # One intra-op thread, whatever count an earlier step of the build left behind: a second one
-    # gains this model little, costs much beside another process on a shared core, and makes the
-    # model depend on the machine's load (docs/env_math.md, "Wall time"). A real model's warm
-    # start passes the machine's thread count: its matrices are large.
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rng = random.Random(seed)
-        # AdamW's default kernel, not the fused one: the embedded model builds as its cache key says.
-        learner = Learner(model, lr, weight_decay=0.01, fused=False)
-        warmup = max(1, steps // 20)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            learner.optimizer, lambda s: min(1.0, (s + 1) / warmup)
-            * (0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))) if decay else 1.0))
-        losses = []
-        for step in range(steps):
-            batch = collate(rng.sample(traces, min(batch_size, len(traces))), pad_id, image_processor)
-            total = batch.action_mask.sum()
-
-            def loss_fn(mb: Batch, total: torch.Tensor = total) -> tuple[torch.Tensor, dict[str, float]]:
-                if packed and mb.pixels is None:
-                    lp, _ = packed_token_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
-                else:
-                    lp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, pixels=mb.pixels)
-                return -(lp * mb.action_mask).sum() / total, {}
-
-            rows = micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)
-            loss_value = learner.step([slice_batch(batch, r) for r in rows], loss_fn)["loss"]
-            schedule.step()
-            losses.append(loss_value)
-            if step % max(1, steps // 10) == 0 or step == steps - 1:
-                log(f"[tiderl] warm-start step {step + 1}/{steps}: loss {loss_value:.4f}")
-            due = (step + 1) % max(1, check_every) == 0 or step == steps - 1  # the cap's model is checked too
-            if check is not None and due and check(step + 1):
-                log(f"[tiderl] warm start stopped at step {step + 1} (copy check passed; loss {loss_value:.4f})")
-                break
-        return losses
-    finally:
-        torch.set_num_threads(before)

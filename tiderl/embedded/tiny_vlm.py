@@ -10,14 +10,14 @@ to `image_size` x `image_size` and becomes `image_seq_len(...)` `<image>` tokens
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoProcessor, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
 
-from tiderl.models.chat_template import IMAGE_PLACEHOLDER, VLM_CHAT_TEMPLATE
-from tiderl.models.tiny import IM_END_ID, PAD_ID, TINY_ATTN_IMPLEMENTATION, train_tokenizer
+from tiderl.embedded.chat_template import VLM_CHAT_TEMPLATE
+from tiderl.embedded.tiny import IM_END_ID, PAD_ID, TINY_ATTN_IMPLEMENTATION, train_tokenizer
+from tiderl.models.vision import IMAGE_PLACEHOLDER
 
 # The tokens the Idefics3 processor writes around and for an image (it adds the first two and
 # `<end_of_utterance>` itself; `<global-img>` would otherwise be split into bytes).
@@ -92,16 +92,14 @@ def build_tiny_vlm(texts: Iterable[str], seed: int = 0, vocab_size: int = 512, *
     return init_tiny_vlm(tiny_vlm_config(tokenizer, **config), seed), processor
 
 
-def load_processor(path: str | Path) -> Any:
-    """The multi-modal processor saved in `path` (`processor.save_pretrained`).
 
-    `AutoProcessor` falls back to the bare tokenizer when the folder has no processor config (a
-    model saved with only `tokenizer.save_pretrained`): that is refused here, with the fix, rather
-    than found later as images that never reach the model.
-    """
-    processor = AutoProcessor.from_pretrained(str(path))
-    if not (hasattr(processor, "image_processor") and hasattr(processor, "tokenizer")):
-        raise ValueError(f"{path} holds no image processor (AutoProcessor gave a {type(processor).__name__}): save the "
-                         "vision-language model's processor there with processor.save_pretrained(path), not only its "
-                         "tokenizer")
-    return processor
+def tiny_tokenizer(texts: list[str], vocab_size: int, images: bool) -> tuple[Any, str]:
+    """A tokenizer trained on `texts` as the tiny model's is (with `images`, the tiny VLM's processor
+    as a `ChatProcessor`), and a phrase that says which (for `tiderl eval --oracle` without a model)."""
+    if images:
+        from tiderl.models.vision import ChatProcessor
+
+        tokenizer = ChatProcessor(make_processor(train_vlm_tokenizer(texts, vocab_size)))
+        return tokenizer, f"the tiny vision-language model's processor ({len(tokenizer.tokenizer)} tokens)"
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    return tokenizer, f"byte-level BPE ({len(tokenizer)} tokens)"

@@ -1,5 +1,5 @@
-"""The embedded tiny model's settings (`model.tiny.*`: its shape, `tiderl.models.tiny`) and its
-supervised warm start (`model.warmstart.*`, `tiderl.models.warmstart`), with their checks:
+"""The embedded tiny model's settings (`model.tiny.*`: its shape, `tiderl.embedded.tiny`) and its
+supervised warm start (`model.warmstart.*`, `tiderl.embedded.build`), with their checks:
 torch-free, so loading a config does not import the model code."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from tiderl.models.chat_template import CHAT_TEMPLATE, IM_END, IM_START, PAD, SPECIAL_TOKENS
+from tiderl.embedded.chat_template import CHAT_TEMPLATE, IM_END, IM_START, PAD, SPECIAL_TOKENS
 
 # The trainer assigns ids to special tokens in list order before any learned token.
 PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2

@@ -7,44 +7,13 @@ argument names only: the tiny model has a short context, so full JSON schemas wo
 Real models bring their own template; tiderl uses whatever the tokenizer carries.
 """
 
+from tiderl.models.startup import CHATML_TURNS
+from tiderl.models.vision import IMAGE_PLACEHOLDER
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
-
-# The turns after the system turn, shared by every ChatML template of tiderl (this one and
-# tiderl.models.startup's fallback with full tool schemas): tool responses grouped in one user
-# turn, assistant tool calls in Hermes tags, then the generation prompt.
-CHATML_TURNS = (
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
-    "{{ '<|im_start|>user' + nl }}"
-    "{%- else -%}"
-    "{{ nl }}"
-    "{%- endif -%}"
-    "{{ '<tool_response>' + nl + m['content'] + nl + '</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
-    "{{ '<|im_end|>' + nl }}"
-    "{%- endif -%}"
-    "{%- else -%}"
-    "{{ '<|im_start|>' + m['role'] + nl + (m['content'] if m['content'] else '') }}"
-    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}"
-    "{%- for call in m['tool_calls'] -%}"
-    "{%- if m['content'] or not loop.first -%}{{ nl }}{%- endif -%}"
-    "{{ '<tool_call>' + nl }}"
-    "{{- {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson -}}"
-    "{{ nl + '</tool_call>' }}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>' + nl }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{ '<|im_start|>assistant' + nl }}"
-    "{%- endif -%}"
-)
 
 # Every newline the template emits is written as {{ nl }}; all tags strip the template's own
 # whitespace ({%- -%}), so the rendering is the same under any Jinja whitespace settings
@@ -71,7 +40,6 @@ CHAT_TEMPLATE = (
 # content may also be a list of parts, `{"type": "image"}` rendering the processor's `<image>`
 # placeholder (which the processor expands into the image's tokens) and `{"type": "text",
 # "text": ...}` its text, in order.
-IMAGE_PLACEHOLDER = "<image>"
 _CONTENT_MACRO = (
     "{%- macro content(c) -%}"
     "{%- if c is string -%}{{ c }}"
