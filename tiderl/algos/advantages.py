@@ -11,17 +11,9 @@ The estimators the config names (`algo.advantage`, `tiderl.algos.registry`) all 
 signature, `fn(AdvantageInputs, AlgoConfig) -> advantages [B, T]`; they are thin wrappers at the
 end of this module over the functions with explicit arguments above them.
 
-Sources (docs/algorithms.md cites each paper): SAO's components 3 and 4 (skip-observation
-token-level GAE, outcome reward on the last model-generated token, decoupled lambda for the
-policy, gamma = 1), GRPO, Dr.GRPO, RLOO and REINFORCE++.
-
-Group statistics over group g with n_g members (population mean, Bessel-corrected std):
-
-    mean_g = (1 / n_g) sum_{j in g} r_j
-    std_g  = sqrt( sum_{j in g} (r_j - mean_g)^2 / (n_g - 1) ),   std_g = 0 when n_g = 1
-
-A group of one (or a group whose rewards are all equal) has no relative signal: every group
-estimator gives it advantage 0, which is exactly what its formula says for n_g = 1.
+Each estimator's formula and paper: docs/algorithms.md. Group statistics use the population mean
+and the Bessel-corrected std (`group_stats`; std 0 for a group of one): a group of one, or one
+whose rewards are all equal, has no relative signal and gets advantage 0 from every group estimator.
 """
 
 from __future__ import annotations
@@ -244,7 +236,8 @@ def _check(rewards: torch.Tensor, group_index: torch.Tensor) -> None:
 
 def group_stats(rewards: torch.Tensor, group_index: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per trajectory: (mean_g, std_g, n_g) of its group, as defined in the module docstring.
+    """Per trajectory: (mean_g, std_g, n_g) of its group g: mean_g = sum_{j in g} r_j / n_g,
+    std_g = sqrt(sum_{j in g} (r_j - mean_g)^2 / (n_g - 1)), 0 when n_g = 1.
 
     Computed in float64 so that a group of equal rewards has std exactly 0.
     """

@@ -1,27 +1,10 @@
 """Loss aggregation: how per-token losses become one scalar, for any micro-batching.
 
-Every policy loss of the training step first produces a per-token loss `l[b, t]` (0 off the action
-tokens), then one of the modes below turns it into a scalar. Each mode is written as
-
-    loss = (1 / normalizer) * sum_{action t} w_t * l_t
-
-with a per-token weight `w_t` that depends only on the token's own sequence, and a `normalizer`
-that is computed ONCE over the whole optimizer batch (`loss_normalizer`). A sequence is never
-split across micro-batches, so the micro-batch losses add up exactly to the full-batch loss and the
-accumulated gradient equals the full-batch gradient, for every mode.
-
-| mode                      | w_t     | normalizer | meaning                                 |
-| ------------------------- | ------- | ---------- | --------------------------------------- |
-| `token-mean`              | 1       | N          | every token weighs the same (DAPO)      |
-| `seq-mean-token-sum`      | 1       | S          | mean over sequences of the token sum    |
-| `seq-mean-token-mean`     | 1 / n_s | S          | mean over sequences of the token mean   |
-| `seq-mean-token-sum-norm` | 1       | S * L      | Dr.GRPO: token sum over a fixed budget  |
-
-N counts the action tokens of the whole batch, S the sequences that have at least one action token
-(a sequence without any has no loss to average), n_s the action tokens of sequence s.
-
-Layout: tensors are `[B, T]`, right-padded, and every row is one sequence (the layout of
-`train.batching.collate`).
+Every mode is loss = (1 / normalizer) * sum_{action t} w_t * l_t, with w_t depending only on the
+token's own sequence (`token_weights`) and the normalizer computed ONCE over the whole optimizer
+batch (`loss_normalizer`), so micro-batch losses add up to the batch loss. The table of modes is
+in docs/algorithms.md ("Loss aggregation"). Tensors are `[B, T]`, right-padded, one sequence a row
+(`train.batching.collate`).
 """
 
 from __future__ import annotations
@@ -65,7 +48,7 @@ def sequence_mean(x: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
 
 
 def loss_normalizer(action_mask: torch.Tensor, mode: str, norm_length: int = 0) -> float:
-    """The normaliser of `mode` over the WHOLE optimizer batch (see the module table).
+    """The normaliser of `mode` over the WHOLE optimizer batch (docs/algorithms.md has the table).
 
     token-mean: N = sum of action_mask > 0; seq-mean-token-sum / seq-mean-token-mean: S = number of
     sequences with an action token; seq-mean-token-sum-norm: S * norm_length (norm_length > 0).

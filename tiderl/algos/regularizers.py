@@ -1,30 +1,9 @@
 """Regularisers: KL to a frozen reference model, and the entropy bonus.
 
-KL estimators (Schulman, "Approximating KL Divergence", 2020). For tokens sampled from the policy
-pi, with log-ratio x_t = log pi(a_t|s_t) - log pi_ref(a_t|s_t), the per-token estimates of
-KL(pi || pi_ref) are
-
-    k1 = x                    unbiased, can be negative per token
-    k2 = x^2 / 2              biased, >= 0, low variance
-    k3 = exp(-x) - 1 + x      unbiased, >= 0, low variance (GRPO's choice)
-
-k3 is clamped (`algo.kl_k3_clamp` = c, default 10): a token whose policy has drifted far below
-the reference (x = -15 gives exp(15) = 3.3e6) would otherwise dominate the loss with a value and
-a gradient of millions. The clamped estimate is min(k3(max(x, x_low)), c) with
-x_low = -log(2c + 2): wherever k3(x) <= c it is k3 itself (value and gradient); above c the
-value is c and the token gets no KL gradient; so |value| <= c and |d value / d x| <= c + log(2c + 2)
-(for x < 0, |k3'(x)| = exp(-x) - 1 = k3(x) - x <= c + |x_low|; for x > 0 it is below 1). The
-clamp of x changes nothing that survives the value clamp (k3(x_low) = 2c + 1 - log(2c + 2) >= c)
-but keeps exp(-x) finite, so no gradient is ever inf * 0 = NaN.
-
-They enter training in one of two ways (`algo.kl_in_reward`):
-- as a loss term, kl_coef * aggregate(k(logprobs, ref_logprobs)), differentiated through the
-  current log-probs (GRPO, DeepSeekMath);
-- as a per-token reward penalty, r_t - kl_coef * k(old_logprobs, ref_logprobs), a constant that
-  the advantage estimator sees (PPO for RLHF, REINFORCE++).
-
-Entropy of the policy at a position with logits z: H = logsumexp(z) - sum_v softmax(z)_v z_v,
-which equals -sum_v p_v log p_v without forming log p for every vocabulary entry.
+KL estimators (Schulman, "Approximating KL Divergence", 2020), with x_t = log pi(a_t|s_t) - log
+pi_ref(a_t|s_t): k1 = x, k2 = x^2 / 2, k3 = exp(-x) - 1 + x (clamped: `k3_clamped`). How they enter
+training (`algo.kl_in_reward`) and why the k3 clamp bounds value and gradient: docs/algorithms.md,
+"Regularisers".
 """
 
 from __future__ import annotations
@@ -40,8 +19,9 @@ K3_CLAMP = 10.0  # the default of algo.kl_k3_clamp
 
 
 def k3_clamped(x: torch.Tensor, clamp: float = K3_CLAMP) -> torch.Tensor:
-    """min(k3(max(x, x_low)), clamp) with k3(x) = exp(-x) - 1 + x and x_low = -log(2 clamp + 2)
-    (module docstring): k3 itself wherever k3(x) <= clamp, else `clamp` with zero gradient."""
+    """min(k3(max(x, x_low)), clamp) with k3(x) = exp(-x) - 1 + x and x_low = -log(2 clamp + 2):
+    k3 itself wherever k3(x) <= clamp, else `clamp` with zero gradient; |value| <= clamp and
+    |gradient| <= clamp + log(2 clamp + 2) (docs/algorithms.md)."""
     if not clamp > 0 or math.isinf(clamp):
         raise ValueError(f"the k3 clamp must be a positive finite number, got {clamp}; use e.g. {K3_CLAMP}")
     x = torch.clamp(x, min=-math.log(2.0 * clamp + 2.0))
@@ -50,7 +30,7 @@ def k3_clamped(x: torch.Tensor, clamp: float = K3_CLAMP) -> torch.Tensor:
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor,
                 estimator: str = "k3", k3_clamp: float = K3_CLAMP) -> torch.Tensor:
-    """Per-token KL estimate (module formulas) on action tokens, 0 elsewhere; k3 clamped at
+    """Per-token KL estimate (k1, k2 or k3 of the module docstring) on action tokens, 0 elsewhere; k3 clamped at
     `k3_clamp` (`k3_clamped`).
 
     Differentiable in `logprobs`; `ref_logprobs` is treated as a constant. Off-action inputs are

@@ -1,17 +1,7 @@
-"""Sampling-side helpers of DAPO (Yu et al. 2025, arXiv 2503.14476), as pure functions.
-
-- Dynamic sampling: a group whose rollouts all got the same reward (all right or all wrong) has
-  zero advantage under any group baseline, so it only dilutes the batch. DAPO drops such groups
-  and samples more prompts until the batch is full; `informative_groups` says which to keep.
-- Overlong reward shaping: a soft, linear penalty for responses that enter a buffer zone of
-  `buffer` tokens before the length limit `max_length`:
-
-      R_len(l) = 0                                  if l <= max_length - buffer
-               = ((max_length - buffer) - l) / buffer   if max_length - buffer < l <= max_length
-               = -1                                 if l > max_length
-
-  times a penalty factor, added to the task reward. `l` is the number of generated (action)
-  tokens of the trajectory.
+"""Sampling-side helpers of DAPO (Yu et al. 2025, arXiv 2503.14476), as pure functions: dynamic
+sampling (`informative_groups`, `has_signal`: a group whose rewards are all equal has zero advantage
+under any group baseline) and the soft overlong penalty (`overlong_penalty`). docs/algorithms.md,
+"Sampling-side shaping", has the formulas.
 """
 
 from __future__ import annotations
@@ -35,7 +25,8 @@ def informative_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torc
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0
                      ) -> torch.Tensor:
-    """factor * R_len(lengths) with R_len from the module docstring; float32 [B], <= 0."""
+    """factor * R_len(l), float32 [B], <= 0: R_len(l) = 0 for l <= max_length - buffer,
+    ((max_length - buffer) - l) / buffer up to max_length, -1 beyond (l: action tokens)."""
     if buffer <= 0 or max_length <= buffer:
         raise ValueError(f"need 0 < buffer < max_length; got buffer={buffer}, "
                          f"max_length={max_length}")

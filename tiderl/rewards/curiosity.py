@@ -1,31 +1,10 @@
 """The curiosity-shaped reward: a bonus for touching knowledge, gated below solving.
 
-KARL trains knowledge-exploring agents with a reward that pays for useful exploration; its exact
-formula is not public, so this is tiderl's own documented design (docs/curiosity.md).
-
-An environment reports, in the final info of an episode (`Trajectory.env_info`), the key
-`"knowledge_units"`: the units the agent touched with successful tool calls, as strings
-`"<kind>:<name>"` (KG: `entity:<id>`, `entity_relation:<id>|<relation>`; DB: `table:<t>`,
-`column:<t>.<c>`). With U the set of distinct units of the episode, n(u) the number of earlier
-episodes that touched u, r the episode's reward before curiosity and t the training step:
-
-    nu(u)   = 1                              scope "episode"
-            = 1 / sqrt(1 + n(u))             scope "global"
-            = (1 + 1 / sqrt(1 + n(u))) / 2   scope "both"
-    novelty = min(episode_cap, sum over u in U of kind_weight(u) * nu(u))
-    raw     = weight(t) * novelty
-    bonus   = raw                                          successful, pay_on_success
-            = 0                                            successful, not pay_on_success
-            = min(raw, gate_fraction * max(0, success_reward - r))   failed
-
-`weight(t)` is the annealed weight (`anneal_weight`). The gate makes a failed episode's total
-reward r + bonus <= r + gate_fraction * (success_reward - r) < success_reward whenever
-r < success_reward, and a successful episode's total reward is >= success_reward because its
-reward is (checked) >= success_reward and its bonus >= 0: exploring never pays more than solving.
-
-The math is pure functions over (settings, step, counts). `CuriosityShaper` only adds the
-thread-safe global counts, so concurrent rollouts that finish together see exact counts, and a
-checkpointable state.
+tiderl's own documented design (KARL's exact formula is not public): docs/curiosity.md gives the
+formula, the units an environment reports in `env_info["knowledge_units"]` (`"<kind>:<name>"`),
+and the proof that exploring never pays more than solving (the gate keeps a failed episode's total
+below `success_reward`). The math is pure functions over (settings, step, counts);
+`CuriosityShaper` only adds the thread-safe global counts and a checkpointable state.
 """
 
 from __future__ import annotations

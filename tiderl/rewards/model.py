@@ -1,18 +1,8 @@
-"""Rewards from models, for tasks without a verifier (docs/rewards.md): a reward model, a
-generative judge (tiderl/rewards/judge.py), or both.
-
-A Hugging Face sequence-classification model with one label (`reward.model.path`) scores the
-episode's conversation, rendered by the reward model's own tokenizer and chat template; a judge
-(`reward.judge.url`) reads it through a prompt. The training reward combines them with the
-environment's (rule) reward:
-
-    reward' = reward.rule_weight * reward + reward.model.weight * score + reward.judge.weight * judge
-
-Each of the environment's reward parts is scaled by `rule_weight` and the parts "reward_model"
-and "judge" are added, so the parts still sum to the reward. The conversation is read back
-from the trajectory's tokens with the policy's tokenizer: ChatML turns (`<|im_start|>role ...
-<|im_end|>`, tiderl's tiny model and Qwen) become messages; any other format is scored as one
-user message holding the whole decoded text. Evaluation is never shaped.
+"""Rewards from models, for tasks without a verifier: a reward model (a Hugging Face
+sequence-classification model with one label, `reward.model.path`), a generative judge
+(tiderl/rewards/judge.py), or both, weighted with the environment's (rule) reward so that the
+reward parts still sum to the reward. docs/rewards.md gives the formula and how the conversation is
+read back from the trajectory's tokens. Evaluation is never shaped.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Rewards from models, off the rollout pool's event loop and in batches (docs/rewards.md).
-
-A reward model's forward pass or a judge's HTTP round trip takes far longer than an episode's
-last step. Run on the event loop, it would stall every episode in flight. So `ScoredBackend`
-wraps the rollout backend: an episode that comes back from the backend waits (as a coroutine)
-for `BatchScorer` to score it, and the pool sees it scored. The scorer gathers the episodes that
-finish close together (up to the scorers' `batch_size`, or what arrived within
-`reward.batch_wait_s`) and scores them with `ModelRewards.shape` on a worker thread of its own.
-
-A batch that takes over `reward.timeout_s` or fails raises, in each of its episodes, an error
-naming the tasks; the pool counts that as a failed attempt of the task (retried, and a run whose
-attempts keep failing stops with the cause).
+"""Rewards from models, off the rollout pool's event loop and in batches (docs/rewards.md, "Where"
+and "Errors"): `ScoredBackend` wraps the rollout backend so that a finished episode waits, as a
+coroutine, for `BatchScorer` to score it with the episodes that finish close together, on a worker
+thread of its own. A batch that fails or takes over `reward.timeout_s` fails each of its episodes
+as an attempt of its task.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Penalties for failed tool use: dense signals for a model that rarely succeeds yet, since an
-outcome reward of 0 on every episode gives SAO's advantages and value targets of exactly 0, and
-nothing moves. Evaluation never shapes: held-out success stays the environment's.
-
-- `env.tool_error_penalty`: reward' = reward - penalty * min(tool_errors, max_errors), where
-  tool_errors is what the environment reports in `env_info["tool_errors"]` (malformed calls,
-  unknown tools, wrong arguments, a tool's own error such as an SQL error). The cap keeps one turn
-  of many broken calls from outweighing the outcome.
-- `env.no_call_penalty`: reward' = reward - penalty * no_call_turns, where no_call_turns is what
-  the agent loop counts in `env_info["no_call_turns"]`: turns with no tool call at all that the
-  environment did not take as an answer (they got its nudge). A math answer in text ends its
-  episode, so it is never charged.
-
-With every outcome 0, penalties are an objective of their own, and the policy finds the cheapest
-way around them (docs/real_models.md): use them beside an outcome signal that is not all 0.
+"""Penalties for failed tool use (`env.tool_error_penalty`, `env.no_call_penalty`): dense signals
+for a model that rarely succeeds yet, each a named reward part. Formulas, and why they help only
+beside an outcome signal that is not all 0: docs/algorithms.md, "Reward shaping before the step".
+Evaluation never shapes: held-out success stays the environment's.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""The `agent` rollout backend: an agent written with any framework plays the run's tasks through
-the OpenAI API, and its recorded sessions train through the rollout pool like built-in episodes
-(docs/serve.md, "Training an external agent").
+"""The `agent` rollout backend: an agent written with any framework, `async def agent(base_url,
+task) -> reward`, plays the run's tasks through the OpenAI API, and its recorded sessions train
+through the rollout pool like built-in episodes (docs/serve.md, "Training an external agent").
 
-    async def agent(base_url: str, task: tiderl.envs.protocol.Task) -> float:   # the reward
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
-        ...
-
-Each attempt opens one session (`tiderl.serve.session`) on an in-process server in front of the
-run's engine, which samples with the run's `rollout.temperature` and `top_p` whatever the agent
-asks for; the session's segments are the attempt's trajectories. An agent that raises, returns
-something that is not a finite number, or sends no request has failed the attempt: the pool
-retries the task and reports it, never trains a made-up reward.
+Each attempt opens one session on an in-process server in front of the run's engine (sampling at
+the run's `rollout.temperature`/`top_p`); its segments are the attempt's trajectories. An agent
+that raises, returns no finite number, or sends no request has failed the attempt: the pool
+retries the task, never trains a made-up reward.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""Images in `tiderl serve` requests: decoding OpenAI image content parts, and the two places
-where a served model meets them (docs/serve.md; docs/env_visual.md, "How images flow").
-
-A user or tool message may hold `{"type": "image_url", "image_url": {"url": "data:image/png;base64,
-..."}}` parts. `decode_data_url` turns one into an RGB PIL image (base64 data URLs only: the
-server fetches nothing), within `MAX_IMAGE_BYTES` and `MAX_IMAGE_SIDE`; `wire.read_request` keeps
-a message's images beside its text (`"images"`, shown before the text, as in an environment's
-`Observation`) with one `image_key` each, and caps a request at `MAX_IMAGES` images.
-
-What a model does with an image is the model's business; tiderl serve asks it in two places:
-
-- `image_prompt_ids`: the prompt tokens of messages some of which hold images (the chat format
-  renders each such message as an `Observation`, whose image placeholders it expands);
-- `generate`: the engine's completion of a prompt with images, given as `images=`.
-
-A model reads images when its tokenizer is a processor with an image processor (`takes_images`);
-the server answers 400 ("model X takes no images") for any other before either is reached.
+"""Images in `tiderl serve` requests (docs/serve.md, "What the API does"; docs/env_visual.md, "How
+images flow"): `decode_data_url` turns an OpenAI image content part into an RGB PIL image (base64
+data URLs only: the server fetches nothing; within `MAX_IMAGE_BYTES`, `MAX_IMAGE_SIDE` and
+`MAX_IMAGES` a request); `takes_images` says whether a model reads them (the server answers 400
+for any other); `image_prompt_ids` renders messages some of which hold images.
 """
 
 from __future__ import annotations
