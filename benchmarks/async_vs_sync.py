@@ -99,10 +99,10 @@ import shutil
 from collections import Counter, defaultdict
 
 from tiderl.config import load_config
+from tiderl.embedded.build import embedded_model_dir
 from tiderl.envs.protocol import StepResult
 from tiderl.evaluate import evaluate
 from tiderl.lab.cpu import thread_cpu
-from tiderl.embedded.build import embedded_model_dir
 from tiderl.recipe import train
 from tiderl.rollout.weights import weights_checksum
 from tiderl.run import build_run

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tiderl.lab.ranks import spawn_ranks  # noqa: E402
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer  # noqa: E402
+from tiderl.lab.ranks import spawn_ranks  # noqa: E402
 from tiderl.train.checkpoint import load_checkpoint, load_sharded, save_checkpoint, save_sharded  # noqa: E402
 from tiderl.train.critic import ValueModel, freeze_matching  # noqa: E402
 from tiderl.train.learner import Learner  # noqa: E402

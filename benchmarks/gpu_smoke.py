@@ -65,10 +65,10 @@ def main() -> int:
         return 0
 
     from tiderl.config import load_config
-    from tiderl.envs.setup import load_setup
     from tiderl.embedded.build import ensure_embedded_model
-    from tiderl.models.loading import count_parameters, load_tokenizer, save_model_dir
     from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.envs.setup import load_setup
+    from tiderl.models.loading import count_parameters, load_tokenizer, save_model_dir
     from tiderl.recipe import train
     from tiderl.run import build_run
 

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from tiderl.lab.vllm_server import vllm_command, vllm_env, wait_until_ready
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.lab.vllm_server import vllm_command, vllm_env, wait_until_ready
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.http_engine import HttpEngine
 from tiderl.rollout.torch_engine import TorchEngine

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 from tiderl.config import AlgoConfig, preset_defaults  # noqa: E402
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config  # noqa: E402
-from tiderl.train.learner import Learner  # noqa: E402
 from tiderl.train.critic import ValueModel, freeze_matching  # noqa: E402
+from tiderl.train.learner import Learner  # noqa: E402
 from tiderl.train.lora import apply_critic_lora, apply_lora, policy_state  # noqa: E402
 from tiderl.train.step import train_step  # noqa: E402
 from tiderl.types import NO_VERSION, Trajectory  # noqa: E402

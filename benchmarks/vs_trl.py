@@ -163,14 +163,14 @@ def build_model_dir(size: str, out: Path, seed: int = 0) -> Path:
         return out
     import torch
 
-    from tiderl.models.warmstart import supervised_finetune
-    from tiderl.models.loading import save_model_dir
     from tiderl.embedded.tiny import (
         IM_END_ID,
         init_tiny_model,
         tiny_qwen2_config,
         train_tokenizer,
     )
+    from tiderl.models.loading import save_model_dir
+    from tiderl.models.warmstart import supervised_finetune
     from tiderl.types import Trajectory
 
     pairs = addition_pairs(3000, seed + 1)

@@ -32,11 +32,11 @@ import torch
 # Data structures and the tiny model are imported here; the config, run and training modules
 # inside the helpers that use them, so that a file using only the KG or DB helpers does not fail
 # to import when those modules do.
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.envs.db.backend import TableSpec
 from tiderl.envs.kg.rdf import XSD, GraphSpec, RdfSchema
 from tiderl.envs.kg.sparql import OxigraphClient
 from tiderl.envs.kg.store import TripleStore
-from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
 from tiderl.types import NO_VERSION, Trajectory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -517,8 +517,8 @@ def parity_model_dir(folder: Path) -> Path:
     """An untrained one-layer Qwen2 (seed 0) with a tokenizer trained on tests/user_env.py's
     corpus, saved as a Hugging Face directory under `folder`."""
     import user_env
-    from tiderl.models.loading import save_model_dir
     from tiderl.embedded.tiny import train_tokenizer
+    from tiderl.models.loading import save_model_dir
 
     tokenizer = train_tokenizer(user_env.corpus(), vocab_size=300)
     model = init_tiny_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, num_heads=2,

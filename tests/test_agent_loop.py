@@ -12,8 +12,8 @@ import pytest
 from support import versions
 from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episodes
-from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
+from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.types import NO_VERSION
 

@@ -16,8 +16,8 @@ from tiderl.algos.advantages import (
     skip_observation_gae,
 )
 from tiderl.algos.losses import PolicyLossInputs, dis_token_loss, value_loss
-from tiderl.config import preset_defaults
 from tiderl.algos.registry import needs_critic, needs_ref
+from tiderl.config import preset_defaults
 from tiderl.config import AlgoConfig
 from tiderl.embedded.tiny import init_tiny_model
 from tiderl.train.batching import collate

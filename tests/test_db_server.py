@@ -571,9 +571,9 @@ def test_tiderl_train_on_a_server_database(server, tmp_path):
     if server.kind != "postgresql":
         pytest.skip("training is exercised on PostgreSQL (MariaDB's sessions are the same code path)")
     from tiderl.cli import main
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
     from tiderl.envs.db.env import DEFAULT_SYSTEM_PROMPT
     from tiderl.models.loading import save_model_dir
-    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 
     lines = server.questions.read_text().splitlines()
     train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "held.jsonl"

@@ -137,8 +137,8 @@ def test_demo_and_eval_commands(cache, tmp_path, capsys):
 def test_embedded_build_is_deterministic_and_reloads(tmp_path):
     from safetensors.torch import load_file
 
-    from tiderl.envs.setup import load_setup
     from tiderl.embedded.build import build_embedded_model
+    from tiderl.envs.setup import load_setup
     from tiderl.models.loading import load_model, load_tokenizer
 
     cfg = small_config(tmp_path, tmp_path / "run", "model.warmstart.steps=5",

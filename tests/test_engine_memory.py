@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from tiderl.lab.engine_memory import kv_bytes_per_token, kv_memory
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.lab.engine_memory import kv_bytes_per_token, kv_memory
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine
 

@@ -17,9 +17,9 @@ import torch
 
 from tiderl.cli import main
 from tiderl.config import ConfigError, load_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.envs.setup import load_setup
 from tiderl.models.loading import save_model_dir
-from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout import make_engine
 from tiderl.rollout.base import SamplingParams
 

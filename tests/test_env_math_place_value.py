@@ -175,8 +175,8 @@ def test_copy_check_settings_are_validated():
 def test_supervised_warm_start_stops_at_the_first_passing_check():
     import torch
 
-    from tiderl.models.warmstart import supervised_finetune
     from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.models.warmstart import supervised_finetune
     from tiderl.types import Trajectory
 
     model = init_tiny_model(tiny_qwen2_config(16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,

@@ -8,8 +8,8 @@ import pytest
 
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import RolloutConfig
-from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.embedded.tiny import train_tokenizer
+from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.rollout.base import sampling_params
 
 TOKENIZER = train_tokenizer(["Say done.", "task", "not yet", "done", "wait"] * 4, vocab_size=300)

@@ -14,6 +14,8 @@ import pytest
 from tiderl.agent.loop import ScriptedEngine
 from tiderl.cli import main
 from tiderl.config import RolloutConfig, load_config
+from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
+from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.envs.setup import data_root
 from tiderl.evaluate import (
     evaluate,
@@ -24,8 +26,6 @@ from tiderl.evaluate import (
     run_samples,
     summarize_samples,
 )
-from tiderl.envs.protocol import Action, StepResult, Task
-from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
 from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.types import Trajectory
 

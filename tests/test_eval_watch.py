@@ -10,10 +10,10 @@ import pytest
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.cli import main
 from tiderl.config import EnvConfig, RolloutConfig
+from tiderl.embedded.tiny import train_tokenizer
 from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.evaluate import EvalProgress, append_training_transcripts, evaluate, stop_reason_table, transcript
 from tiderl.rollout.base import sampling_params
-from tiderl.embedded.tiny import train_tokenizer
 
 SMALL = ["env.options.num_films=20", "env.options.num_people=20", "env.options.num_train_tasks=50", "data.eval_size=6"]
 

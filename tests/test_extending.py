@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tiderl.cli import main
-from tiderl.envs.check import assert_environment, check_environment
 from tiderl.config import ConfigError, describe, load_config
-from tiderl.models.loading import save_model_dir
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.envs.check import assert_environment, check_environment
+from tiderl.models.loading import save_model_dir
 from tiderl.options import need, opt
 from tiderl.rollout.options import TorchEngineOptions
 

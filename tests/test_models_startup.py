@@ -14,10 +14,10 @@ from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.tool_parser import tool_call_format_of
 from tiderl.cli import main
 from tiderl.config import load_config
+from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.envs.setup import load_setup
 from tiderl.models.loading import save_model_dir
 from tiderl.models.startup import CHATML_TOOLS_TEMPLATE, StartupError, apply_chat_template, check_model_and_budgets
-from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
 
 # A ChatML template that, like SmolLM2's, never looks at `tools`.

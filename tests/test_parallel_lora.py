@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("peft")
 
 from support import CLIP, LR, PARALLEL_MODEL_CFG, nine_trajectories, parallel_cases, snapshot  # noqa: E402
-from tiderl.lab.ranks import spawn_ranks  # noqa: E402
 from tiderl.embedded.tiny import init_tiny_model  # noqa: E402
+from tiderl.lab.ranks import spawn_ranks  # noqa: E402
 from tiderl.train.learner import Learner  # noqa: E402
 from tiderl.train.step import train_step  # noqa: E402
 

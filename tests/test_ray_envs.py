@@ -19,8 +19,8 @@ ray = pytest.importorskip("ray")
 from support import local_ray_cluster  # noqa: E402
 from tiderl.agent.loop import ScriptedEngine, play_episode  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
-from tiderl.envs.setup import data_root, load_setup  # noqa: E402
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config  # noqa: E402
+from tiderl.envs.setup import data_root, load_setup  # noqa: E402
 from tiderl.rollout.base import sampling_params  # noqa: E402
 from tiderl.rollout.client import BatchingEngine  # noqa: E402
 from tiderl.system import ray_backend as rb  # noqa: E402

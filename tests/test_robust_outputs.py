@@ -14,12 +14,12 @@ from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.text import shown, valid_text
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import load_config
+from tiderl.embedded.tiny import train_tokenizer
 from tiderl.envs.check import check_environment
 from tiderl.envs.kg.backend import numeric_value
 from tiderl.envs.kg.env import KGEnv
 from tiderl.envs.kg.sparql import SparqlError
 from tiderl.envs.protocol import Action, StepResult, Task, ToolCall
-from tiderl.embedded.tiny import train_tokenizer
 from tiderl.rollout.base import SamplingParams
 
 # The backslash is typed out: the model writes the JSON escape of a lone surrogate.

@@ -32,22 +32,22 @@ pytest.importorskip("uvicorn")
 from tiderl.agent.chat import CONTINUE_MESSAGE, chat_format
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import load_config
-from tiderl.envs.protocol import Action, ToolCall
-from tiderl.envs.setup import load_setup
-from tiderl.evaluate import oracle_texts
-from tiderl.models.loading import save_model_dir
 from tiderl.embedded.tiny import (
     IM_END_ID,
     init_tiny_model,
     tiny_qwen2_config,
     train_tokenizer,
 )
-from tiderl.rollout.base import Completion, SamplingParams
+from tiderl.embedded.tiny_vlm import oracle_texts
+from tiderl.envs.protocol import Action, ToolCall
+from tiderl.envs.setup import load_setup
+from tiderl.models.loading import save_model_dir
 from tiderl.recipe import train
+from tiderl.rollout.base import Completion, SamplingParams
 from tiderl.run import Trainer, build_run, sync_weights
+from tiderl.serve.agent import AgentRollout, service_for_run
 from tiderl.serve.server import BackgroundServer, ChatService, create_app
 from tiderl.serve.session import SessionStore
-from tiderl.serve.agent import AgentRollout, service_for_run
 from tiderl.serve.wire import RequestError, assistant_reply, read_request
 from tiderl.train.batching import collate
 from tiderl.train.forward import token_logprobs

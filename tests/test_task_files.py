@@ -140,9 +140,9 @@ def test_gsm8k_train_file_trains_with_math_and_evaluates_every_step(tmp_path, mo
     pytest.importorskip("mlflow", reason="log.trackers needs the trackers extra (pip install 'tiderl[trackers]')")
     from mlflow.tracking import MlflowClient
 
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
     from tiderl.evaluate import evaluate_modes, oracle_engine, oracle_limits
     from tiderl.models.loading import save_model_dir
-    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
     from tiderl.recipe import train
     from tiderl.run import build_run
 

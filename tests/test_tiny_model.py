@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tiderl.embedded.chat_template import IM_END, IM_START, PAD
-from tiderl.models.loading import count_parameters, load_model, load_tokenizer, save_model_dir
 from tiderl.embedded.tiny import (
     IM_END_ID,
     IM_START_ID,
@@ -18,6 +17,7 @@ from tiderl.embedded.tiny import (
     tiny_qwen2_config,
     train_tokenizer,
 )
+from tiderl.models.loading import count_parameters, load_model, load_tokenizer, save_model_dir
 
 CORPUS = [
     f"{IM_START}user\nWho directed film_{i:03d}? It stars Grégoire Colin and person_{i % 17}.{IM_END}\n"

@@ -11,8 +11,8 @@ import pytest
 from tiderl.agent.chat import chat_format
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.tool_parser import set_tool_call_format
-from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
+from tiderl.envs.protocol import Action, StepResult, Task
 from tiderl.rollout.base import SamplingParams
 
 TOOLS = [{"type": "function", "function": {

@@ -59,8 +59,8 @@ def test_wandb_offline_and_mlflow_local_runs_hold_the_metrics_and_the_config(tmp
     pytest.importorskip("mlflow", reason="log.trackers needs the trackers extra (pip install 'tiderl[trackers]')")
     from mlflow.tracking import MlflowClient
 
-    from tiderl.models.loading import save_model_dir
     from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+    from tiderl.models.loading import save_model_dir
     from tiderl.recipe import train
     from tiderl.run import build_run
 

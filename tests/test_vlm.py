@@ -15,9 +15,9 @@ from PIL import Image
 
 from tiderl.agent.chat import chat_format
 from tiderl.agent.loop import ScriptedEngine, play_episodes
-from tiderl.envs.protocol import Action, Observation, StepResult, Task
 from tiderl.embedded.tiny import train_tokenizer
 from tiderl.embedded.tiny_vlm import build_tiny_vlm, image_seq_len
+from tiderl.envs.protocol import Action, Observation, StepResult, Task
 from tiderl.models.loading import load_processor
 from tiderl.rollout.base import SamplingParams
 

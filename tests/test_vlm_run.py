@@ -79,8 +79,8 @@ def corpus() -> list[str]:
 @pytest.mark.slow  # trains through the CLI (about 20 s on 2 shared cores)
 def test_tiderl_train_on_a_visual_environment_with_a_vlm_directory(tmp_path):
     from tiderl.cli import main
-    from tiderl.models.loading import load_model, load_tokenizer
     from tiderl.embedded.tiny_vlm import build_tiny_vlm
+    from tiderl.models.loading import load_model, load_tokenizer
     from tiderl.models.vision import ChatProcessor
 
     model, processor = build_tiny_vlm(corpus(), seed=0)
@@ -123,15 +123,15 @@ def test_tiderl_train_on_a_visual_environment_with_a_vlm_directory(tmp_path):
 
 @pytest.mark.slow  # warm-starts the embedded model and trains through the CLI (about 30 s on 2 shared cores)
 def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started_on_its_images(tmp_path):
+    from tiderl.agent.loop import play_episodes
     from tiderl.cli import main
     from tiderl.config import load_config
-    from tiderl.envs.setup import load_setup
     from tiderl.embedded.build import ensure_embedded_model
+    from tiderl.envs.setup import load_setup
     from tiderl.models.loading import load_model, load_tokenizer
     from tiderl.models.vision import ChatProcessor
-    from tiderl.rollout.torch_engine import TorchEngine
-    from tiderl.agent.loop import play_episodes
     from tiderl.rollout.base import SamplingParams
+    from tiderl.rollout.torch_engine import TorchEngine
 
     small = ["env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.cache_dir={tmp_path / 'cache'}",
              "model.tiny.vocab_size=400", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",

@@ -14,8 +14,8 @@ import torch
 from test_vlm import CORPUS, SquaresEnv, square
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
-from tiderl.envs.protocol import Observation, StepResult, Task
 from tiderl.embedded.tiny_vlm import build_tiny_vlm
+from tiderl.envs.protocol import Observation, StepResult, Task
 from tiderl.models.vision import PromptImages, image_inputs
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine

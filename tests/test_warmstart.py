@@ -8,10 +8,10 @@ import torch
 
 from tiderl.cli import main
 from tiderl.config import load_config
-from tiderl.envs.setup import load_setup
-from tiderl.evaluate import oracle_texts
-from tiderl.models.loading import load_model, save_model_dir
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
+from tiderl.embedded.tiny_vlm import oracle_texts
+from tiderl.envs.setup import load_setup
+from tiderl.models.loading import load_model, save_model_dir
 from tiderl.models.warmstart import demonstrations, warm_start
 from tiderl.train.batching import collate
 from tiderl.train.forward import token_logprobs

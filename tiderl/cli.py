@@ -283,7 +283,7 @@ def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, A
     cut no script (`oracle_limits`). Tokenizer: the one of `--model` or `model.path`, else one
     trained here on the oracle's own texts (the embedded model's, being KG-only and slow to
     build, is not used). Returns (config, engine, tokenizer, where the tokenizer came from)."""
-    from tiderl.evaluate import oracle_engine, oracle_limits, oracle_texts
+    from tiderl.evaluate import oracle_engine, oracle_limits
 
     if setup.oracle is None:
         raise ValueError(f"env.name={cfg.env.name}: its Setup has no oracle, so --oracle has nothing to play")
@@ -294,14 +294,9 @@ def _oracle(cfg: RunConfig, setup: Any, model: str | None) -> tuple[RunConfig, A
 
         tokenizer, source = load_tokenizer(path), str(path)
     else:
-        from tiderl.embedded.tiny_vlm import tiny_tokenizer
-        from tiderl.envs.protocol import Observation
+        from tiderl.embedded.tiny_vlm import oracle_tokenizer
 
-        texts = oracle_texts(setup.make_env(), setup.eval_tasks, scripts)
-        first = setup.make_env().reset(setup.eval_tasks[0]) if setup.eval_tasks else ""
-        shows_images = isinstance(first, Observation) and bool(first.images)  # a processor renders them
-        tokenizer, source = tiny_tokenizer(texts, cfg.model.tiny.vocab_size, shows_images)
-        source += " trained on the oracle's texts"
+        tokenizer, source = oracle_tokenizer(setup, scripts, cfg.model.tiny.vocab_size)
     env_cfg, rollout = oracle_limits(cfg.env, cfg.rollout, scripts)
     return dataclasses.replace(cfg, env=env_cfg, rollout=rollout), oracle_engine(tokenizer, scripts), tokenizer, source
 

@@ -171,17 +171,6 @@ def oracle_engine(tokenizer: Any, scripts: dict[str, list[str]]) -> EngineFor:
     return lambda chunk: ScriptedEngine(tokenizer, {t.prompt: scripts[t.task_id] for t in chunk})
 
 
-def oracle_texts(env: Env, tasks: list[Task], scripts: dict[str, list[str]]) -> list[str]:
-    """What an oracle episode writes: the system prompt, the tool schemas, the questions and
-    the scripted turns (a corpus to train a tokenizer on when no model brings one)."""
-    texts = [env.system_prompt(), json.dumps(env.tool_schemas()), "system", "user", "assistant",
-             "Tools:", "<tool_response>", "</tool_response>"]
-    for task in tasks:
-        texts.append(task.prompt)
-        texts.extend(scripts[task.task_id])
-    return texts
-
-
 def oracle_limits(env_cfg: EnvConfig, rollout: RolloutConfig,
                   scripts: dict[str, list[str]]) -> tuple[EnvConfig, RolloutConfig]:
     """Episode limits under which no oracle script is cut: as many turns as the longest script

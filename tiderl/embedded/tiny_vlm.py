@@ -9,6 +9,7 @@ to `image_size` x `image_size` and becomes `image_seq_len(...)` `<image>` tokens
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +18,8 @@ from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefi
 
 from tiderl.embedded.chat_template import VLM_CHAT_TEMPLATE
 from tiderl.embedded.tiny import IM_END_ID, PAD_ID, TINY_ATTN_IMPLEMENTATION, train_tokenizer
-from tiderl.models.vision import IMAGE_PLACEHOLDER
+from tiderl.envs.protocol import Env, Observation, Task
+from tiderl.models.vision import IMAGE_PLACEHOLDER, ChatProcessor
 
 # The tokens the Idefics3 processor writes around and for an image (it adds the first two and
 # `<end_of_utterance>` itself; `<global-img>` would otherwise be split into bytes).
@@ -93,13 +95,27 @@ def build_tiny_vlm(texts: Iterable[str], seed: int = 0, vocab_size: int = 512, *
 
 
 
-def tiny_tokenizer(texts: list[str], vocab_size: int, images: bool) -> tuple[Any, str]:
-    """A tokenizer trained on `texts` as the tiny model's is (with `images`, the tiny VLM's processor
-    as a `ChatProcessor`), and a phrase that says which (for `tiderl eval --oracle` without a model)."""
-    if images:
-        from tiderl.models.vision import ChatProcessor
 
+def oracle_texts(env: Env, tasks: list[Task], scripts: dict[str, list[str]]) -> list[str]:
+    """What an oracle episode writes: the system prompt, the tool schemas, the questions and
+    the scripted turns (a corpus to train a tokenizer on when no model brings one)."""
+    texts = [env.system_prompt(), json.dumps(env.tool_schemas()), "system", "user", "assistant",
+             "Tools:", "<tool_response>", "</tool_response>"]
+    for task in tasks:
+        texts.append(task.prompt)
+        texts.extend(scripts[task.task_id])
+    return texts
+
+
+def oracle_tokenizer(setup: Any, scripts: dict[str, list[str]], vocab_size: int) -> tuple[Any, str]:
+    """A tokenizer trained on the oracle's texts as the tiny model's is, for `tiderl eval --oracle`
+    without a model (the tiny VLM's processor, as a `ChatProcessor`, when the environment's prompts
+    show images), and a phrase that says which."""
+    texts = oracle_texts(setup.make_env(), setup.eval_tasks, scripts)
+    first = setup.make_env().reset(setup.eval_tasks[0]) if setup.eval_tasks else ""
+    if isinstance(first, Observation) and first.images:  # a processor renders the images
         tokenizer = ChatProcessor(make_processor(train_vlm_tokenizer(texts, vocab_size)))
-        return tokenizer, f"the tiny vision-language model's processor ({len(tokenizer.tokenizer)} tokens)"
+        return tokenizer, (f"the tiny vision-language model's processor ({len(tokenizer.tokenizer)} tokens) trained "
+                           "on the oracle's texts")
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
-    return tokenizer, f"byte-level BPE ({len(tokenizer)} tokens)"
+    return tokenizer, f"byte-level BPE ({len(tokenizer)} tokens) trained on the oracle's texts"

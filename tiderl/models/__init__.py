@@ -1,1 +1,1 @@
-"""Models: Hugging Face causal LMs as they are, plus the embedded tiny default."""
+"""Models: Hugging Face causal and vision-language models as they are (the embedded tiny default: tiderl/embedded/)."""

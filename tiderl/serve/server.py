@@ -341,8 +341,8 @@ def service_from_config(cfg: RunConfig, record: str | None = None) -> ChatServic
     torch.manual_seed(cfg.seed)
     path = cfg.model.path
     if path == "tiny":
-        from tiderl.envs.setup import load_setup
         from tiderl.embedded.build import ensure_embedded_model
+        from tiderl.envs.setup import load_setup
 
         path = str(ensure_embedded_model(cfg, load_setup(cfg)))
     tokenizer = load_tokenizer(path)

@@ -43,8 +43,8 @@ def outcome(task: Task, text: str) -> str:
 def outcomes_by_kind(model_dir: str | Path, cfg: RunConfig, setup: Setup) -> dict[str, Counter]:
     """Greedy answers of the model in `model_dir` to the held-out questions, counted per kind."""
     from tiderl.embedded.build import greedy_turns
-    from tiderl.models.warmstart import scripted_traces
     from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.models.warmstart import scripted_traces
 
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     tasks = setup.eval_tasks
