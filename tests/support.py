@@ -42,6 +42,20 @@ from tiderl.types import NO_VERSION, Trajectory
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+# -- chat formats (test_agent_loop, test_tool_parser_loop) -------------------------------------
+
+
+def observation_ids(fmt, tool_messages: list[str]) -> list[int]:
+    """Tokens that follow a finished assistant turn (ended by the end-of-turn token) when the
+    environment answers with tool responses, up to and including the next generation prompt."""
+    return fmt.continuation_ids([{"role": "tool", "content": m} for m in tool_messages])
+
+
+def user_message_ids(fmt, content: str) -> list[int]:
+    """Like `observation_ids`, for an environment that answers in a plain user turn."""
+    return fmt.continuation_ids([{"role": "user", "content": content}])
+
+
 # -- trajectories (test_agent_loop, test_system_pool, test_system_local, test_system_cores) ------
 
 

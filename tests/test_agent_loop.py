@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from support import versions
+from support import observation_ids, user_message_ids, versions
 from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.loop import CONTINUE_MESSAGE, ScriptedEngine, play_episodes
 from tiderl.embedded.tiny import IM_END_ID, train_tokenizer
@@ -167,8 +167,8 @@ def test_assembled_tokens_equal_template_rendering_of_full_conversation(tok):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Alien?"}]
     fmt = chat_format(tok, TOOLS)
     ids = fmt.prompt_ids(messages)
-    ids += sampled_turn(tok, a1) + fmt.observation_ids(["Ridley Scott", "Michael Mann"])
-    ids += sampled_turn(tok, a2) + fmt.user_message_ids(CONTINUE_MESSAGE)
+    ids += sampled_turn(tok, a1) + observation_ids(fmt, ["Ridley Scott", "Michael Mann"])
+    ids += sampled_turn(tok, a2) + user_message_ids(fmt, CONTINUE_MESSAGE)
     ids += sampled_turn(tok, a3)
     messages += [
         {"role": "assistant", "content": a1},
@@ -188,7 +188,7 @@ def test_assembled_tokens_equal_template_rendering_of_full_conversation(tok):
 
 
 def test_observation_ids_end_with_generation_prompt_and_start_after_end_of_turn(tok):
-    obs = decode(tok, chat_format(tok, TOOLS).observation_ids(["Pete Docter"]))
+    obs = decode(tok, observation_ids(chat_format(tok, TOOLS), ["Pete Docter"]))
     assert obs.endswith("<|im_start|>assistant\n")
     assert "Pete Docter" in obs and "<|im_end|>" not in obs.split("Pete Docter")[0]
 
@@ -221,7 +221,7 @@ def test_any_prefix_consistent_template_works(tok):
     assert (fmt.end_of_turn, fmt.end_of_turn_id) == ("<|im_end|>", IM_END_ID)
     a1, a2 = call("up"), "ANSWER: Pete Docter"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Up?"}]
-    ids = fmt.prompt_ids(messages) + sampled_turn(other, a1) + fmt.observation_ids(["Pete Docter"]) + sampled_turn(other, a2)
+    ids = fmt.prompt_ids(messages) + sampled_turn(other, a1) + observation_ids(fmt, ["Pete Docter"]) + sampled_turn(other, a2)
     messages += [{"role": "assistant", "content": a1}, {"role": "tool", "content": "Pete Docter"}, {"role": "assistant", "content": a2}]
     # The template ends a turn with "<|im_end|>\n": the sequence stops at the sampled end-of-turn.
     full = other.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=False, tokenize=False)
@@ -270,7 +270,7 @@ def test_scripted_episode_is_the_template_rendering_and_masks_only_model_tokens(
     # loss_mask is 1 exactly on the two scripted turns (their text + end-of-turn).
     fmt = chat_format(tok, TOOLS)
     prompt = fmt.prompt_ids(messages[:2])
-    obs = fmt.observation_ids(["Ridley Scott"])
+    obs = observation_ids(fmt, ["Ridley Scott"])
     t1, t2 = sampled_turn(tok, a1), sampled_turn(tok, a2)
     assert traj.tokens == prompt + t1 + obs + t2
     assert traj.loss_mask == [0] * len(prompt) + [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
@@ -305,7 +305,7 @@ def test_turn_without_observation_gets_continue_message(tok):
     expected = (
         chat_format(tok, TOOLS).prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Up?"}])
         + sampled_turn(tok, "Let me think.")
-        + chat_format(tok, TOOLS).user_message_ids(CONTINUE_MESSAGE)
+        + user_message_ids(chat_format(tok, TOOLS), CONTINUE_MESSAGE)
         + sampled_turn(tok, "ANSWER: Pete Docter")
     )
     assert traj.tokens == expected and traj.stop_reason == "answer"

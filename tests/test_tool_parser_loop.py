@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from support import user_message_ids
 from tiderl.agent.chat import chat_format
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.agent.tool_parser import set_tool_call_format
@@ -71,7 +72,7 @@ def test_nudge_after_a_turn_without_tool_call_is_a_user_turn(tok):
     fmt = chat_format(tok, TOOLS)
     prompt = fmt.prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who directed Up?"}])
     turn = tok.encode("Let me think.", add_special_tokens=False) + [IM_END_ID]
-    nudge = fmt.user_message_ids(NUDGE)
+    nudge = user_message_ids(fmt, NUDGE)
     assert traj.tokens[: len(prompt) + len(turn) + len(nudge)] == prompt + turn + nudge
     assert "<tool_response>" not in tok.decode(traj.tokens)
     assert traj.stop_reason == "answer"

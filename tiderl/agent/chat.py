@@ -110,20 +110,10 @@ class ChatFormat:
         messages, images = self.with_parts(messages)
         return self._encode(self.render(messages, add_generation_prompt=True), images), images
 
-    def observation_ids(self, tool_messages: list[str]) -> list[int]:
-        """Tokens that follow a finished assistant turn (ended by the end-of-turn token) when the
-        environment answers with tool responses: the "tool" messages as the template renders
-        them, up to and including the next generation prompt."""
-        return self.continuation_ids([{"role": "tool", "content": m} for m in tool_messages])
-
-    def user_message_ids(self, content: str) -> list[int]:
-        """Like `observation_ids`, for an environment that answers in a plain user turn."""
-        return self.continuation_ids([{"role": "user", "content": content}])
-
     def answer_ids(self, observations: list[str], continue_message: str = CONTINUE_MESSAGE,
                    as_tool_responses: bool = True) -> list[int]:
         """The tokens of an environment's answer to a turn, as an episode gets them: the
-        observations as tool messages (`observation_ids`), or, when the turn called no tool
+        observations as tool messages (`continuation_ids`), or, when the turn called no tool
         (`as_tool_responses=False`), joined into one user turn; `continue_message` as a user turn
         when there is none. TypeError, naming the problem, when `observations` is not a list of
         text (a bug of the environment, not of the model)."""
