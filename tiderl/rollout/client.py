@@ -1,14 +1,7 @@
 """An asyncio front for an engine: many episodes ask for one completion each, the client
-decodes whatever is waiting together (docs/engines.md, "The batching client").
-
-A continuous engine (`continuous()` true, as `TorchEngine`) gets every request at once through
-`submit` and decodes token by token, requests joining its running batch; any other engine gets
-request-level batches of compatible sampling settings through `generate`, each completion cut
-back to its own budget. Registered episodes (`episode()`, `in_env()`) start together: the client
-waits until each has asked, except those in their environment for over `patience_s`, and at most
-`gather_s`. It decodes on its own thread, or on the executor the caller passes (an
-`InlineExecutor` in synchronous training, where batches decode to their last row and the
-sampler's stream reaches the rows in the same order on every run).
+decodes whatever is waiting together: token by token for a continuous engine, in request-level
+batches for any other; when to start decoding and on which thread: docs/engines.md, "The
+batching client".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """One decode step (one new token per row) of a Llama-family causal LM without the Hugging Face
-module stack: the same arithmetic as the model's own forward (RMSNorm, rotary embedding from a
-precomputed table, grouped-query SDPA over the batch's KV cache, SiLU-gated MLP), in plain torch
-calls on the model's own parameters, q/k/v and gate/up each one product over stacked weights. At
-an embedded engine's CPU sizes the Hugging Face forward spends most of a step in Python: module
-calls, keyword plumbing, the 4D mask it rebuilds every step (docs/bench_vs_trl.md).
+module stack: the model's own arithmetic in plain torch calls on its own parameters (what it
+computes and what it saves: docs/bench_vs_trl.md, "A decode step without the Hugging Face module stack").
 
 `DecodeStep.of(model)` returns None for anything it does not reproduce exactly (other
 architectures, sliding windows, q/k norms, non-default rotary scaling, adapters or quantised
@@ -170,13 +167,9 @@ def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Te
     """One stacked weight (and bias) for `linears`, which read the same input, so that one matrix
     product computes all their outputs side by side; the modules' own weights and biases become
     views of it, which their own forward uses and `load_state_dict` overwrites in place, so the
-    stacked tensor always holds the current weights (and no second copy is kept).
-
-    `transposed`: a stacked weight of at most `TRANSPOSE_MAX_ELEMENTS` is stored as its transpose
-    (`[in, out]` contiguous), which a CPU's BLAS multiplies by a handful of rows in place, where it
-    packs all of a row-major `W` at every call; larger ones keep their layout, where a whole model
-    decoded no faster transposed (docs/bench_vs_trl.md has the figures).
-    """
+    stacked tensor always holds the current weights (and no second copy is kept). `transposed`: a
+    stacked weight of at most `TRANSPOSE_MAX_ELEMENTS` is stored as its transpose (why:
+    docs/bench_vs_trl.md, "Weights stored transposed on a CPU")."""
     weights = [m.weight.detach() for m in linears]
     whole = torch.cat(weights)
     if transposed and whole.numel() <= TRANSPOSE_MAX_ELEMENTS:

@@ -1,21 +1,7 @@
 """The embedded engine: KV-cache sampling with any Hugging Face causal LM, on CPU or GPU, with
-token-level continuous batching and per-episode prefix reuse (docs/engines.md, "The torch engine").
-
-The decoding rows share one right-aligned KV cache (padding masked on the left, positions counting
-real tokens only), so a row gets the log-probs of its sequence alone; rows leave and waiting
-requests join between two decode steps. A request naming a `session` reuses the KV its session's
-last finished row kept, for their longest common prefix (checked token by token); kept caches go
-at `end_session`, at every weight update, and least recently used first past `prefix_cache_mb`.
-Log-probs are those of the distribution each token was sampled from (temperature and top-p;
-greedy: temperature 1); a row with `SamplingParams.seed` draws `stream_uniform(seed, position)`,
-the others share `generator` in row order. `update_weights` takes the lock every forward pass
-holds, and each token carries the version of the weights that produced its logits. Models whose
-cache is not all full attention (sliding windows, hybrids) get no prefix reuse, and their
-waiting requests join only an empty batch. With a vision-language model's processor in place of
-the tokenizer, a request may carry the images of its prompt's placeholder tokens: its prefill
-embeds them (`models.vision.embed_inputs`, as the trainer does), its decode steps are text; a kept
-cache is reused only by a prompt that shows the same images first (docs/multimodal.md).
-"""
+token-level continuous batching and per-episode prefix reuse. How the batch, prefix reuse,
+sampling, weight updates and images work: docs/engines.md, "The torch engine" (and "The torch
+engine's memory"; images: docs/multimodal.md)."""
 
 from __future__ import annotations
 
@@ -186,7 +172,7 @@ class TorchEngine:
         self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None,
         images: list[PromptImages | None] | None = None,
     ) -> list[Completion]:
-        """Sample one completion per prompt, in prompt order (see the module docstring).
+        """Sample one completion per prompt, in prompt order (docs/engines.md, "The torch engine").
 
         `sessions[i]` (optional) names prompt i's episode: its kept cache is reused when the
         prompt extends it, and the row's cache is kept for the session's next turn. `images[i]`
