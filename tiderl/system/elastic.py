@@ -1,11 +1,6 @@
-"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness (docs/elastic.md).
-
-A *unit* of capacity is a Ray rollout worker (`slots_per_unit` episodes each,
-`system.options.min_workers`/`max_workers`) or, for the local backend, one slot
-(`system.min_slots`/`max_slots`). The decision is one pure function, `decide`, of the units, their
-bounds (`capacity_bounds`), the load of the last interval (who waited on whom: `vote`) and a small
-hysteresis memory; the rollout pool and the discrete-event model (`tiderl/lab/simulate.py`) call
-the same function, so what the simulator predicts is what a run does.
+"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness
+(docs/elastic.md). One pure function, `decide`, which the rollout pool and the discrete-event model
+(`tiderl/lab/simulate.py`) both call, so what the simulator predicts is what a run does.
 """
 
 from __future__ import annotations

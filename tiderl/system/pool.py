@@ -676,13 +676,9 @@ _SKIP_KEYS = ("nonfinite/skipped_step", "skipped_no_signal", "skipped_no_action_
 
 
 def critic_value_lags(batch: list[Trajectory], refreshes: int) -> list[int]:
-    """How many critic versions behind the critic this step trains the precomputed values of each
-    trajectory are. `refreshes` is the number of steps (one critic update and one snapshot refresh
-    each) since the critic snapshot was made; the snapshot stamps the values it computes with its
-    refresh count then (`annotations["values_version"]`, see
-    `tiderl.train.annotate.CriticSnapshot`), so the lag is the difference: 0 = the values came from
-    the very weights the step starts from. Trajectories without a stamp (values computed in the
-    step itself, or by a remote critic) are left out."""
+    """Each trajectory's critic value lag (docs/metrics.md, `critic/lag_*`): `refreshes`, the steps
+    since the critic snapshot was made, minus the refresh count the snapshot stamped its values with
+    (`annotations["values_version"]`); trajectories without a stamp are left out."""
     return [refreshes - int(t.annotations["values_version"][0]) for t in batch
             if t.annotations.get("values_version")]
 

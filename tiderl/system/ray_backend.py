@@ -1,12 +1,6 @@
-"""The Ray backend: rollout workers are Ray actors, the trainer stays in the driver (docs/ray.md).
-
-`RayRollout` is the `RolloutBackend` over a pool of `RolloutWorker` actors, each with its own
-engine, environments and sampler seed; the rollout pool and the loop are the local backend's.
-A worker that dies is replaced in the background on the latest weights (it joins once its
-checksum matches the trainer's); with `system.options.min_workers` < `max_workers` the pool's
-elastic loop grows and shrinks it (`resize`, docs/elastic.md). Every wait on a Ray reference is
-bounded by `system.wait_timeout_s`. `RemoteCritic` computes critic values in an actor
-(`system.options.remote_critic`). Its options are `RayOptions` (`tiderl.system.ray_options`).
+"""The Ray backend (docs/ray.md): `RayRollout`, the `RolloutBackend` over a pool of `RolloutWorker`
+actors (replaced when they die, resized by the elastic loop: docs/elastic.md), and `RemoteCritic`,
+critic values in an actor. Its options are `RayOptions` (`tiderl.system.ray_options`).
 """
 
 from __future__ import annotations
