@@ -134,9 +134,7 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_term, o_term, gate_up_term, down_term = terms
             x = _rms_norm(h, layer.input_layernorm.weight, eps1)
-            qkv = F.linear(x, *qkv_weights)
-            if qkv_term is not None:
-                qkv = qkv_term.add_to(qkv, x)
+            qkv = _linear(x, *qkv_weights, qkv_term)
             q = qkv[..., :q_width].view(b, 1, self.heads, self.head_dim).transpose(1, 2)
             k = qkv[..., q_width: q_width + kv_width].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
             v = qkv[..., q_width + kv_width:].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -146,20 +144,18 @@ class DecodeStep:
             if groups > 1:  # one query token: the query heads of a KV head attend as its rows
                 q = q.reshape(b, self.kv_heads, groups, self.head_dim)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-            h = h + _linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj, o_term)
+            h = h + _linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj.weight, attn.o_proj.bias, o_term)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, eps2)
-            gate_up = F.linear(x, *gate_up_weights)
-            if gate_up_term is not None:
-                gate_up = gate_up_term.add_to(gate_up, x)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + _linear(F.silu(gate) * up, mlp.down_proj, down_term)
+            gate, up = _linear(x, *gate_up_weights, gate_up_term).chunk(2, dim=-1)
+            h = h + _linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias, down_term)
         h = _rms_norm(h, self.norm.weight, self.final_eps)
-        return _linear(h[:, 0], self.lm_head, self.head_term)
+        return _linear(h[:, 0], self.lm_head.weight, self.lm_head.bias, self.head_term)
 
 
-def _linear(x: torch.Tensor, linear: torch.nn.Linear, term: low_rank.LowRankTerm | None) -> torch.Tensor:
-    """`linear`'s output for `x` (its LoRA term added, if any) without the module call."""
-    out = F.linear(x, linear.weight, linear.bias)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            term: low_rank.LowRankTerm | None) -> torch.Tensor:
+    """A linear layer's output for `x` (its LoRA term added, if any) without the module call."""
+    out = F.linear(x, weight, bias)
     return out if term is None else term.add_to(out, x)
 
 

@@ -291,11 +291,6 @@ class TorchEngine:
             if kept is not None:
                 self._kept_bytes -= kept.nbytes
 
-    def kept_sessions(self) -> int:
-        """How many sessions have a kept prefix cache now."""
-        with self._inbox_lock:
-            return len(self._kept)
-
     # ------------------------------------------------------------------ decoding
 
     def _reset_batch(self) -> None:
