@@ -74,14 +74,13 @@ class TorchEngine:
     plus the continuous interface (`submit`, `serve`, `end_session`) the batching client uses.
 
     The engine samples with its own deep copy of `model` on `device` (training the original
-    reaches it only through `update_weights`), or with `copy_model=False` with `model` itself (put
-    in eval mode, re-laid out for the fast decode step, copied out of the loader's memory map:
-    `_own_memory`), for a caller with no further use for it (evaluation). Sampling draws from one
-    `torch.Generator` seeded with `seed`: a fresh engine with the same seed, prompts and params
-    returns the same completions. At most `max_batch_size` rows decode at once; kept prefix caches
-    take at most `prefix_cache_mb` MiB (0: no prefix reuse); joining requests are prefilled in
-    forward passes of at most `prefill_tokens` tokens, rows x columns with padding (0: one pass),
-    which bounds the prefill's activations (docs/engines.md, "The torch engine's memory").
+    reaches it only through `update_weights`), or with `copy_model=False` with `model` itself, for
+    a caller with no further use for it (evaluation). Sampling draws from one `torch.Generator`
+    seeded with `seed`: a fresh engine with the same seed, prompts and params returns the same
+    completions. At most `max_batch_size` rows decode at once; kept prefix caches take at most
+    `prefix_cache_mb` MiB (0: no prefix reuse); joining requests are prefilled in forward passes of
+    at most `prefill_tokens` tokens, rows x columns with padding (0: one pass), which bounds the
+    prefill's activations (docs/engines.md, "The torch engine's memory").
     """
 
     Options = TorchEngineOptions  # rollout.options, with rollout.engine naming this class or a subclass
@@ -641,8 +640,7 @@ class TorchEngine:
         number uses that number instead; the generator still advances one draw per row).
 
         The token drawn is the first whose cumulative mass exceeds the draw, so a token of zero
-        probability (outside a nucleus) is never drawn. Several times cheaper than
-        `torch.multinomial` on a CPU at a few rows.
+        probability (outside a nucleus) is never drawn (why not `torch.multinomial`: docs/bench_vs_trl.md).
         """
         cdf = logprobs.exp().cumsum(dim=-1)
         u = torch.rand((cdf.shape[0], 1), generator=self.generator, device=cdf.device, dtype=cdf.dtype)
@@ -707,10 +705,8 @@ class TorchEngine:
 
 def _own_memory(model: torch.nn.Module) -> None:
     """Copy every parameter and buffer of `model` (a CPU model the engine was handed) into memory
-    of its own, one tensor at a time, keeping the parameter objects (so tied weights stay tied).
-    A model loaded from safetensors views the file's memory map, which stays resident while any
-    one tensor refers to it: without this copy the engine held the weights twice
-    (docs/engines.md, "The torch engine's memory")."""
+    of its own, one tensor at a time, keeping the parameter objects (so tied weights stay tied):
+    out of the loader's memory map (why: docs/engines.md, "The torch engine's memory")."""
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
