@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import itertools
 import math
 import shutil
@@ -152,14 +153,12 @@ class HttpEngine:
     @classmethod
     def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int,
                     copy_model: bool = True) -> HttpEngine:
-        """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this)."""
+        """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this): each
+        option is the keyword of the same name."""
         h = cfg.rollout.options
-        return cls(model, tokenizer, device=cfg.model.device, seed=seed,
-                   max_batch_size=cfg.rollout.engine_batch_size, urls=list(h.urls),
-                   served_model=h.served_model, timeout_s=h.timeout_s, weight_sync=h.weight_sync,
-                   weights_dir=h.weights_dir or Path(cfg.run_dir) / "engine_weights",
-                   sync_timeout_s=h.sync_timeout_s, probe_tolerance=h.probe_tolerance,
-                   seed_requests=h.seed_requests, copy_model=copy_model)
+        options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights"}
+        return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
+                   copy_model=copy_model, **options)
 
     def close(self) -> None:
         """Close the HTTP client and end the engine's thread (idempotent)."""
