@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
+from support import kept_sessions
 from tiderl.lab.engine_memory import kv_bytes_per_token, kv_memory
 from tiderl.models.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine
-from support import kept_sessions
 
 CORPUS = [
     f"<|im_start|>user\nWho directed film_{i:03d}? It stars person_{i % 17}.<|im_end|>\n"
