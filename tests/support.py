@@ -566,3 +566,9 @@ def block_import(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", blocked)
+
+
+def kept_sessions(engine) -> int:
+    """How many sessions have a kept prefix cache in a TorchEngine now."""
+    with engine._inbox_lock:
+        return len(engine._kept)

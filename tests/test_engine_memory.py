@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from support import kept_sessions
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
 from tiderl.lab.engine_memory import kv_bytes_per_token, kv_memory
 from tiderl.rollout.base import SamplingParams
@@ -75,7 +76,7 @@ def test_memory_counts_kept_caches_exactly_and_releases_them(model, tokenizer, p
     for session in sessions[2:]:
         engine.end_session(session)
     assert kv_memory(engine) == {"batch_bytes": 0, "kept_bytes": 0, "needed_bytes": 0}
-    assert engine.kept_sessions() == 0
+    assert kept_sessions(engine) == 0
 
 
 def test_memory_during_decoding_covers_the_rows_tokens(model, tokenizer, prompts):

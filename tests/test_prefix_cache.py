@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from support import peaky_model
+from support import kept_sessions, peaky_model
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.client import BatchingEngine
 from tiderl.rollout.torch_engine import TorchEngine
@@ -79,7 +79,7 @@ def test_prefix_reuse_gives_the_same_tokens_and_logprobs_as_a_full_re_encode(mod
     assert stats["reused_tokens"] > 0 and plain_stats["reused_tokens"] == 0
     assert stats["encoded_tokens"] + stats["reused_tokens"] == plain_stats["encoded_tokens"]
     assert stats["encoded_tokens"] < plain_stats["encoded_tokens"] / 2
-    assert reused_engine.kept_sessions() == 0, "every episode ended: nothing is kept"
+    assert kept_sessions(reused_engine) == 0, "every episode ended: nothing is kept"
 
 
 @pytest.mark.slow
@@ -110,16 +110,16 @@ def test_kept_caches_respect_the_memory_bound_and_end_with_their_session(model, 
     engine = TorchEngine(model, tokenizer)
     prompts = [[5 + i] * 40 for i in range(4)]
     engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4), sessions=[0, 1, 2, 3])
-    assert engine.kept_sessions() == 4
+    assert kept_sessions(engine) == 4
     per_session = engine._kept_bytes / 4
     engine.end_session(2)
-    assert engine.kept_sessions() == 3
+    assert kept_sessions(engine) == 3
     engine.update_weights(model.state_dict(), version=1)
-    assert engine.kept_sessions() == 0, "a weight update drops every kept cache"
+    assert kept_sessions(engine) == 0, "a weight update drops every kept cache"
 
     bounded = TorchEngine(model, tokenizer, prefix_cache_mb=2.5 * per_session / 2**20)
     bounded.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4), sessions=[0, 1, 2, 3])
-    assert bounded.kept_sessions() == 2 and bounded._kept_bytes <= bounded.prefix_cache_bytes
+    assert kept_sessions(bounded) == 2 and bounded._kept_bytes <= bounded.prefix_cache_bytes
     # The least recently kept went first: sessions 2 and 3 remain, and reusing one is exact.
     assert list(bounded._kept) == [2, 3]
 
@@ -202,7 +202,7 @@ def test_the_client_passes_episodes_as_sessions_and_ends_them(model, tokenizer):
 
     played = asyncio.run(main())
     assert engine.stats["reused_tokens"] > 0, "later turns reused their episode's cache"
-    assert engine.kept_sessions() == 0, "ended episodes leave nothing behind"
+    assert kept_sessions(engine) == 0, "ended episodes leave nothing behind"
     # Same tokens as a fresh engine that re-encodes each turn from scratch.
     fresh = TorchEngine(model, tokenizer, prefix_cache_mb=0)
     for start, turns in zip((3, 40, 90), played):

@@ -1,9 +1,5 @@
-"""Rollout engines: token-in/token-out generation with log-probs and versioned weights.
-
-`make_engine` is the one place an engine is built (training, evaluation, Ray workers): it
-resolves `rollout.engine` (`tiderl.registry.ENGINES`, or a user's "module:Class") and calls
-`Class.from_config(cfg, model, tokenizer, seed=seed, copy_model=copy_model)`, which reads the
-engine's own options from `cfg.rollout.options` (its `Options` dataclass).
+"""Rollout engines: token-in/token-out generation with log-probs and versioned weights. `make_engine`
+builds every one (docs/extending.md, "inference engine").
 """
 
 from __future__ import annotations
@@ -20,7 +16,8 @@ __all__ = ["Completion", "Engine", "SamplingParams", "make_engine", "sampling_pa
 
 
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, seed: int, copy_model: bool = True) -> Engine:
-    """The engine `rollout.engine` names, holding its own copy of `model`'s weights.
+    """The engine `rollout.engine` names (`tiderl.registry.ENGINES` or a "module:Class"), built by
+    its `from_config`, holding its own copy of `model`'s weights.
 
     `copy_model=False` hands `model` over to the engine instead of copying it: for a caller
     that no longer uses `model` (evaluation), this saves a copy of the weights. The caller must

@@ -1,14 +1,7 @@
 """An asyncio front for an engine: many episodes ask for one completion each, the client
-decodes whatever is waiting together (docs/engines.md, "The batching client").
-
-A continuous engine (`continuous()` true, as `TorchEngine`) gets every request at once through
-`submit` and decodes token by token, requests joining its running batch; any other engine gets
-request-level batches of compatible sampling settings through `generate`, each completion cut
-back to its own budget. Registered episodes (`episode()`, `in_env()`) start together: the client
-waits until each has asked, except those in their environment for over `patience_s`, and at most
-`gather_s`. It decodes on its own thread, or on the executor the caller passes (an
-`InlineExecutor` in synchronous training, where batches decode to their last row and the
-sampler's stream reaches the rows in the same order on every run).
+decodes whatever is waiting together: token by token for a continuous engine, in request-level
+batches for any other; when to start decoding and on which thread: docs/engines.md, "The
+batching client".
 """
 
 from __future__ import annotations
@@ -80,7 +73,7 @@ class BatchingEngine:
         self._continuous = bool(callable(continuous) and continuous())
         self._serving = False  # the engine is serving a batch now (token-level decoding)
         self._submitted: dict[asyncio.Future[Completion], Any] = {}  # futures of requests in the engine
-        self._sessions = not self._continuous and _takes_sessions(engine)
+        self._sessions = not self._continuous and _accepts(engine.generate, "sessions")
         self._end_session = getattr(engine, "end_session", None)
         self._wake = asyncio.Event()
         # Decoding and weight loads run on their own threads (`thread_init` runs first in each, e.g.
@@ -122,7 +115,8 @@ class BatchingEngine:
         if self._task is None:
             raise RuntimeError("BatchingEngine.start() was not called")
         if images:
-            if not _takes_images(self.engine):
+            entry = self.engine.submit if self._continuous else self.engine.generate  # type: ignore[attr-defined]
+            if not _accepts(entry, "images"):
                 raise ValueError(f"{type(self.engine).__name__} takes no images, and this episode shows some: use an "
                                  "engine that decodes with images (rollout.engine=torch with a vision-language model)")
             prompt = _ImagePrompt(prompt, images)
@@ -300,10 +294,11 @@ class BatchingEngine:
             self.busy_s += loop.time() - t0
 
 
-def _takes_sessions(engine: Engine) -> bool:
-    """Whether `engine.generate` accepts `sessions=` (episode identities for prefix reuse)."""
+def _accepts(method: Any, keyword: str) -> bool:
+    """Whether an engine's `method` accepts `keyword=` (`sessions`: episode identities for prefix
+    reuse; `images`: the prompts' images)."""
     try:
-        return "sessions" in inspect.signature(engine.generate).parameters
+        return keyword in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
 
@@ -323,14 +318,3 @@ def _images_of(prompts: list[list[int]], single: bool = False) -> dict[str, Any]
     if all(i is None for i in images):
         return {}
     return {"images": images[0] if single else images}
-
-
-def _takes_images(engine: Engine) -> bool:
-    """Whether the engine's decoding entry point (`submit` when continuous, else `generate`) accepts
-    `images=`."""
-    continuous = getattr(engine, "continuous", None)
-    entry = engine.submit if callable(continuous) and continuous() else engine.generate  # type: ignore[attr-defined]
-    try:
-        return "images" in inspect.signature(entry).parameters
-    except (TypeError, ValueError):
-        return False

@@ -1,9 +1,6 @@
 """One decode step (one new token per row) of a Llama-family causal LM without the Hugging Face
-module stack: the same arithmetic as the model's own forward (RMSNorm, rotary embedding from a
-precomputed table, grouped-query SDPA over the batch's KV cache, SiLU-gated MLP), in plain torch
-calls on the model's own parameters, q/k/v and gate/up each one product over stacked weights. At
-an embedded engine's CPU sizes the Hugging Face forward spends most of a step in Python: module
-calls, keyword plumbing, the 4D mask it rebuilds every step (docs/bench_vs_trl.md).
+module stack: the model's own arithmetic in plain torch calls on its own parameters (what it
+computes and what it saves: docs/bench_vs_trl.md, "A decode step without the Hugging Face module stack").
 
 `DecodeStep.of(model)` returns None for anything it does not reproduce exactly (other
 architectures, sliding windows, q/k norms, non-default rotary scaling, adapters or quantised
@@ -137,9 +134,7 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_term, o_term, gate_up_term, down_term = terms
             x = _rms_norm(h, layer.input_layernorm.weight, eps1)
-            qkv = F.linear(x, *qkv_weights)
-            if qkv_term is not None:
-                qkv = qkv_term.add_to(qkv, x)
+            qkv = _linear(x, *qkv_weights, qkv_term)
             q = qkv[..., :q_width].view(b, 1, self.heads, self.head_dim).transpose(1, 2)
             k = qkv[..., q_width: q_width + kv_width].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
             v = qkv[..., q_width + kv_width:].view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -149,20 +144,18 @@ class DecodeStep:
             if groups > 1:  # one query token: the query heads of a KV head attend as its rows
                 q = q.reshape(b, self.kv_heads, groups, self.head_dim)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-            h = h + _linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj, o_term)
+            h = h + _linear(out.reshape(b, 1, self.heads * self.head_dim), attn.o_proj.weight, attn.o_proj.bias, o_term)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, eps2)
-            gate_up = F.linear(x, *gate_up_weights)
-            if gate_up_term is not None:
-                gate_up = gate_up_term.add_to(gate_up, x)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + _linear(F.silu(gate) * up, mlp.down_proj, down_term)
+            gate, up = _linear(x, *gate_up_weights, gate_up_term).chunk(2, dim=-1)
+            h = h + _linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias, down_term)
         h = _rms_norm(h, self.norm.weight, self.final_eps)
-        return _linear(h[:, 0], self.lm_head, self.head_term)
+        return _linear(h[:, 0], self.lm_head.weight, self.lm_head.bias, self.head_term)
 
 
-def _linear(x: torch.Tensor, linear: torch.nn.Linear, term: low_rank.LowRankTerm | None) -> torch.Tensor:
-    """`linear`'s output for `x` (its LoRA term added, if any) without the module call."""
-    out = F.linear(x, linear.weight, linear.bias)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            term: low_rank.LowRankTerm | None) -> torch.Tensor:
+    """A linear layer's output for `x` (its LoRA term added, if any) without the module call."""
+    out = F.linear(x, weight, bias)
     return out if term is None else term.add_to(out, x)
 
 
@@ -170,13 +163,9 @@ def _fuse(*linears: torch.nn.Linear, transposed: bool = False) -> tuple[torch.Te
     """One stacked weight (and bias) for `linears`, which read the same input, so that one matrix
     product computes all their outputs side by side; the modules' own weights and biases become
     views of it, which their own forward uses and `load_state_dict` overwrites in place, so the
-    stacked tensor always holds the current weights (and no second copy is kept).
-
-    `transposed`: a stacked weight of at most `TRANSPOSE_MAX_ELEMENTS` is stored as its transpose
-    (`[in, out]` contiguous), which a CPU's BLAS multiplies by a handful of rows in place, where it
-    packs all of a row-major `W` at every call; larger ones keep their layout, where a whole model
-    decoded no faster transposed (docs/bench_vs_trl.md has the figures).
-    """
+    stacked tensor always holds the current weights (and no second copy is kept). `transposed`: a
+    stacked weight of at most `TRANSPOSE_MAX_ELEMENTS` is stored as its transpose (why:
+    docs/bench_vs_trl.md, "Weights stored transposed on a CPU")."""
     weights = [m.weight.detach() for m in linears]
     whole = torch.cat(weights)
     if transposed and whole.numel() <= TRANSPOSE_MAX_ELEMENTS:

@@ -1,18 +1,6 @@
 """The HTTP engine (`rollout.engine=http`): an OpenAI-compatible inference server (vLLM) samples,
-tiderl sends token ids and reads back token ids and log-probs (docs/engines.md, "The HTTP engine").
-
-Each prompt is one `POST /v1/completions` of token ids, sent as soon as it is submitted, on the
-engine's own event-loop thread; an episode's turns (its `session`) stay on one server. The ids
-that come back are cut at the first stop token or stop string whatever the server did, so a
-`Completion` means what the torch engine's does, and the server must report the log-probs of the
-distribution it sampled from (`--logprobs-mode processed_logprobs`, checked at start-up). A
-weight update stops admitting requests, waits for those in flight, has every server reload a
-Hugging Face directory (`weight_sync`: vllm, sglang; none refuses updates) and verifies it: the
-server's greedy log-probs of a fixed probe must match the engine's reference copy of the policy
-within `probe_tolerance` (also at start-up). So every token of a completion carries the one
-version its request was admitted under, and `state_checksum()` is that of the last verified load
-(NaN after a failed one).
-"""
+tiderl sends token ids and reads back token ids and log-probs. Requests, log-probs, versions, weight
+updates and what the probe verifies: docs/engines.md, "The HTTP engine"."""
 
 from __future__ import annotations
 
@@ -20,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import itertools
 import math
 import shutil
@@ -72,7 +61,7 @@ class Handle:
 
 
 class HttpEngine:
-    """The Engine protocol over an OpenAI-compatible server (see the module docstring), plus the
+    """The Engine protocol over an OpenAI-compatible server (docs/engines.md), plus the
     continuous interface (`submit`, `serve`, `pending`) the batching client uses, so that
     requests reach the server as soon as episodes ask and the server batches them.
 
@@ -164,14 +153,12 @@ class HttpEngine:
     @classmethod
     def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int,
                     copy_model: bool = True) -> HttpEngine:
-        """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this)."""
+        """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this): each
+        option is the keyword of the same name."""
         h = cfg.rollout.options
-        return cls(model, tokenizer, device=cfg.model.device, seed=seed,
-                   max_batch_size=cfg.rollout.engine_batch_size, urls=list(h.urls),
-                   served_model=h.served_model, timeout_s=h.timeout_s, weight_sync=h.weight_sync,
-                   weights_dir=h.weights_dir or Path(cfg.run_dir) / "engine_weights",
-                   sync_timeout_s=h.sync_timeout_s, probe_tolerance=h.probe_tolerance,
-                   seed_requests=h.seed_requests, copy_model=copy_model)
+        options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights"}
+        return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
+                   copy_model=copy_model, **options)
 
     def close(self) -> None:
         """Close the HTTP client and end the engine's thread (idempotent)."""
@@ -259,7 +246,7 @@ class HttpEngine:
         return self.urls[zlib.crc32(repr(session).encode("utf-8")) % len(self.urls)]
 
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
-        """The JSON of one `/v1/completions` request (see the module docstring)."""
+        """The JSON of one `/v1/completions` request (docs/engines.md, "Requests")."""
         body: dict[str, Any] = {
             "model": getattr(self, "served_model", ""),
             "prompt": prompt,
@@ -305,7 +292,7 @@ class HttpEngine:
                     self._idle.set()
 
     def parse_completion(self, data: dict[str, Any], params: SamplingParams, version: int) -> Completion:
-        """A `Completion` from one `/v1/completions` response (see the module docstring)."""
+        """A `Completion` from one `/v1/completions` response (docs/engines.md, "Requests")."""
         try:
             choice = data["choices"][0]
             logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
@@ -379,7 +366,7 @@ class HttpEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Send `state_dict` to every server as `version` and verify it (module docstring).
+        """Send `state_dict` to every server as `version` and verify it (docs/engines.md).
 
         Checks the keys and shapes first (nothing changes when they are wrong), refuses a version
         lower than the current one, then drains, writes, reloads and probes. Raises ServerError

@@ -1,11 +1,6 @@
 """LoRA adapters applied beside frozen linear layers, in the arithmetic of the trainer's peft
-forward, so that an engine samples from exactly the policy the trainer scores.
-
-Why not merge: merging rounds W + (alpha / r) B A to the base's dtype, which on a bf16 (or fp16)
-base drops every change under half a step of its weight and turns the rest into rounding noise.
-peft's forward instead adds the low-rank term, in the adapters' dtype (fp32), to the layer's
-output and rounds once; `attach` gives a plain `nn.Linear` that same output, so the engine's
-log-probs are the trainer's (docs/real_models.md, "The LoRA engine applies its adapters unmerged").
+forward, so that an engine samples from exactly the policy the trainer scores (why not merged:
+docs/scale.md, "LoRA"; measured in docs/real_models.md, "The LoRA engine applies its adapters unmerged").
 
 A layer with a term keeps it in two non-persistent buffers, `lora_a` `[r, in]` and `lora_b`
 `[out, r]`, each stored column-major (moved with the module, absent from its state dict), and a

@@ -1,21 +1,7 @@
 """The embedded engine: KV-cache sampling with any Hugging Face causal LM, on CPU or GPU, with
-token-level continuous batching and per-episode prefix reuse (docs/engines.md, "The torch engine").
-
-The decoding rows share one right-aligned KV cache (padding masked on the left, positions counting
-real tokens only), so a row gets the log-probs of its sequence alone; rows leave and waiting
-requests join between two decode steps. A request naming a `session` reuses the KV its session's
-last finished row kept, for their longest common prefix (checked token by token); kept caches go
-at `end_session`, at every weight update, and least recently used first past `prefix_cache_mb`.
-Log-probs are those of the distribution each token was sampled from (temperature and top-p;
-greedy: temperature 1); a row with `SamplingParams.seed` draws `stream_uniform(seed, position)`,
-the others share `generator` in row order. `update_weights` takes the lock every forward pass
-holds, and each token carries the version of the weights that produced its logits. Models whose
-cache is not all full attention (sliding windows, hybrids) get no prefix reuse, and their
-waiting requests join only an empty batch. With a vision-language model's processor in place of
-the tokenizer, a request may carry the images of its prompt's placeholder tokens: its prefill
-embeds them (`models.vision.embed_inputs`, as the trainer does), its decode steps are text; a kept
-cache is reused only by a prompt that shows the same images first (docs/multimodal.md).
-"""
+token-level continuous batching and per-episode prefix reuse. How the batch, prefix reuse,
+sampling, weight updates and images work: docs/engines.md, "The torch engine" (and "The torch
+engine's memory"; images: docs/multimodal.md)."""
 
 from __future__ import annotations
 
@@ -88,14 +74,13 @@ class TorchEngine:
     plus the continuous interface (`submit`, `serve`, `end_session`) the batching client uses.
 
     The engine samples with its own deep copy of `model` on `device` (training the original
-    reaches it only through `update_weights`), or with `copy_model=False` with `model` itself (put
-    in eval mode, re-laid out for the fast decode step, copied out of the loader's memory map:
-    `_own_memory`), for a caller with no further use for it (evaluation). Sampling draws from one
-    `torch.Generator` seeded with `seed`: a fresh engine with the same seed, prompts and params
-    returns the same completions. At most `max_batch_size` rows decode at once; kept prefix caches
-    take at most `prefix_cache_mb` MiB (0: no prefix reuse); joining requests are prefilled in
-    forward passes of at most `prefill_tokens` tokens, rows x columns with padding (0: one pass),
-    which bounds the prefill's activations (docs/engines.md, "The torch engine's memory").
+    reaches it only through `update_weights`), or with `copy_model=False` with `model` itself, for
+    a caller with no further use for it (evaluation). Sampling draws from one `torch.Generator`
+    seeded with `seed`: a fresh engine with the same seed, prompts and params returns the same
+    completions. At most `max_batch_size` rows decode at once; kept prefix caches take at most
+    `prefix_cache_mb` MiB (0: no prefix reuse); joining requests are prefilled in forward passes of
+    at most `prefill_tokens` tokens, rows x columns with padding (0: one pass), which bounds the
+    prefill's activations (docs/engines.md, "The torch engine's memory").
     """
 
     Options = TorchEngineOptions  # rollout.options, with rollout.engine naming this class or a subclass
@@ -186,7 +171,7 @@ class TorchEngine:
         self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None,
         images: list[PromptImages | None] | None = None,
     ) -> list[Completion]:
-        """Sample one completion per prompt, in prompt order (see the module docstring).
+        """Sample one completion per prompt, in prompt order (docs/engines.md, "The torch engine").
 
         `sessions[i]` (optional) names prompt i's episode: its kept cache is reused when the
         prompt extends it, and the row's cache is kept for the session's next turn. `images[i]`
@@ -304,11 +289,6 @@ class TorchEngine:
             kept = self._kept.pop(session, None)
             if kept is not None:
                 self._kept_bytes -= kept.nbytes
-
-    def kept_sessions(self) -> int:
-        """How many sessions have a kept prefix cache now."""
-        with self._inbox_lock:
-            return len(self._kept)
 
     # ------------------------------------------------------------------ decoding
 
@@ -660,8 +640,7 @@ class TorchEngine:
         number uses that number instead; the generator still advances one draw per row).
 
         The token drawn is the first whose cumulative mass exceeds the draw, so a token of zero
-        probability (outside a nucleus) is never drawn. Several times cheaper than
-        `torch.multinomial` on a CPU at a few rows.
+        probability (outside a nucleus) is never drawn (why not `torch.multinomial`: docs/bench_vs_trl.md).
         """
         cdf = logprobs.exp().cumsum(dim=-1)
         u = torch.rand((cdf.shape[0], 1), generator=self.generator, device=cdf.device, dtype=cdf.dtype)
@@ -726,10 +705,8 @@ class TorchEngine:
 
 def _own_memory(model: torch.nn.Module) -> None:
     """Copy every parameter and buffer of `model` (a CPU model the engine was handed) into memory
-    of its own, one tensor at a time, keeping the parameter objects (so tied weights stay tied).
-    A model loaded from safetensors views the file's memory map, which stays resident while any
-    one tensor refers to it: without this copy the engine held the weights twice
-    (docs/engines.md, "The torch engine's memory")."""
+    of its own, one tensor at a time, keeping the parameter objects (so tied weights stay tied):
+    out of the loader's memory map (why: docs/engines.md, "The torch engine's memory")."""
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()

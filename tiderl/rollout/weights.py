@@ -48,19 +48,10 @@ def _offsets(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> torc
 
 
 def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
-    """A fingerprint of a set of weights that costs a few elements per tensor, not a full pass.
-
-    A hash (BLAKE2b) over the tensors in sorted key order of each one's name, shape, dtype and
-    the exact values at `sample_positions` (converted to float64, which every float dtype fits
-    exactly), returned as a float (the first 52 bits of the digest) so that it compares with `==`.
-    It reads about 130 elements per tensor: a few milliseconds for a 100M-parameter model.
-
-    What it catches: a missing, renamed, reshaped or re-typed tensor, and weights of another
-    step or another model (a stale or wrong load): an optimizer step moves essentially every
-    element, and two different models differ at almost every position. What it cannot catch: a
-    change confined to elements it does not read (a single corrupted element, say). It is
-    deterministic across processes and thread counts (no floating-point reduction is involved).
-    """
+    """A fingerprint of a set of weights that costs a few elements per tensor, not a full pass: a
+    BLAKE2b hash, over the tensors in sorted key order, of each one's name, shape, dtype and exact
+    values at `sample_positions`, as a float that compares with `==`; the same in every process.
+    What it catches and what it cannot: docs/architecture.md, "Numerics that hold"."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(state_dict):
         tensor = state_dict[name].detach()

@@ -1,8 +1,5 @@
 """Explicit core budgets per component (`system.cores`): which cores decoding, training and
-preparation run on (docs/architecture.md, "Threads"). `shared` (the default) pins nothing; `auto`
-splits an asynchronous run's cores between the trainer (the first `n - n // 2`) and rollout; an
-explicit plan (`trainer=0-3;rollout=4-7;prep=4`) names core ids as `os.sched_getaffinity` lists
-them. Pinning is per thread (`os.sched_setaffinity` on its native id, from inside it).
+preparation run on (docs/architecture.md, "Threads: who runs torch where").
 """
 
 from __future__ import annotations
@@ -109,7 +106,7 @@ class CorePlan:
 
 
 def resolve_cores(spec: str, available: Sequence[int], synchronous: bool) -> CorePlan:
-    """The plan `system.cores=spec` gives on `available` cores (see the module docstring).
+    """The plan `system.cores=spec` gives on `available` cores (docs/architecture.md).
 
     Synchronous training runs every component on one compute thread, so each component of the
     plan gets the union of the cores it names (or nothing, for `auto`/`shared`).
@@ -138,14 +135,9 @@ def resolve_cores(spec: str, available: Sequence[int], synchronous: bool) -> Cor
 
 @dataclass
 class RunThreads:
-    """The threads a run's torch work runs on (docs/architecture.md, "Threads"), from `system.*`.
-
-    Synchronous training (`max_staleness=0`) never decodes, prepares and trains at once: all three
-    run in the event loop's own thread (`compute`, an `InlineExecutor`), one torch thread pool as
-    in a plain loop. Asynchronous training overlaps them, so the trainer gets a thread of its own
-    (`system.trainer_threads`), the preparations another (`prep_init` sets it up), on the cores
-    `system.cores` gives each; `compute` is then None and the engine decodes on its own thread.
-    """
+    """The threads a run's torch work runs on, from `system.*` (docs/architecture.md, "Threads"):
+    synchronous training runs all of it on `compute` (an `InlineExecutor`); asynchronous training
+    gives the trainer and the preparations threads of their own (`compute` is then None)."""
 
     plan: CorePlan
     compute: Executor | None

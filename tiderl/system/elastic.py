@@ -1,11 +1,6 @@
-"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness (docs/elastic.md).
-
-A *unit* of capacity is a Ray rollout worker (`slots_per_unit` episodes each,
-`system.options.min_workers`/`max_workers`) or, for the local backend, one slot
-(`system.min_slots`/`max_slots`). The decision is one pure function, `decide`, of the units, their
-bounds (`capacity_bounds`), the load of the last interval (who waited on whom: `vote`) and a small
-hysteresis memory; the rollout pool and the discrete-event model (`tiderl/lab/simulate.py`) call
-the same function, so what the simulator predicts is what a run does.
+"""Elastic rollout capacity: grow or shrink the rollout side from measured readiness
+(docs/elastic.md). One pure function, `decide`, which the rollout pool and the discrete-event model
+(`tiderl/lab/simulate.py`) both call, so what the simulator predicts is what a run does.
 """
 
 from __future__ import annotations
@@ -47,14 +42,9 @@ class Bounds:
 
 def capacity_bounds(batch_size: int, max_staleness: int, slots_per_unit: int,
                     min_units: int, max_units: int) -> Bounds:
-    """[low, high] units for a run with this batch size and staleness bound.
-
-    low = ceil(B / slots_per_unit), what one batch needs (below it no step can be fed by one round
-    of episodes); high = ceil((N + 1) B / slots_per_unit), what the gate can admit (it never lets
-    more trajectories be unsettled, so more units would only wait at it). Each is kept within the
-    configured [min_units, max_units]: the configured range is the resources there are, so it
-    wins when the two disagree (e.g. a max too small for one batch), and the `*_why` strings say
-    which rule set each end."""
+    """[low, high] units for a run with this batch size and staleness bound: what one batch needs
+    and what the staleness gate can admit, each within the configured [min_units, max_units], which
+    wins when they disagree (docs/elastic.md, "Bounds"); the `*_why` strings say what set each end."""
     if slots_per_unit < 1 or min_units < 1 or max_units < min_units:
         raise ValueError(f"capacity bounds need slots_per_unit >= 1 and 1 <= min_units <= max_units; got "
                          f"slots_per_unit={slots_per_unit}, min_units={min_units}, max_units={max_units}")

@@ -1,9 +1,6 @@
-"""The ledger on disk: one JSON line per task attempt event, appended as it happens, so a run
-killed with SIGKILL still has its ledger (`system.json` summarises it at the end). The line format
-and how a resume cuts the file back (one `lost` line per attempt started after the checkpoint)
-are in docs/architecture.md, "Checkpoints and resume". `Lengths` is the tally of which episode
-lengths finished and which trained (docs/metrics.md, "Waste and length bias"), kept the same way
-by the pool and the simulator (`tiderl/lab/simulate.py`).
+"""The ledger on disk (one JSON line per task attempt event, appended as it happens; how a resume
+cuts it back: docs/architecture.md, "Checkpoints and resume"), and `Lengths`, the tally of finished
+and trained episode lengths (docs/metrics.md, "Waste and length bias").
 """
 
 from __future__ import annotations

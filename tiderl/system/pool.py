@@ -2,19 +2,12 @@
 
     await pool.start()
     batch = await pool.next_batch()          # `batch_size` fresh trajectories; waits only where needed
-    ...                                      # the trainer's step (the recipe's loop)
     await pool.publish(version, weights)     # rollout samples with these weights from now on
     metrics = pool.step_metrics(batch, trainer_metrics)
     await pool.close()
 
-Behind that interface, on the event loop (docs/architecture.md, "System: the rollout pool"): up
-to `slots` episodes run at once, each slot taking the next task the `StalenessGate` admits; a
-finished episode is shaped and waits in the `ReadyBuffer` until `next_batch` takes it; `publish`
-checks the checksum the backend reports; every `elastic_interval_s` readiness resizes the
-capacity (`elastic.decide`). Every task attempt ends in exactly one bucket of the `Ledger`, and
-every event is appended to the ledger file as it happens (`tiderl.system.ledger`). Where episodes
-run is the backend's business (`RolloutBackend`); `state_dict` / `load_state_dict` carry the pool
-through a checkpoint.
+Behind that interface (the fill and elastic loops, the staleness gate, the ready buffer, the
+ledger): docs/architecture.md, "System: the rollout pool".
 """
 
 from __future__ import annotations
@@ -147,7 +140,7 @@ class _Attempt:
 
 class RolloutPool:
     """Rollout under the staleness bound, fed by `next_task()` and played by `backend`
-    (module docstring). `shape(trajectory)` shapes each finished episode's reward before it
+    (docs/architecture.md). `shape(trajectory)` shapes each finished episode's reward before it
     enters the buffer; `ledger_log` (a `LedgerLog`, optional) gets every ledger event."""
 
     def __init__(self, settings: PoolSettings, next_task: Callable[[], Task], backend: RolloutBackend,
@@ -683,13 +676,9 @@ _SKIP_KEYS = ("nonfinite/skipped_step", "skipped_no_signal", "skipped_no_action_
 
 
 def critic_value_lags(batch: list[Trajectory], refreshes: int) -> list[int]:
-    """How many critic versions behind the critic this step trains the precomputed values of each
-    trajectory are. `refreshes` is the number of steps (one critic update and one snapshot refresh
-    each) since the critic snapshot was made; the snapshot stamps the values it computes with its
-    refresh count then (`annotations["values_version"]`, see
-    `tiderl.train.annotate.CriticSnapshot`), so the lag is the difference: 0 = the values came from
-    the very weights the step starts from. Trajectories without a stamp (values computed in the
-    step itself, or by a remote critic) are left out."""
+    """Each trajectory's critic value lag (docs/metrics.md, `critic/lag_*`): `refreshes`, the steps
+    since the critic snapshot was made, minus the refresh count the snapshot stamped its values with
+    (`annotations["values_version"]`); trajectories without a stamp are left out."""
     return [refreshes - int(t.annotations["values_version"][0]) for t in batch
             if t.annotations.get("values_version")]
 

@@ -1,12 +1,6 @@
-"""The Ray backend: rollout workers are Ray actors, the trainer stays in the driver (docs/ray.md).
-
-`RayRollout` is the `RolloutBackend` over a pool of `RolloutWorker` actors, each with its own
-engine, environments and sampler seed; the rollout pool and the loop are the local backend's.
-A worker that dies is replaced in the background on the latest weights (it joins once its
-checksum matches the trainer's); with `system.options.min_workers` < `max_workers` the pool's
-elastic loop grows and shrinks it (`resize`, docs/elastic.md). Every wait on a Ray reference is
-bounded by `system.wait_timeout_s`. `RemoteCritic` computes critic values in an actor
-(`system.options.remote_critic`). Its options are `RayOptions` (`tiderl.system.ray_options`).
+"""The Ray backend (docs/ray.md): `RayRollout`, the `RolloutBackend` over a pool of `RolloutWorker`
+actors (replaced when they die, resized by the elastic loop: docs/elastic.md), and `RemoteCritic`,
+critic values in an actor. Its options are `RayOptions` (`tiderl.system.ray_options`).
 """
 
 from __future__ import annotations
@@ -421,21 +415,10 @@ class RayRollout:
             self._retire(victim, reason)
 
     async def _grow(self, reason: str) -> None:
-        w = self._spawn()
-        try:
-            await self._boot(w)
-        except asyncio.CancelledError:
-            self._release(w)
-            self._event("add_cancelled", w.serial)
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed addition leaves the pool as it was, recorded
-            self._release(w)
-            self._event("add_failed", w.serial, reason=f"{type(exc).__name__}: {str(exc)[:300]}")
-            logger.warning("adding Ray rollout worker %d failed: %s", w.serial, exc)
-            return
-        self._admit(w)
-        self._event("added", w.serial, version=w.version, boot_s=round(time.monotonic() - w.started, 3),
-                    reason=reason)
+        w = await self._boot_new("add")
+        if w is not None:
+            self._event("added", w.serial, version=w.version, boot_s=round(time.monotonic() - w.started, 3),
+                        reason=reason)
 
     def _retire(self, w: _Worker, reason: str) -> None:
         """Take `w` out of routing now and drain it in the background."""
@@ -660,25 +643,32 @@ class RayRollout:
         self._replacing.add(task)
         task.add_done_callback(self._replacing.discard)
 
+    async def _boot_new(self, what: str, **details: Any) -> _Worker | None:
+        """A new worker on the latest weights, admitted once booted; None when its boot failed (the
+        actor killed, event `<what>_failed`). A cancelled boot kills it too (`<what>_cancelled`)."""
+        w = self._spawn()
+        try:
+            await self._boot(w)
+        except asyncio.CancelledError:  # the backend is closing, or an elastic shrink
+            self._release(w)
+            self._event(f"{what}_cancelled", w.serial, **details)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed boot leaves the pool as it was, recorded
+            self._release(w)
+            self._event(f"{what}_failed", w.serial, **details, reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+            logger.warning("starting Ray rollout worker %d (%s) failed: %s", w.serial, what, exc)
+            return None
+        self._admit(w)
+        return w
+
     async def _replace(self, lost: int) -> None:
         for attempt in range(1, MAX_REPLACEMENT_ATTEMPTS + 1):
-            w = self._spawn()
-            try:
-                await self._boot(w)
-            except asyncio.CancelledError:  # the backend is closing
-                self._release(w)
-                self._event("replacement_cancelled", w.serial, replaces=lost)
-                raise
-            except Exception as exc:  # noqa: BLE001 - a failed replacement is retried, then recorded
-                self._release(w)
-                self._event("replacement_failed", w.serial, replaces=lost, attempt=attempt,
-                            reason=f"{type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            self._admit(w)
-            self._event("replaced", w.serial, replaces=lost, version=w.version,
-                        boot_s=round(time.monotonic() - w.started, 3))
-            logger.info("Ray rollout worker %d replaces %d (weights version %d)", w.serial, lost, w.version)
-            return
+            w = await self._boot_new("replacement", replaces=lost, attempt=attempt)
+            if w is not None:
+                self._event("replaced", w.serial, replaces=lost, version=w.version,
+                            boot_s=round(time.monotonic() - w.started, 3))
+                logger.info("Ray rollout worker %d replaces %d (weights version %d)", w.serial, lost, w.version)
+                return
         logger.error("could not replace Ray rollout worker %d after %d attempts", lost, MAX_REPLACEMENT_ATTEMPTS)
 
     def _event(self, kind: str, serial: int, **details: Any) -> None:
@@ -738,24 +728,21 @@ class RemoteCritic:
     a `CriticWorker` actor, so it takes no compute from the driver's trainer. It has no blocking
     `refresh`: the Ray backend refreshes it (`refresh_async`) while the trainer is idle."""
 
-    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
-                 timeout_s: float, actor_options: dict[str, Any] | None = None):
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str, timeout_s: float):
         self.source = critic
         self.pad_id = pad_id
         self.micro_batch_tokens = micro_batch_tokens
         self.device = device
         self.timeout_s = timeout_s
-        self.actor_options = dict(actor_options or {})
-        if device.startswith("cuda"):
-            self.actor_options.setdefault("num_gpus", 1)
+        self.actor_options = {"num_gpus": 1} if device.startswith("cuda") else {}
         self._handle: Any = None
         self.refreshes = 0
 
     @classmethod
-    def from_run(cls, run: "Run", **options: Any) -> "RemoteCritic":
+    def from_run(cls, run: "Run") -> "RemoteCritic":
         cfg = run.cfg
         return cls(run.critic.model, run.tokenizer.pad_token_id, cfg.train.micro_batch_tokens,
-                   cfg.model.device, cfg.system.wait_timeout_s, **options)
+                   cfg.model.device, cfg.system.wait_timeout_s)
 
     async def start(self) -> None:
         """Create the critic actor (Ray must be connected) and wait until it is up."""

@@ -1,11 +1,6 @@
-"""The data-parallel trainer on Ray (docs/ray.md, "The data-parallel trainer"): `train.world_size`
-ranks (`TrainerRank` actors in one placement group) run `tiderl.train.parallel.ParallelLearner`s
-over the one `train_step`. `RayParallelTrainer` is the driver's side, the recipe's trainer: each
-step rank 0 puts the new policy weights in the object store and the pool publishes that reference
-(`PublishedWeights`), so they reach the engines without the driver, which keeps a mirror of the
-actor (and critic) for evaluation and checkpoints. Checkpoints are sharded (`save_sharded`; a
-resumed run's ranks load them with `tiderl.train.checkpoint.load_sharded`). Every wait on a rank
-is bounded by `system.wait_timeout_s`.
+"""The data-parallel trainer on Ray (docs/ray.md, "The data-parallel trainer"): `TrainerRank` actors
+run `tiderl.train.parallel.ParallelLearner`s over the one `train_step`; `RayParallelTrainer` is the
+driver's side, the recipe's trainer.
 """
 
 from __future__ import annotations

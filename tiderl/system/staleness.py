@@ -1,32 +1,7 @@
-"""The staleness rule, in one place: which tasks may start and which trajectories may train.
-
-Versions: the trainer's version `v` is the number of optimizer steps it has taken (its weights
-are version `v`); the engine's version is the version of the weights it samples with; every
-sampled token carries the engine version that sampled it (`Trajectory.policy_version`).
-
-With N = `max_staleness`, B = the batch size (trajectories per optimizer step) and K =
-`system.stale.bound` (K >= N; 0 means K = N):
-
-- **Staleness of a trajectory** taken into the batch of the step that turns version `v` into
-  `v + 1`:  `s = v - min(version of its sampled tokens)`. It trains iff `s <= K`; otherwise
-  `system.stale.policy` decides: `drop` (the default) drops it and counts it; `mask` keeps it
-  and sets `loss_mask = 0` on its sampled tokens older than `v - K`, dropping it only when every
-  sampled token is that old. Either way no trained token is more than K versions old. A
-  trajectory with no sampled token has staleness 0.
-- **Admission** of a new task: allowed iff
-      `outstanding < (N + 1) * B`   and   `v - engine_version <= N`,
-  where `outstanding` counts the trajectories started and not yet settled (in flight, finished
-  and waiting, or in the batch being trained). Settling = trained (after the step and the
-  weight sync), dropped as stale, or failed.
-- **Draining the run's end** (`system.stale.drain`, with the run's step count S known): a new
-  task's group of G also needs `outstanding + G <= (S - v) * B`, so no episode starts that none
-  of the remaining steps could train (at the end of a run it would be waste). Attempts of groups
-  already started, and retries, are never held by it.
-
-The drop rule is the guarantee, admission keeps drops rare (why both: docs/architecture.md,
-"The staleness rule"); K > N keeps the long episodes that admission at N cannot promise to
-finish in time. N = 0 is synchronous on-policy training.
-"""
+"""The staleness rule, in one place: which tasks may start (`StalenessGate.may_start`: admission
+and the drain of the run's end) and which trajectories may train (`too_stale`: drop or mask). The
+rule, its formulas and why both halves are needed: docs/architecture.md, "The staleness rule" and
+"Stale policies"."""
 
 from __future__ import annotations
 
@@ -44,7 +19,7 @@ STALE_POLICIES = ("drop", "mask")
 @dataclass
 class StaleOptions:
     """`system.stale`: what happens to a trajectory some of whose sampled tokens are more than
-    `bound` versions old (module docstring; measured in docs/simulate.md, "Stale policies")."""
+    `bound` versions old (docs/architecture.md; measured in docs/simulate.md, "Stale policies")."""
 
     policy: str = opt("drop", "drop: the trajectory is dropped (and counted). mask: it trains, with its sampled "
                       "tokens older than the bound masked out (loss_mask 0), so long episodes are not thrown "
@@ -70,7 +45,7 @@ class StaleOptions:
 
 
 def too_stale(counts: Mapping[int, int], trainer_version: int, bound: int, policy: str = "drop") -> int | None:
-    """The rule (module docstring) for a trajectory whose sampled tokens are `counts` (version ->
+    """The rule (docs/architecture.md) for a trajectory whose sampled tokens are `counts` (version ->
     tokens), taken by the step from `trainer_version`: how many of its tokens to mask (0: it trains
     whole), or None: drop it. The pool and the simulator (`tiderl/lab/simulate.py`) both call it."""
     oldest = trainer_version - bound
@@ -112,7 +87,7 @@ class StalenessGate:
         self.bound = bound or max_staleness
         if self.bound < max_staleness:
             raise ValueError(f"stale bound {bound} is below max_staleness={max_staleness}")
-        self.run_steps = run_steps  # > 0: admission drains the run's end (module docstring)
+        self.run_steps = run_steps  # > 0: admission drains the run's end (system.stale.drain)
         self.outstanding = 0
         self.histogram: Counter[int] = Counter()  # staleness of every trajectory judged
         self.dropped = 0
@@ -123,7 +98,7 @@ class StalenessGate:
         return self.admission or (self.max_staleness + 1) * self.batch_size
 
     def may_start(self, trainer_version: int, engine_version: int, group_size: int = 1) -> bool:
-        """True iff a new task may start now (see the module docstring for the rule); `group_size`
+        """True iff a new task may start now (docs/architecture.md, "The staleness rule"); `group_size`
         is 0 for an attempt of a group already started (or a retry), which the drain rule never holds."""
         return (self.outstanding < self.capacity
                 and trainer_version - engine_version <= self.max_staleness

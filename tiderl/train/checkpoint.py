@@ -1,15 +1,7 @@
-"""Checkpoints that resume (docs/architecture.md, "Checkpoints and resume"; docs/scale.md for the
-sharded layout): the actor as a normal Hugging Face model dir (`actor/`), the critic (`critic/`),
-the optimizers and whatever else the caller hands over (`trainer_state.pt`: RNG states, the task
-stream, the rollout pool), the curiosity counts, and the completion marker `tiderl_checkpoint.json`,
-written last. A data-parallel run's ranks write `sharded/` (DCP) and `actor_config/` instead
-(`save_sharded`, `load_sharded`; DCP reshards on load). `export_actor` turns any checkpoint's
-actor into a plain Hugging Face model directory (`tiderl export`).
-
-Writes are atomic: everything goes into a hidden temporary directory beside the target, the
-marker last, then one rename makes it the checkpoint. A directory without the marker is a
-half-written checkpoint: `latest_checkpoint` skips it with a log line and `load_checkpoint`
-refuses it, naming `train.resume=auto`.
+"""Checkpoints that resume, written atomically (the completion marker last, then one rename); a
+data-parallel run's ranks write DCP shards (`save_sharded`, `load_sharded`); `export_actor` makes
+any checkpoint's actor a plain Hugging Face directory. The layout: docs/architecture.md,
+"Checkpoints and resume", and docs/scale.md, "Checkpoints: sharded, consolidated, exported".
 """
 
 from __future__ import annotations
@@ -46,7 +38,7 @@ def save_checkpoint(path: str | Path, step: int, actor: Learner, critic: Learner
                     curiosity: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
                     shards: Callable[[Path], dict[str, Any]] | None = None) -> Path:
     """Write a checkpoint of the actor, the critic (when the algorithm has one), their
-    optimizers and `state` at `step`, atomically (see the module docstring). `meta` goes into the
+    optimizers and `state` at `step`, atomically (docs/architecture.md). `meta` goes into the
     marker (e.g. the algorithm's name, for error messages on resume). `shards(dir)`, when given,
     has the data-parallel ranks write the weights and optimizer states into `dir` (the sharded
     layout; it returns what the marker records under "sharded"). Returns the directory."""

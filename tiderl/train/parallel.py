@@ -1,12 +1,6 @@
-"""Data-parallel training: the same `train_step` on every rank of a torch.distributed group
-(docs/ray.md, "The data-parallel trainer").
-
-Every rank computes everything batch-wide itself (rewards, masks, the loss normaliser,
-advantages: cheap and deterministic, so the ranks agree bit for bit); only the model passes are
-split, by micro-batch (`assign_micro_batches`), and their results summed across ranks, so the
-loss, the gradients and the step equal the single-process ones up to float rounding
-(`tests/test_parallel.py`). Process groups use gloo on the CPU and NCCL on CUDA (`backend_for`);
-where the ranks run (Ray actors, `tiderl.system.ray_trainer`) is not this module's concern.
+"""Data-parallel training: the same `train_step` on every rank of a torch.distributed group, only the
+model passes split by micro-batch and summed across ranks, so the step equals the single-process one
+(docs/ray.md, "The data-parallel trainer"). Where the ranks run is `tiderl.system.ray_trainer`'s concern.
 """
 
 from __future__ import annotations
@@ -99,36 +93,27 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
 
 
-def full_state_dict(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor]:
-    """The whole model's weights on the CPU, on rank 0 (other ranks get {}). A collective: every
-    rank must call it."""
-    if mode == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return {}
-    return {k: v.detach().to("cpu") for k, v in unwrapped(model).state_dict().items()}
-
-
-def published_state(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor]:
-    """What rank 0 sends to the engines after a step, on the CPU (other ranks get {}): the
-    adapters of a LoRA policy (`tiderl.train.lora.policy_state` of the unwrapped model; FSDP2
-    gathers only the trainable parameters, so the frozen base never travels), else
-    `full_state_dict`. A collective: every rank must call it."""
-    inner = unwrapped(model)
-    if not is_lora(inner):
-        return full_state_dict(model, mode)
+def full_state_dict(model: torch.nn.Module, mode: str, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU, on rank 0 (other ranks get {}); `adapters_only`: a LoRA
+    model's adapters alone (FSDP2 then gathers only the trainable parameters, so the frozen base
+    never travels). A collective: every rank must call it."""
     if mode == "fsdp2":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                     ignore_frozen_params=True))
+                                                                     ignore_frozen_params=adapters_only))
     elif dist.get_rank() != 0:
         return {}
     else:
-        state = inner.state_dict()
-    return {k: v.detach().to("cpu") for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
+        state = unwrapped(model).state_dict()
+    return {k: v.detach().to("cpu") for k, v in state.items()
+            if not adapters_only or ".lora_A." in k or ".lora_B." in k}
+
+
+def published_state(model: torch.nn.Module, mode: str) -> dict[str, torch.Tensor]:
+    """What rank 0 sends to the engines after a step (`full_state_dict`, a collective): the adapters
+    of a LoRA policy (as `tiderl.train.lora.policy_state`), else every weight."""
+    return full_state_dict(model, mode, adapters_only=is_lora(unwrapped(model)))
 
 
 class ParallelLearner(Learner):

@@ -1,19 +1,5 @@
-"""One optimizer step of any algorithm: the trainer's side of `tiderl.algos` (docs/algorithms.md).
-
-`train_step` reads the options of `AlgoConfig` and looks the advantage estimator and the policy
-loss up in `tiderl.algos.registry`; it never branches on `algo.name`. In order:
-
-1. rewards: DAPO's overlong penalty (`algo.overlong_*`), dynamic sampling (`algo.dynamic_sampling`);
-2. one right-padded batch (`collate`) in micro-batches by padded tokens; batch-wide per-token
-   quantities live in `[N, T]` CPU tensors; the policy's passes run packed when the model can;
-3. no-grad passes: recomputed old log-probs, reference log-probs, critic values, or instead the
-   annotations the asynchronous buffer computed ahead, when every trajectory carries them;
-4. the KL penalty in the reward, the critic's steps towards skip-observation GAE targets, then the
-   advantages of the whole batch from the configured estimator;
-5. unless `train_actor` is False (the critic-only warm-up), the actor's steps on the policy loss.
-
-Every loss is normalised over the whole batch (`aggregation.loss_normalizer`) and a trajectory
-never straddles micro-batches, so the micro-batch split changes neither loss nor gradient.
+"""One optimizer step of any algorithm: the trainer's side of `tiderl.algos`. What it does, in
+order, and why the micro-batch split changes neither loss nor gradient: docs/algorithms.md, "One step".
 """
 
 from __future__ import annotations
