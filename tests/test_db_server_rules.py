@@ -176,3 +176,38 @@ def test_question_file_mistakes_name_the_fix(tmp_path):
     bad = _questions(tmp_path / "bad.jsonl", [{"question": "?", "sql": "SELECT nope FROM singer"}])
     with pytest.raises(ValueError, match="bad.jsonl:1: the gold SQL fails"):
         load_setup(load_config(None, [*base, f"data.train_files=[{bad}]", f"data.eval_files=[{train}]"]))
+
+
+def test_a_session_dropped_while_its_thread_holds_the_worker_pool_lock_closes_without_deadlock():
+    """A finalizer runs inside whatever allocation triggers the collection, here one made while the
+    thread holds the worker pool's lock, which closing a session takes again (the suite once hung
+    so): the dropped session closes on another thread once the lock is free, and gives its slot back."""
+    import gc
+    import threading
+
+    from tiderl.envs.db import worker
+    from tiderl.envs.db.server_backend import _Slot
+
+    closed = threading.Event()
+
+    class Session:
+        def close(self):
+            with worker._IDLE_LOCK:  # as IsolatedSession.close does, through _keeps_room
+                closed.set()
+
+    slots = threading.BoundedSemaphore(1)
+    slots.acquire()
+    dropped = {"slot": _Slot(Session(), slots)}
+
+    def drop_while_holding_the_lock():
+        with worker._IDLE_LOCK:
+            dropped.pop("slot")
+            gc.collect()
+            assert not closed.is_set()  # not closed here, under the lock
+
+    holder = threading.Thread(target=drop_while_holding_the_lock, daemon=True)
+    holder.start()
+    holder.join(10)
+    assert not holder.is_alive(), "dropping the session deadlocked on the worker pool's lock"
+    assert closed.wait(10)
+    assert slots.acquire(timeout=10)  # the slot came back

@@ -589,7 +589,16 @@ class ServerBackend:
 
     def __del__(self) -> None:
         if getattr(self, "_idle", None):
-            self.release_idle()
+            _off_this_thread(self.release_idle)
+
+
+def _off_this_thread(fn: Any) -> None:
+    """Run `fn` on a new daemon thread: what a finalizer does instead of calling it. A finalizer
+    runs inside whatever allocation triggered the collection, even one made while this thread
+    holds a lock `fn` takes again (the worker pool's, the idle connections'), and those locks are
+    not re-entrant: called here, `fn` would deadlock (it did: the suite hung in `_keeps_room`).
+    On another thread it waits for the lock instead."""
+    threading.Thread(target=fn, daemon=True, name="tiderl-db-finalizer").start()
 
 
 def _close_quietly(conn: Any) -> None:
@@ -619,7 +628,7 @@ class _Slot:
 
     def __del__(self) -> None:
         if getattr(self, "_slots", None) is not None:
-            self.close()
+            _off_this_thread(self.close)
 
 
 class ServerSession:
