@@ -155,3 +155,80 @@ def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started
                  "train.steps=1", "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false"])
     assert code == 0
     assert json.loads((run_dir / "system.json").read_text())["ledger"]["failed"] == 0
+
+
+def _vlm_dir(tmp_path) -> Path:
+    from tiderl.embedded.tiny_vlm import build_tiny_vlm
+
+    model, processor = build_tiny_vlm(corpus(), seed=0)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    return model_dir
+
+
+def _vlm_args(model_dir, run_dir, *more) -> list[str]:
+    """SAO (a critic that reads the images too) on ColourEnv, 6 episodes a step."""
+    return ["env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.path={model_dir}", f"run_dir={run_dir}",
+            "algo.name=sao", "algo.critic_warmup_steps=1", "rollout.batch_size=6", "env.max_turns=1",
+            "env.max_total_tokens=300", "rollout.max_new_tokens=24", "train.micro_batch_tokens=2048",
+            "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1", "system.decode_threads=1",
+            *more]
+
+
+@pytest.mark.slow  # three short runs of the tiny VLM (about 40 s on 2 shared cores)
+def test_a_vlm_run_resumes_exactly_and_keeps_buffered_images_across_a_checkpoint(tmp_path):
+    """Staleness 0: resumed from step 1's checkpoint, steps 2-3 and the final weights equal the
+    uninterrupted run's bit for bit (the episodes' images are redrawn from the tasks, so the
+    resumed run must see the same ones). Staleness 1 with a slow environment: a checkpoint holds
+    finished episodes not yet trained, their images pickled with them, and the resumed run trains
+    every task once."""
+    import shutil
+
+    from support import TIMED
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    def rows(run_dir):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMED)}
+                for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    model_dir = _vlm_dir(tmp_path)
+    exact = ["train.steps=3", "train.checkpoint_every=1", "train.reproducible=true"]
+    a = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "a", *exact)))
+    train(a)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    b = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "b", *exact,
+                                              f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}")))
+    assert b.step == 1
+    train(b)
+    assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3]
+    assert rows(tmp_path / "a") == rows(tmp_path / "b")
+    assert any(r.get("policy/loss") for r in rows(tmp_path / "a")[1:])  # the actor trained in the compared steps
+    for k, v in a.actor.model.state_dict().items():
+        assert torch.equal(v, b.actor.model.state_dict()[k]), k
+    for k, v in a.critic.model.state_dict().items():
+        assert torch.equal(v, b.critic.model.state_dict()[k]), k
+
+    # Staleness 1: episodes take 0.3 s (the tool latency), so some finish before the step that trains them.
+    slow = ["system.max_staleness=1", "env.tool_latency=fixed", "env.tool_latency_s=0.3", "train.checkpoint_every=1"]
+    run_dir = tmp_path / "async"
+    assert main_train(_vlm_args(model_dir, run_dir, "train.steps=2", *slow)) == 0
+    held = [torch.load(c / "trainer_state.pt", weights_only=False)["scheduler"]["buffered"]
+            for c in sorted((run_dir / "checkpoints").glob("step_*"))]
+    buffered = [t for state in held for t in state]
+    assert buffered, "no checkpoint held a finished, untrained episode: the test shows nothing"
+    colour_of = {t.task_id: t.answer for t in ColourEnv.setup(None).train_tasks}
+    for trajectory in buffered:
+        assert len(trajectory.images) == 1
+        assert trajectory.images[0].getpixel((0, 0)) == COLOURS[colour_of[trajectory.task_id]]
+    assert main_train(_vlm_args(model_dir, run_dir, "train.steps=4", "train.resume=auto", *slow)) == 0
+    ledger = json.loads((run_dir / "system.json").read_text())["ledger"]
+    assert ledger["trained"] == 4 * 6 and ledger["failed"] == 0, ledger
+
+
+def main_train(args: list[str]) -> int:
+    from tiderl.cli import main
+
+    return main(["train", *args])
