@@ -232,3 +232,45 @@ def main_train(args: list[str]) -> int:
     from tiderl.cli import main
 
     return main(["train", *args])
+
+
+@pytest.mark.slow  # a local Ray cluster, 2 trainer ranks and a critic actor (about 60 s on 2 shared cores)
+def test_a_vlm_trains_on_ray_with_data_parallel_ranks_and_a_remote_critic(tmp_path):
+    """system.backend=ray with train.parallel=ddp on 2 ranks: the rollout workers, the trainer
+    ranks and the critic actor each get the processor's image part, so a batch of episodes with
+    images trains (without it every step raised in `collate`), and the ranks' weights reach the
+    workers. FSDP2 is refused with a VLM, naming ddp."""
+    ray = pytest.importorskip("ray")
+    from support import local_ray_cluster
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    from tiderl.config import ConfigError
+    from tiderl.system.ray_trainer import RayParallelTrainer
+
+    model_dir = _vlm_dir(tmp_path)
+    fsdp2 = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "fsdp2", "train.parallel=fsdp2",
+                                                  "train.world_size=2")))
+    with pytest.raises(ConfigError, match="train.parallel=ddp"):  # refused before any rank starts
+        RayParallelTrainer(fsdp2, [])
+    cluster = local_ray_cluster(__name__)
+    next(cluster)
+    try:
+        run = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "run", "train.steps=2", "system.backend=ray",
+                                                    "train.parallel=ddp", "train.world_size=2",
+                                                    "system.wait_timeout_s=300")))
+        before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
+        history, summary = train(run)
+        assert [h["policy_version"] for h in history] == [1, 2]
+        ledger = summary["ledger"]
+        assert ledger["trained"] == 2 * 6 and ledger["failed"] == 0, ledger
+        assert history[-1].get("value/loss") is not None  # the critic (values from the critic actor) trained
+        stats = summary["backend"]["worker_stats"]
+        assert stats and {s["version"] for s in stats} == {2}  # the workers hold the ranks' step-2 weights
+        after = run.actor.model.state_dict()
+        # The driver's copy got the ranks' weights, its vision tower trained.
+        assert any(not torch.equal(after[k], v) for k, v in before.items() if k.startswith("model.vision_model."))
+    finally:
+        next(cluster, None)
+        assert not ray.is_initialized()

@@ -113,6 +113,11 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
     ValueError, naming the row, when a row's placeholder count is not its images' token count
     (an episode whose tokens and images disagree must not train on the wrong pixels).
     """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # The wrapper has only `forward`; the embeddings and the vision tower are the wrapped
+        # model's. Using them before the wrapper's forward is sound: their gradients flow back
+        # through `inputs_embeds`, and DDP averages every parameter's gradient wherever it was used.
+        model = model.module
     embeds = model.get_input_embeddings()(input_ids)
     if not pixels or all(p is None for p in pixels):
         return embeds

@@ -704,8 +704,9 @@ class CriticWorker:
     as `CriticSnapshot` does in the local backend. Calls run one at a time, so a weight load
     never overlaps a forward pass."""
 
-    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str):
-        self.snapshot = CriticSnapshot(critic, pad_id, micro_batch_tokens, device)
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str,
+                 image_processor: Any = None):
+        self.snapshot = CriticSnapshot(critic, pad_id, micro_batch_tokens, device, image_processor)
         self.batches = 0
 
     def values(self, trajectories: list[Trajectory]) -> list[list[float]]:
@@ -728,8 +729,10 @@ class RemoteCritic:
     a `CriticWorker` actor, so it takes no compute from the driver's trainer. It has no blocking
     `refresh`: the Ray backend refreshes it (`refresh_async`) while the trainer is idle."""
 
-    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str, timeout_s: float):
+    def __init__(self, critic: torch.nn.Module, pad_id: int, micro_batch_tokens: int, device: str, timeout_s: float,
+                 image_processor: Any = None):
         self.source = critic
+        self.image_processor = image_processor  # a vision-language model's, for trajectories with images
         self.pad_id = pad_id
         self.micro_batch_tokens = micro_batch_tokens
         self.device = device
@@ -742,13 +745,13 @@ class RemoteCritic:
     def from_run(cls, run: "Run") -> "RemoteCritic":
         cfg = run.cfg
         return cls(run.critic.model, run.tokenizer.pad_token_id, cfg.train.micro_batch_tokens,
-                   cfg.model.device, cfg.system.wait_timeout_s)
+                   cfg.model.device, cfg.system.wait_timeout_s, getattr(run.tokenizer, "image_processor", None))
 
     async def start(self) -> None:
         """Create the critic actor (Ray must be connected) and wait until it is up."""
         critic = cpu_module(self.source)
         self._handle = ray.remote(CriticWorker).options(**self.actor_options).remote(
-            critic, self.pad_id, self.micro_batch_tokens, self.device)
+            critic, self.pad_id, self.micro_batch_tokens, self.device, self.image_processor)
         await _await_ref(self._handle.ping.remote(), self.timeout_s, "starting the critic actor")
 
     def __call__(self, trajectories: list[Trajectory]) -> None:

@@ -17,7 +17,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tiderl.config import RunConfig
+from tiderl.config import ConfigError, RunConfig
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect, cpu_module, kill_actor
 from tiderl.train.checkpoint import load_sharded, save_sharded
@@ -42,6 +42,7 @@ class RankBundle:
     critic: torch.nn.Module | None
     ref: torch.nn.Module | None
     pad_id: int
+    image_processor: Any = None  # a vision-language model's, for batches with images
 
 
 class TrainerRank:
@@ -77,7 +78,8 @@ class TrainerRank:
         if self.bundle.critic is not None:
             self.critic = ParallelLearner(self.bundle.critic, t.parallel, cfg.algo.critic_lr, **opts)
         self.ref = self.bundle.ref.to(self.device).eval() if self.bundle.ref is not None else None
-        self.bundle = RankBundle(cfg, None, None, None, self.bundle.pad_id)  # the learners own them now
+        # the learners own the models now
+        self.bundle = RankBundle(cfg, None, None, None, self.bundle.pad_id, self.bundle.image_processor)
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": self.device}
 
@@ -91,7 +93,8 @@ class TrainerRank:
                               micro_batch_tokens=cfg.train.micro_batch_tokens,
                               train_actor=version >= cfg.algo.critic_warmup_steps, device=self.device,
                               skip_zero_advantage=cfg.train.skip_zero_advantage,
-                              temperature=logprob_temperature(cfg.rollout.temperature))
+                              temperature=logprob_temperature(cfg.rollout.temperature),
+                              image_processor=self.bundle.image_processor)
 
     def publish(self, version: int) -> tuple[list[Any] | None, float | None]:
         """Gather what the engines load (`published_state`, a collective: the full policy
@@ -136,6 +139,11 @@ class RayParallelTrainer:
 
     def __init__(self, run: Any, preparations: list[Any]):
         cfg: RunConfig = run.cfg
+        if cfg.train.parallel == "fsdp2" and getattr(run.tokenizer, "image_processor", None) is not None:
+            # Measured: the ranks fail in a collective. A VLM's embeddings and vision tower run before
+            # the language model's forward (models/vision.py, embed_inputs), outside FSDP2's gather.
+            raise ConfigError("train.parallel: fsdp2 does not train a vision-language model yet; use "
+                              "train.parallel=ddp (docs/multimodal.md)")
         self.run, self.cfg = run, cfg
         self.world_size = cfg.train.world_size
         self.timeout_s = cfg.system.wait_timeout_s
@@ -177,7 +185,8 @@ class RayParallelTrainer:
         run = self.run
         models = RankBundle(self.cfg, cpu_module(run.actor.model),
                             cpu_module(run.critic.model) if run.critic else None,
-                            cpu_module(run.ref) if run.ref is not None else None, run.tokenizer.pad_token_id)
+                            cpu_module(run.ref) if run.ref is not None else None, run.tokenizer.pad_token_id,
+                            getattr(run.tokenizer, "image_processor", None))
         bundle_ref = ray.put(models)
         cls = ray.remote(TrainerRank)
         self.ranks = [cls.options(num_cpus=1, num_gpus=1 if gpu else 0,

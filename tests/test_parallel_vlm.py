@@ -1,0 +1,87 @@
+"""A vision-language model on data-parallel ranks: 2 gloo ranks under DDP take the same
+`train_step` (SAO, critic included) on episodes with images as one process on the same batch: the
+vision tower, the connector and the language model get the same averaged gradients and the same
+update. FSDP2 with images is refused before any rank starts, naming the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from support import CLIP, LR, snapshot
+from test_vlm import CORPUS, SquaresEnv
+from tiderl.agent.loop import ScriptedEngine, play_episodes
+from tiderl.config import AlgoConfig, preset_defaults
+from tiderl.embedded.tiny_vlm import build_tiny_vlm
+from tiderl.envs.protocol import Task
+from tiderl.lab.ranks import spawn_ranks
+from tiderl.rollout.base import SamplingParams
+from tiderl.train.batching import collate
+from tiderl.train.critic import ValueModel
+from tiderl.train.forward import token_logprobs
+from tiderl.train.learner import Learner
+from tiderl.train.step import train_step
+
+CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
+
+
+def episodes(processor) -> list:
+    """6 scripted episodes with one or two images each, rewards in 3 groups of 2 (the same in every
+    process: the script and the images are fixed)."""
+    scripts = [[CALL, "answer: red blue"], ["answer: red"], [CALL, "answer: green blue"], ["answer: blue"],
+               [CALL, CALL, "answer: red green blue"], ["answer: green red"]]
+    colours = [["red", "blue"], ["red"], ["green", "blue"], ["green"], ["red", "green", "blue"], ["green", "red"]]
+    out = []
+    for i, (script, cs) in enumerate(zip(scripts, colours)):
+        engine = ScriptedEngine(processor.tokenizer, {"What colour": list(script)})
+        out += play_episodes(engine, processor, SquaresEnv, [Task(f"t{i}", "q", None, {"colours": cs})],
+                             SamplingParams(max_new_tokens=40), max_turns=4, max_total_tokens=400)
+    for i, t in enumerate(out):
+        t.group_id = f"g{i // 2}"
+    assert all(t.images for t in out)
+    return out
+
+
+def one_step(make_learner) -> dict:
+    model, processor = build_tiny_vlm(CORPUS, seed=0)
+    trajectories = episodes(processor)
+    # Scripted turns carry log-prob 0: give them the policy's own, as if it had sampled them.
+    batch = collate(trajectories, 0, processor.image_processor)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
+    for row, t in enumerate(trajectories):
+        t.behavior_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : len(t.tokens)], t.loss_mask)]
+    cfg = AlgoConfig(**{**preset_defaults("sao"), "critic_updates": 2, "entropy_coef": 0.0})
+    value_model = ValueModel.from_policy(copy.deepcopy(model))
+    actor, critic = make_learner(model, LR), make_learner(value_model, LR)
+    metrics = train_step(trajectories, actor, critic, None, cfg, pad_id=0, micro_batch_tokens=300,
+                         train_actor=True, image_processor=processor.image_processor)
+    return {"metrics": metrics, "actor": snapshot(actor), "critic": snapshot(critic)}
+
+
+def rank_main(rank: int, world_size: int, out_path: str) -> None:
+    from tiderl.train.parallel import ParallelLearner
+
+    got = one_step(lambda m, lr: ParallelLearner(m, "ddp", lr=lr, grad_clip=CLIP))
+    if rank == 0:
+        torch.save(got, out_path)
+
+
+@pytest.mark.slow  # spawns 2 ranks (about 30 s on 2 shared cores)
+def test_two_ddp_ranks_train_a_vlm_as_one_process_does(tmp_path):
+    path = tmp_path / "rank0.pt"
+    spawn_ranks(rank_main, 2, str(path), timeout_s=300)
+    got = torch.load(path, weights_only=False)
+    single = one_step(lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
+    assert single["metrics"]["micro_batches"] >= 3  # a real split across the ranks
+    for part in ("actor", "critic"):
+        want_all = single[part]
+        assert got[part].keys() == want_all.keys(), part
+        vision = [k for k in want_all if k.startswith("grad/") and "vision_model." in k and want_all[k].abs().max() > 0]
+        assert vision, f"{part}: the vision tower got no gradient, the test would show nothing"
+        for name, want in want_all.items():
+            torch.testing.assert_close(got[part][name], want, atol=1e-6, rtol=1e-5, msg=f"{part} {name}")
+    for key, want in single["metrics"].items():
+        assert got["metrics"][key] == pytest.approx(want, rel=1e-5, abs=1e-6), key
