@@ -274,3 +274,28 @@ def test_a_vlm_trains_on_ray_with_data_parallel_ranks_and_a_remote_critic(tmp_pa
     finally:
         next(cluster, None)
         assert not ray.is_initialized()
+
+
+@pytest.mark.slow  # two short runs of the tiny VLM per option (about 10 s each on 2 shared cores)
+@pytest.mark.parametrize("option", ["model.lora.r=4", "train.autocast=bfloat16", "train.activation_checkpointing=true"])
+def test_a_vlm_trains_with_lora_bf16_autocast_and_activation_checkpointing(tmp_path, option):
+    """Each trainer option with a vision-language model: the run trains every episode; with LoRA
+    (policy and critic) the base stays as it was and adapters train, the vision tower's too (the
+    default target modules match its attention projections); otherwise the vision tower trains."""
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    more = [option, "model.critic_lora=lora"] if "lora" in option else [option]
+    run = build_run(load_config(None, _vlm_args(_vlm_dir(tmp_path), tmp_path / "run", "train.steps=2", *more)))
+    before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
+    history, summary = train(run)
+    assert summary["ledger"]["trained"] == 2 * 6 and summary["ledger"]["failed"] == 0, summary["ledger"]
+    assert history[-1]["policy/loss"] != 0  # the actor trained at step 2
+    after = run.actor.model.state_dict()
+    changed = {k for k, v in before.items() if not torch.equal(v, after[k])}
+    if "lora" in option:
+        assert changed and all(".lora_" in k for k in changed), sorted(changed)[:5]
+        assert any("vision_model" in k for k in changed)
+    else:
+        assert any("vision_model" in k for k in changed)
