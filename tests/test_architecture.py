@@ -216,7 +216,8 @@ def test_the_names_check_finds_names(tmp_path):
 # so "tiderl" went down by 250 and algos (the algorithm options), models (the tiny model's),
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
-    "tiderl": 2765,  # +4: Trajectory.images, +10: eval --oracle renders a visual environment with a processor (issue 31)
+    "tiderl": 2790,  # +25: Trajectory.to_dict/from_dict write and read images as PNG data URLs (issue 31)
+    # +4: Trajectory.images, +10: eval --oracle renders a visual environment with a processor (issue 31)
     # issue 29: cut 22 lines: oracle_texts and the oracle's tokenizer went to tiderl/embedded, docstrings
     "agent": 970,  # +90: images in chat assembly and the agent loop (issue 31); issue 29: cut 11 lines:
     # ChatFormat.observation_ids/user_message_ids (test-only) moved to tests/support.py
@@ -231,7 +232,8 @@ PACKAGE_LINE_BUDGETS = {
     # issue 29: cut 49 lines: module docstrings that repeated docs/ (curiosity.md, rewards.md, algorithms.md)
     "rollout": 2445,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     # issue 29: cut 80 lines: module docstrings that repeated docs/engines.md point to it, kept_sessions to tests
-    "serve": 1190,  # +190: image content parts (issue 31): images.py, read in wire.py, recorded in session.py;
+    "serve": 1180,  # -10: the record's images through Trajectory.to_dict (issue 31)
+    # +190: image content parts (issue 31): images.py, read in wire.py, recorded in session.py;
     # issue 29: cut 17 lines: images.py's and agent.py's module docstrings repeated docs/serve.md
     # +27: system.stale.drain (issue 35); +25: issue 30: drift in the Ray workers, LoRA publish and
     # local-backend ranks (ray_trainer); issue 29: cut 75 lines: docstrings that repeated the docs, one _boot_new
@@ -239,7 +241,7 @@ PACKAGE_LINE_BUDGETS = {
     # +30: batches, log-probs, values and preparations with images (issue 31); +25: issue 30: LoRA on
     # DDP/FSDP2 ranks (published_state), LoRA sharded checkpoint export; issue 29: cut 37 lines: the
     # step's order to docs/algorithms.md, one gather for full_state_dict and published_state
-    "train": 1885,
+    "train": 1890,  # +3: value pretraining with images (issue 31)
 }
 # The whole core outside tiderl/envs/, tiderl/lab/ and tiderl/embedded/. The target is 14,000 lines
 # (issue 29); the honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
@@ -255,8 +257,8 @@ PACKAGE_LINE_BUDGETS = {
 # to tiderl/embedded/ (outside the core, see core_lines) and docstrings that repeated docs/ point
 # there: 783 lines cut from the top level, agent, algos, models, rewards and serve; 192 from system,
 # rollout and train (docstrings that repeated the docs, duplicates merged) (15,590). Issue 31's
-# VLMs on Ray and DDP ranks added 17 (15,607).
-CORE_LINE_BUDGET = 15_610
+# VLMs on Ray and DDP ranks added 17 (15,607); images in trajectory files and value pretraining 21 (15,628).
+CORE_LINE_BUDGET = 15_630
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -299,3 +299,31 @@ def test_a_vlm_trains_with_lora_bf16_autocast_and_activation_checkpointing(tmp_p
         assert any("vision_model" in k for k in changed)
     else:
         assert any("vision_model" in k for k in changed)
+
+
+@pytest.mark.slow  # collects 60 episodes and fits a critic twice (about 60 s on 2 shared cores)
+def test_pretrain_value_on_episodes_with_images_reads_the_images(tmp_path):
+    """`tiderl pretrain-value` with a VLM: the episodes it saves keep their images (PNG data URLs,
+    read back pixel for pixel), and a critic fitted to rewards that only the image can tell (the
+    prompt is the same for every colour: 1 for red, 0 otherwise) explains part of them on held-out
+    episodes."""
+    from tiderl.cli import main
+    from tiderl.train.value_pretrain import load_trajectories, save_trajectories
+
+    model_dir = _vlm_dir(tmp_path)
+    args = _vlm_args(model_dir, tmp_path / "run", "algo.critic_lr=3e-3", "algo.freeze_critic_attention=false",
+                     "rollout.batch_size=20")  # episodes collected, and fitted, 20 at a time
+    out = tmp_path / "critic"
+    assert main(["pretrain-value", "--episodes", "60", "--epochs", "1", "--out", str(out), *args]) == 0
+    data = load_trajectories(out / "trajectories.jsonl")
+    colour_of = {t.task_id: t.answer for t in ColourEnv.setup(None).train_tasks}
+    assert len(data) == 60
+    for t in data:
+        assert len(t.images) == 1 and t.images[0].getpixel((5, 5)) == COLOURS[colour_of[t.task_id]]
+        t.reward = float(colour_of[t.task_id] == "red")
+    save_trajectories(data, tmp_path / "labelled.jsonl")
+    assert main(["pretrain-value", "--trajectories", str(tmp_path / "labelled.jsonl"), "--epochs", "10",
+                 "--out", str(out), *args]) == 0
+    report = json.loads((out / "pretrain_report.json").read_text())
+    assert report["after"]["mse"] < report["before"]["mse"]
+    assert report["after"]["explained_variance"] > 0.3, report

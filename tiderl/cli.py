@@ -436,7 +436,8 @@ def cmd_pretrain_value(cfg: RunConfig, args: argparse.Namespace) -> int:
     critic = Learner(critic_model, cfg.algo.critic_lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.grad_clip)
     report = pretrain_value(critic, data, run.tokenizer.pad_token_id, t.micro_batch_tokens, epochs=args.epochs,
                             batch_size=cfg.rollout.batch_size, gamma=cfg.algo.gamma,
-                            device=cfg.model.device, seed=cfg.seed)
+                            device=cfg.model.device, seed=cfg.seed,
+                            image_processor=getattr(run.tokenizer, "image_processor", None))
     critic_model.save(out_dir)
     (out_dir / "pretrain_report.json").write_text(json.dumps(report, indent=2))
     before, after = report["before"], report["after"]

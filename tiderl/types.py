@@ -7,6 +7,8 @@ appends observation tokens to the sampled tokens as they are.
 
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +66,35 @@ class Trajectory:
         return sum(self.loss_mask)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The fields as a JSON-ready dict: images as PNG data URLs (`from_dict` reads them back
+        pixel for pixel)."""
+        d = dict(self.__dict__)
+        if self.images:
+            d["images"] = [i if isinstance(i, str) else image_to_data_url(i) for i in self.images]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+        if d.get("images"):
+            d = {**d, "images": [image_from_data_url(i) if isinstance(i, str) else i for i in d["images"]]}
         return cls(**d)
+
+
+def image_to_data_url(image: Any) -> str:
+    """A PIL image as a PNG data URL."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def image_from_data_url(url: str) -> Any:
+    """The RGB PIL image of a data URL `image_to_data_url` wrote (a trusted file's: for a client's
+    image, `tiderl.serve.images.decode_data_url` checks its size and format)."""
+    from PIL import Image
+
+    if not url.startswith("data:image/") or ";base64," not in url:
+        raise ValueError(f"an image must be a base64 data:image/... URL, got {url[:40]!r}")
+    return Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1]))).convert("RGB")
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from tiderl.envs.protocol import Observation
+from tiderl.types import image_to_data_url as encode_data_url  # noqa: F401 - what a client sends, as tiderl writes it
 
 MAX_IMAGES = 32  # images in one request (the whole conversation, as clients resend it)
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # encoded bytes of one image
@@ -57,13 +58,6 @@ def decode_data_url(url: Any) -> Any:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever Pillow raises on bytes that are no image
         raise ValueError(f"the image's bytes cannot be decoded ({match.group(1)}: {type(exc).__name__})") from None
-
-
-def encode_data_url(image: Any) -> str:
-    """An image as a PNG data URL (what `decode_data_url` reads back, pixel for pixel)."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def image_key(image: Any) -> str:

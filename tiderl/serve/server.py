@@ -27,7 +27,7 @@ from tiderl.agent.chat import ChatFormat, TemplateError, chat_format
 from tiderl.agent.tool_parser import tool_call_format_of
 from tiderl.rollout.base import Engine, SamplingParams
 from tiderl.rollout.client import BatchingEngine
-from tiderl.serve.images import encode_data_url, generate, has_images, takes_images
+from tiderl.serve.images import generate, has_images, takes_images
 from tiderl.serve.session import Session, SessionStore, Turn, session_free_turn
 from tiderl.serve.wire import (
     ChatRequest,
@@ -311,17 +311,14 @@ class BackgroundServer:
 def record_to(path: str | Path) -> Any:
     """An `on_finish` for `SessionStore`: append each finished session's trajectories to `path`
     as JSON lines (`save_trajectories`: the format `tiderl pretrain-value --trajectories` loads);
-    a trajectory's images are written as PNG data URLs (`images.encode_data_url`)."""
+    a trajectory's images are written as PNG data URLs (`Trajectory.to_dict`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
     def write(session: Session) -> None:
         with lock:
-            trajectories = session.trajectories()
-            for t in trajectories:
-                t.images = [encode_data_url(i) for i in t.images]
-            save_trajectories(trajectories, path, mode="a")
+            save_trajectories(session.trajectories(), path, mode="a")
 
     return write
 

@@ -58,14 +58,16 @@ def monte_carlo_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma:
 
 @torch.no_grad()
 def value_fit(critic: torch.nn.Module, trajectories: list[Trajectory], pad_id: int,
-              micro_batch_tokens: int, gamma: float = 1.0, device: str = "cpu") -> dict[str, float]:
-    """Explained variance and mean squared error of `critic` against the Monte-Carlo returns."""
+              micro_batch_tokens: int, gamma: float = 1.0, device: str = "cpu",
+              image_processor: Any = None) -> dict[str, float]:
+    """Explained variance and mean squared error of `critic` against the Monte-Carlo returns
+    (`image_processor`: a vision-language model's, for trajectories with images)."""
     critic.eval()
-    full = collate(trajectories, pad_id)
+    full = collate(trajectories, pad_id, image_processor)
     values, returns = [], []
     for rows in micro_batch_indices(full.attention_mask.sum(1).tolist(), micro_batch_tokens):
         mb = slice_batch(full, rows).to(device)
-        v = token_values(critic, mb.input_ids, mb.attention_mask).float()
+        v = token_values(critic, mb.input_ids, mb.attention_mask, mb.pixels).float()
         r = monte_carlo_returns(mb.rewards, mb.action_mask, gamma)
         values.append(v[mb.action_mask > 0].cpu())
         returns.append(r[mb.action_mask > 0].cpu())
@@ -76,7 +78,7 @@ def value_fit(critic: torch.nn.Module, trajectories: list[Trajectory], pad_id: i
 
 def pretrain_value(critic: Learner, trajectories: list[Trajectory], pad_id: int, micro_batch_tokens: int,
                    epochs: int = 3, batch_size: int = 32, gamma: float = 1.0, device: str = "cpu",
-                   seed: int = 0, holdout: float = 0.1) -> dict[str, Any]:
+                   seed: int = 0, holdout: float = 0.1, image_processor: Any = None) -> dict[str, Any]:
     """Fit `critic` to the trajectories' Monte-Carlo returns for `epochs` passes in shuffled
     batches of `batch_size`; a `holdout` fraction is kept out to measure the fit before and after.
 
@@ -91,12 +93,13 @@ def pretrain_value(critic: Learner, trajectories: list[Trajectory], pad_id: int,
     n_hold = int(len(order) * holdout) if len(order) >= 10 else 0
     held = [trajectories[i] for i in order[:n_hold]]
     train = [trajectories[i] for i in order[n_hold:]]
-    before = value_fit(critic.model, held, pad_id, micro_batch_tokens, gamma, device) if held else {}
+    fit = dict(gamma=gamma, device=device, image_processor=image_processor)
+    before = value_fit(critic.model, held, pad_id, micro_batch_tokens, **fit) if held else {}
     steps, loss = 0, float("nan")
     for _ in range(epochs):
         rng.shuffle(train)
         for start in range(0, len(train), batch_size):
-            batch = collate(train[start:start + batch_size], pad_id)
+            batch = collate(train[start:start + batch_size], pad_id, image_processor)
             normalizer = float(batch.action_mask.sum())
             if normalizer == 0:
                 continue
@@ -104,12 +107,12 @@ def pretrain_value(critic: Learner, trajectories: list[Trajectory], pad_id: int,
                      micro_batch_indices(batch.attention_mask.sum(1).tolist(), micro_batch_tokens)]
 
             def loss_fn(mb: Any, normalizer: float = normalizer) -> tuple[torch.Tensor, dict[str, float]]:
-                v = token_values(critic.model, mb.input_ids, mb.attention_mask)
+                v = token_values(critic.model, mb.input_ids, mb.attention_mask, mb.pixels)
                 returns = monte_carlo_returns(mb.rewards, mb.action_mask, gamma)
                 return value_loss(v, returns, mb.action_mask, normalizer)
 
             loss = critic.step(parts, loss_fn)["loss"]
             steps += 1
-    after = value_fit(critic.model, held, pad_id, micro_batch_tokens, gamma, device) if held else {}
+    after = value_fit(critic.model, held, pad_id, micro_batch_tokens, **fit) if held else {}
     return {"train": len(train), "holdout": len(held), "steps": steps, "before": before,
             "after": after, "loss": loss}
