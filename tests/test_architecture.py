@@ -232,12 +232,13 @@ PACKAGE_LINE_BUDGETS = {
     # issue 29: cut 49 lines: module docstrings that repeated docs/ (curiosity.md, rewards.md, algorithms.md)
     "rollout": 2445,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     # issue 29: cut 80 lines: module docstrings that repeated docs/engines.md point to it, kept_sessions to tests
-    "serve": 1180,  # -10: the record's images through Trajectory.to_dict (issue 31)
+    "serve": 1185,  # -10: the record's images through Trajectory.to_dict (issue 31); +4: cut tokens (issue 35)
     # +190: image content parts (issue 31): images.py, read in wire.py, recorded in session.py;
     # issue 29: cut 17 lines: images.py's and agent.py's module docstrings repeated docs/serve.md
     # +27: system.stale.drain (issue 35); +25: issue 30: drift in the Ray workers, LoRA publish and
     # local-backend ranks (ray_trainer); issue 29: cut 75 lines: docstrings that repeated the docs, one _boot_new
-    "system": 2790,  # +12: the image processor reaches the Ray ranks and critic actor; FSDP2 + VLM refused (issue 31)
+    "system": 2805,  # +12: the image processor reaches the Ray ranks and critic actor; FSDP2 + VLM refused (issue 31);
+    # +15: Ray workers count the tokens of cancelled episodes (issue 35: waste on every backend)
     # +30: batches, log-probs, values and preparations with images (issue 31); +25: issue 30: LoRA on
     # DDP/FSDP2 ranks (published_state), LoRA sharded checkpoint export; issue 29: cut 37 lines: the
     # step's order to docs/algorithms.md, one gather for full_state_dict and published_state
@@ -258,7 +259,8 @@ PACKAGE_LINE_BUDGETS = {
 # there: 783 lines cut from the top level, agent, algos, models, rewards and serve; 192 from system,
 # rollout and train (docstrings that repeated the docs, duplicates merged) (15,590). Issue 31's
 # VLMs on Ray and DDP ranks added 17 (15,607); images in trajectory files and value pretraining 21 (15,628).
-CORE_LINE_BUDGET = 15_630
+# Issue 35's cut tokens on the Ray and agent backends 19 (15,647).
+CORE_LINE_BUDGET = 15_650
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -323,3 +323,20 @@ def test_disagreeing_workers_fail_the_sync(cluster):
             await rollout.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_ray_backend_counts_the_tokens_of_cancelled_episodes_as_waste(cluster, cache, tmp_path):
+    """Over-provisioned on-policy training on Ray (admission 2x the batch, staleness 0) cancels the
+    episodes still running on old weights: their workers count the sampled tokens of their completed
+    turns (`cut_tokens`), and the run's waste includes them, as with the local backend."""
+    cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray", "system.options.workers=2",
+                       "system.admission=16", "env.tool_latency=lognormal", "env.tool_latency_s=0.3",
+                       "env.tool_latency_spread=1.5")  # a long tail: some episodes still run when the weights change
+    history, summary = train(build_run(cfg))
+    assert summary["ledger"]["restarted"] > 0, summary["ledger"]  # episodes were cut
+    cut = sum(s["cut_tokens"] for s in summary["backend"]["worker_stats"])
+    assert cut > 0 and summary["waste"]["cut"] == cut, (cut, summary["waste"])
+    assert summary["waste"]["wasted_tokens"] >= cut
+    assert history[-1]["system/wasted_tokens"] > 0  # seen during the run, not only at the end
+    assert_ledger_balances(summary)

@@ -455,6 +455,37 @@ def test_an_external_agents_sessions_train_through_the_pool_with_checkpoints(run
     assert raised[0] in played  # the task was played again, not lost
 
 
+def test_a_cancelled_agent_session_counts_its_sampled_tokens_as_waste(run):
+    """The pool cancels an episode (new weights at staleness 0, shutdown): the agent backend counts
+    the tokens its session had sampled (`cut_tokens`, the run's waste), as the other backends do."""
+    answered = asyncio.Event()
+    sampled: list[int] = []
+
+    async def agent(base_url: str, task: Any) -> float:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="tiderl", max_retries=0)
+        response = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task.prompt}])
+        sampled.append(response.usage.completion_tokens)
+        answered.set()
+        await asyncio.Event().wait()  # still working when the pool cancels it
+        return 0.0
+
+    async def scenario() -> AgentRollout:
+        rollout = AgentRollout(run, agent)
+        await rollout.start()
+        try:
+            episode = asyncio.create_task(rollout.run_episode(run.setup.train_tasks[0], "g"))
+            await asyncio.wait_for(answered.wait(), 60)
+            episode.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await episode
+        finally:
+            await rollout.close()
+        return rollout
+
+    rollout = asyncio.run(scenario())
+    assert sampled[0] > 0 and rollout.cut_tokens == sampled[0]
+
+
 # --- bad requests -----------------------------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ class AgentRollout:
         self.server: BackgroundServer | None = None
         self.sessions = 0
         self.requests = 0
+        self.cut_tokens = 0  # tokens sampled in sessions cancelled before the agent returned (waste)
 
     Options = AgentOptions  # system.options with system.backend=agent
 
@@ -83,6 +84,9 @@ class AgentRollout:
             self.store.finish(session.session_id, float(reward))
             self.requests += len(session.requests)
             return session.trajectories()
+        except asyncio.CancelledError:  # the pool restarts it (new weights at staleness 0) or shuts down
+            self.cut_tokens += sum(sum(segment.loss_mask) for segment in session.segments)
+            raise
         finally:
             self.store.delete(session.session_id)  # its trajectories are the pool's now
 

@@ -66,13 +66,15 @@ class LocalRollout:
         await self.client.close()
 
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
-        client = _Counting(self)
+        client = TurnCounting(self.client)
         try:
             return await play_episode(client, self.tokenizer, self.make_env, task, self.params,
                                       self.max_turns, self.max_total_tokens, group_id=group_id)
         except asyncio.CancelledError:
             self.cut_tokens += client.tokens
             raise
+        finally:
+            self.decoded_tokens += client.tokens
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
         await self.client.update_weights(state_dict, version)
@@ -86,21 +88,20 @@ class LocalRollout:
                 "decode_threads": self.core_plan.pinned_threads.get("rollout", [])}
 
 
-class _Counting:
-    """The batching client as one episode sees it, adding each completed turn's sampled tokens to
-    `rollout.decoded_tokens`: episodes that are later dropped, restarted or cut off count too, so
-    the run's waste (decoded but never trained) can be measured. A turn cancelled mid-decode is
-    not counted."""
+class TurnCounting:
+    """An engine client as one episode sees it, counting the sampled tokens of the episode's
+    completed turns (`tokens`): an episode later dropped, restarted or cut off has decoded them all
+    the same, which is how a run's waste (decoded but never trained) is measured. A turn cancelled
+    mid-decode is not counted."""
 
-    def __init__(self, rollout: LocalRollout):
-        self._rollout = rollout
-        self.tokens = 0  # this episode's
+    def __init__(self, client: Any):
+        self._client = client
+        self.tokens = 0
 
     async def generate(self, prompt: list[int], params: SamplingParams, **images: Any) -> Any:
-        completion = await self._rollout.client.generate(prompt, params, **images)  # images: docs/multimodal.md
-        self._rollout.decoded_tokens += len(completion.token_ids)
+        completion = await self._client.generate(prompt, params, **images)  # images: docs/multimodal.md
         self.tokens += len(completion.token_ids)
         return completion
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._rollout.client, name)
+        return getattr(self._client, name)

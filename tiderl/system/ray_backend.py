@@ -42,6 +42,7 @@ from tiderl.rollout.client import BatchingEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.elastic import CapacityRemoved
 from tiderl.system.latency import training_env_factory
+from tiderl.system.local import TurnCounting
 from tiderl.system.pool import PoolSettings
 from tiderl.system.ray_options import RayOptions
 from tiderl.system.timing import TimeWeighted
@@ -167,6 +168,7 @@ class RolloutWorker:
         self.episodes = 0
         self.cancelled = 0
         self.generated_tokens = 0
+        self.cut_tokens = 0  # sampled tokens of the completed turns of cancelled episodes (waste)
 
     def _ensure_client(self) -> BatchingEngine:
         # The BatchingEngine binds to the running event loop, which an actor has only inside its
@@ -181,26 +183,27 @@ class RolloutWorker:
 
     async def run_episode(self, task: Task, group_id: str) -> Trajectory:
         """Play one episode (`play_episode`) with this worker's engine and environments."""
-        client = self._ensure_client()
+        client = TurnCounting(self._ensure_client())
         try:
             trajectory = await play_episode(client, self.tokenizer, self.make_env, task, self.params,
                                             self.max_turns, self.max_total_tokens, group_id=group_id)
         except asyncio.CancelledError:  # the driver cancelled it (restart mode, shutdown, timeout)
             self.cancelled += 1
+            self.cut_tokens += client.tokens
             raise
         self.episodes += 1
         self.generated_tokens += trajectory.num_action_tokens
         return trajectory
 
-    async def update_weights(self, state: dict[str, Any], version: int) -> float:
+    async def update_weights(self, state: dict[str, Any], version: int) -> tuple[float, int]:
         """Load `state` as `version` (between two decode steps; episodes in flight go on with
         the new weights), move a drifting world to `version`, and return the checksum of the
-        weights now held."""
+        weights now held and `cut_tokens` (so the driver's waste figure follows every step)."""
         client = self._ensure_client()
         await client.update_weights(state, version)
         if self.on_step is not None:  # episodes that start from now on play in this version's world
             self.on_step(self.engine.version)
-        return await client.call(self.engine.state_checksum)
+        return await client.call(self.engine.state_checksum), self.cut_tokens
 
     async def checksum(self) -> float:
         """`weights_checksum` of the weights this worker samples with."""
@@ -225,6 +228,7 @@ class RolloutWorker:
             "episodes": self.episodes,
             "cancelled": self.cancelled,
             "generated_tokens": self.generated_tokens,
+            "cut_tokens": self.cut_tokens,
             "decode_batches": client.batches if client else 0,
             "decode_busy_s": round(client.busy_s, 3) if client else 0.0,
         }
@@ -317,6 +321,7 @@ class RayRollout:
         self.worker_restarts = 0
         self.events: list[dict[str, Any]] = []
         self.worker_stats: list[dict[str, Any]] = []
+        self._cut_by_worker: dict[int, int] = {}  # worker serial -> its cut_tokens (see `cut_tokens`)
 
     @classmethod
     def from_run(cls, run: "Run", preparations: list[Any] | None = None, executor: Any = None,
@@ -461,6 +466,7 @@ class RayRollout:
         stats = await asyncio.gather(*(_await_ref(w.handle.stop.remote(), min(self.timeout_s, 30.0), "stopping")
                                        for w in live), return_exceptions=True)
         self.worker_stats += [s for s in stats if isinstance(s, dict)]  # after the drained workers'
+        self._cut_by_worker.update({s["serial"]: s.get("cut_tokens", 0) for s in self.worker_stats})
         for w in live:
             self._release(w)
         self._workers.clear()
@@ -623,8 +629,16 @@ class RayRollout:
     async def _load(self, w: _Worker, weights: _Weights) -> float:
         held = await self._call(w, w.handle.update_weights.remote(weights.ref, weights.version),
                                 f"loading weights version {weights.version}")
+        if isinstance(held, tuple):  # (checksum, cut_tokens): RolloutWorker's; a stand-in may send the checksum alone
+            held, self._cut_by_worker[w.serial] = held
         w.version = max(w.version, weights.version)
         return held
+
+    @property
+    def cut_tokens(self) -> int:
+        """Sampled tokens of the completed turns of cancelled episodes, over every worker, as of
+        each worker's latest weight load or stop (a worker that died takes its count since then)."""
+        return sum(self._cut_by_worker.values())
 
     def _lose(self, w: _Worker, exc: BaseException) -> None:
         """Take a dead worker out of the pool and start its replacement (once per worker, however
