@@ -60,10 +60,13 @@ def pytest_fixture_setup(fixturedef, request):
 # -- a cache for the warm-started tiny model of configs/kg_sao_tiny.yaml ---------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache(tmp_path_factory):
-    """`model.cache_dir` for the module's runs (support.small_config): the embedded model is
-    warm-started once per module and reused by its other runs."""
+    """`model.cache_dir` for the session's runs (support.small_config and others): each embedded
+    model is warm-started once per session, by the first test that needs it, and reused by every
+    later run with the same build key. Sharing it cannot make a test depend on the tests before
+    it: the cache is keyed by everything a build depends on, and a build is deterministic
+    (test_e2e_sao checks both). A test about building itself uses a folder of its own."""
     return tmp_path_factory.mktemp("cache")
 
 

@@ -97,7 +97,7 @@ def test_a_model_without_checkpointable_layers_names_the_option():
 
 
 @pytest.mark.slow
-def test_config_turns_it_on_for_the_actor_and_the_critic_not_the_engine(tmp_path):
+def test_config_turns_it_on_for_the_actor_and_the_critic_not_the_engine(cache, tmp_path):
     from tiderl.config import load_config
     from tiderl.run import build_run
 
@@ -106,7 +106,7 @@ def test_config_turns_it_on_for_the_actor_and_the_critic_not_the_engine(tmp_path
         "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
         "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
         "log.progress=false", "log.tensorboard=false", "train.activation_checkpointing=true",
-        f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
+        f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"])
     run = build_run(cfg)
     assert checkpointing(run.actor.model) and checkpointing(run.critic.model.backbone)
     assert not checkpointing(run.engine.model)

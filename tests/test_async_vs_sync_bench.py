@@ -108,9 +108,19 @@ def test_budget_env_holds_the_answer_back_until_the_budget_is_spent():
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the asynchronous plan needs 2 cores")
-def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(tmp_path):
+def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(cache, tmp_path):
+    from support import small_config
+    from tiderl.envs.setup import load_setup
+    from tiderl.models.embedded import ensure_embedded_model
+
+    # The tests' small warm-started model (support.small_config, shared through `cache`), not the
+    # config's own embedded model: that one takes 400 warm-start steps on 3000 traces to build,
+    # minutes on a fresh clone, and nothing below depends on how well the policy was warm-started.
+    small = small_config(cache, tmp_path / "build")
+    model = ensure_embedded_model(small, load_setup(small))
     mode = next(m for m in bench.MODES if m.name == "async-s1")
-    row = bench.run_mode(mode, "none", seed=0, b=4, steps=2, eval_every=2, eval_n=4, out=tmp_path, evaluated={})
+    row = bench.run_mode(mode, "none", seed=0, b=4, steps=2, eval_every=2, eval_n=4, out=tmp_path, evaluated={},
+                         model=str(model))
     assert row["steps"] == 2 and row["trained"] == 8
     assert 0.0 <= row["waste"] < 1.0 and row["decoded_tokens"] >= row["trained_sampled_tokens"] > 0
     # The pool's account (finished episodes' tokens plus the cut-off ones the local backend counts)

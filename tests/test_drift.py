@@ -154,7 +154,7 @@ def test_config_rules():
 
 
 @pytest.mark.slow
-def test_recipe_moves_the_world_with_the_step(tmp_path):
+def test_recipe_moves_the_world_with_the_step(cache, tmp_path):
     """Synchronous SAO on a small world that changes every 2 steps: the world follows the step,
     and every episode trained at step v + 1 played in the world of step v."""
     from tiderl.recipe import train
@@ -164,7 +164,7 @@ def test_recipe_moves_the_world_with_the_step(tmp_path):
              "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
              "model.warmstart.num_traces=200", "model.warmstart.steps=10", "model.warmstart.batch_size=16",
              "rollout.batch_size=8", "algo.critic_warmup_steps=1", "log.progress=false",
-             "env.options.drift.every_steps=2", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
+             "env.options.drift.every_steps=2", f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"]
     run = build_run(load_config("configs/kg_sao_tiny.yaml", small))
     world = run.setup.make_env.world
     seen: list[tuple[int, int, set[int]]] = []

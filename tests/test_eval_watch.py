@@ -109,7 +109,8 @@ def test_training_transcripts_put_rewarded_episodes_first_and_append(tmp_path):
 def test_train_command_writes_transcripts_per_step(tmp_path):
     code = main(["train", "--config", "configs/kg_sao_tiny.yaml", *SMALL, "model.tiny.hidden_size=32",
                  "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-                 "model.warmstart.steps=2", "rollout.batch_size=4", "train.steps=2", "log.transcripts=3",
+                 "model.warmstart.steps=2", "model.warmstart.num_traces=40", "rollout.batch_size=4", "train.steps=2",
+                 "log.transcripts=3",
                  "log.progress=false", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"])
     assert code == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "transcripts" / "train.jsonl").read_text().splitlines()]

@@ -91,7 +91,7 @@ def test_lora_config_fields():
 
 
 @pytest.mark.slow
-def test_a_lora_run_trains_and_syncs_adapters(tmp_path):
+def test_a_lora_run_trains_and_syncs_adapters(cache, tmp_path):
     from tiderl.recipe import train
     from tiderl.run import build_run
 
@@ -101,7 +101,7 @@ def test_a_lora_run_trains_and_syncs_adapters(tmp_path):
         "model.warmstart.num_traces=40", "model.warmstart.steps=2", "model.warmstart.batch_size=16",
         "rollout.batch_size=4", "env.max_turns=2", "rollout.max_new_tokens=24", "algo.critic_warmup_steps=0",
         "algo.entropy_coef=0.01", "log.progress=false", "log.tensorboard=false", "train.steps=1",
-        "model.lora.r=4", "model.critic_lora=lora", f"model.cache_dir={tmp_path / 'cache'}",
+        "model.lora.r=4", "model.critic_lora=lora", f"model.cache_dir={cache}",
         f"run_dir={tmp_path / 'run'}"])
     run = build_run(cfg)
     assert isinstance(run.engine, LoraTorchEngine)

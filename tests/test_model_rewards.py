@@ -120,11 +120,10 @@ def test_options_are_listed_checked_and_typos_get_a_suggestion():
 
 
 @pytest.mark.slow
-def test_a_run_shapes_with_the_reward_model_and_trains(reward_dir, tmp_path_factory, tmp_path):
+def test_a_run_shapes_with_the_reward_model_and_trains(reward_dir, cache, tmp_path):
     from tiderl.recipe import train
     from tiderl.run import build_run
 
-    cache = tmp_path_factory.mktemp("cache")
     run = build_run(small_config(cache, tmp_path / "run", f"reward.model.path={reward_dir}",
                                  "reward.model.weight=0.5", "reward.rule_weight=2.0", "train.steps=2"))
     assert run.model_rewards is not None

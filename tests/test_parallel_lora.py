@@ -126,7 +126,7 @@ SMALL = [
 
 
 @pytest.mark.slow
-def test_lora_on_fsdp2_ray_ranks_with_staleness_trains_checkpoints_exports_and_resumes(tmp_path):
+def test_lora_on_fsdp2_ray_ranks_with_staleness_trains_checkpoints_exports_and_resumes(cache, tmp_path):
     """`tiderl train` with LoRA (policy and critic) on 2 FSDP2 ranks, staleness 2, on Ray: the
     rollout workers get the adapters alone (checksums checked at every sync), the ledger
     balances, the sharded checkpoint exports merged weights with the trained policy's logits,
@@ -141,7 +141,7 @@ def test_lora_on_fsdp2_ray_ranks_with_staleness_trains_checkpoints_exports_and_r
     from tiderl.train.lora import adapter_state
 
     def config(*more):
-        return load_config("configs/kg_sao_tiny.yaml", SMALL + [f"model.cache_dir={tmp_path / 'cache'}",
+        return load_config("configs/kg_sao_tiny.yaml", SMALL + [f"model.cache_dir={cache}",
                                                                 f"run_dir={tmp_path / 'run'}", *more])
 
     ray.init(num_cpus=2, include_dashboard=False)

@@ -32,12 +32,6 @@ def small_config(cache, run_dir, *more):
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    """One embedded tiny model for the module's runs (it is built on first use)."""
-    return tmp_path_factory.mktemp("model_cache")
-
-
-@pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=2, include_dashboard=False)
     yield
@@ -45,8 +39,8 @@ def cluster():
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_as_ray_actors_train_end_to_end(cluster, model_cache, tmp_path):
-    cfg = small_config(model_cache, tmp_path / "run", "train.steps=2", "system.backend=ray",
+def test_fsdp2_ranks_as_ray_actors_train_end_to_end(cluster, cache, tmp_path):
+    cfg = small_config(cache, tmp_path / "run", "train.steps=2", "system.backend=ray",
                        "train.parallel=fsdp2", "train.world_size=2",
                        # Every reward of the tiny model may be 0: the entropy bonus makes sure the actor moves.
                        "algo.entropy_coef=0.01", "env.max_turns=2", "rollout.max_new_tokens=24")
@@ -75,7 +69,7 @@ def test_fsdp2_ranks_as_ray_actors_train_end_to_end(cluster, model_cache, tmp_pa
 
 
 @pytest.mark.slow
-def test_sharded_checkpoints_on_ray_ranks_resume(cluster, model_cache, tmp_path, caplog):
+def test_sharded_checkpoints_on_ray_ranks_resume(cluster, cache, tmp_path, caplog):
     """DDP ranks write step_1 and final as sharded checkpoints (DCP); train.resume=auto gives the
     driver step_1's weights and the ranks its shards (optimizer state included), and the run goes
     on to step 2."""
@@ -86,7 +80,7 @@ def test_sharded_checkpoints_on_ray_ranks_resume(cluster, model_cache, tmp_path,
     common = ("system.backend=ray", "train.parallel=ddp", "train.world_size=2", "algo.entropy_coef=0.01",
               "algo.critic_warmup_steps=0", "env.max_turns=2", "rollout.max_new_tokens=16",
               "train.checkpoint_every=1")
-    run = build_run(small_config(model_cache, run_dir, "train.steps=1", *common))
+    run = build_run(small_config(cache, run_dir, "train.steps=1", *common))
     train(run)
     with pytest.raises(RuntimeError, match="trainer ranks.*not running"):
         save_run_checkpoint(run, run_dir / "checkpoints" / "late")  # no ranks: no optimizer states to save
@@ -102,7 +96,7 @@ def test_sharded_checkpoints_on_ray_ranks_resume(cluster, model_cache, tmp_path,
     assert all(torch.equal(saved.state_dict()[k], v) for k, v in step1.items())
 
     assert latest_checkpoint(root) == root / "step_1"
-    resumed = build_run(small_config(model_cache, run_dir, "train.steps=2", "train.resume=auto", *common))
+    resumed = build_run(small_config(cache, run_dir, "train.steps=2", "train.resume=auto", *common))
     assert resumed.step == 1
     assert all(torch.equal(resumed.actor.model.state_dict()[k], v) for k, v in step1.items())
     assert resumed.resume_state["sharded"] == str(root / "step_1" / SHARDED)

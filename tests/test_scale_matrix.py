@@ -77,7 +77,7 @@ def test_lora_with_the_http_engine_names_the_engine_on_the_local_backend_too(cap
 
 
 @pytest.mark.slow
-def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_backend(tmp_path):
+def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_backend(cache, tmp_path):
     """What a refused HTTP-on-Ray row can run instead: `system.backend=local` with
     `rollout.engine=http` over two servers (vLLM stand-ins, `support.StubServer`) and 2 FSDP2
     ranks. The ranks run on a Ray the trainer starts (and stops); every step their weights reach
@@ -99,7 +99,7 @@ def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_ba
               "model.warmstart.steps=2", "model.warmstart.batch_size=16", "rollout.batch_size=4",
               "algo.critic_warmup_steps=0", "algo.entropy_coef=0.01", "env.max_turns=2", "rollout.max_new_tokens=16",
               "log.progress=false", "log.tensorboard=false", "system.wait_timeout_s=300",
-              f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
+              f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"]
     assert not ray.is_initialized()
     first = build_run(load_config(CONFIG, common))  # builds (and caches) the model the servers start with
     servers = [StubServer(copy.deepcopy(first.actor.model), first.tokenizer) for _ in range(2)]

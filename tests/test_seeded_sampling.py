@@ -40,9 +40,9 @@ def test_a_seeded_row_samples_the_same_alone_or_batched_and_whatever_the_engine_
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(cache, tmp_path_factory):
     from tiderl.run import build_run
-    return build_run(small_config(tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("run")))
+    return build_run(small_config(cache, tmp_path_factory.mktemp("run")))
 
 
 def _episodes(run, tasks, params, batch):

@@ -34,13 +34,13 @@ def test_trajectory_files_round_trip_and_bad_lines_name_their_number(tmp_path):
 
 
 @pytest.mark.slow
-def test_pretrain_value_cli_fits_returns_and_writes_a_loadable_critic(tmp_path):
+def test_pretrain_value_cli_fits_returns_and_writes_a_loadable_critic(cache, tmp_path):
     from support import SMALL
     from tiderl.cli import main
     from tiderl.config import load_config
     from tiderl.run import build_run
 
-    common = SMALL + [f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}",
+    common = SMALL + [f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}",
                       "algo.critic_lr=2e-3", "algo.normalize_advantages=false",
                       "algo.freeze_critic_attention=false"]
     out = tmp_path / "critic"
