@@ -548,7 +548,7 @@ def local_ray_cluster(module_name: str) -> Iterator[None]:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[module_name])
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # our own cluster, not a running one
     yield
     ray.shutdown()
 

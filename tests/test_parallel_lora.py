@@ -144,7 +144,7 @@ def test_lora_on_fsdp2_ray_ranks_with_staleness_trains_checkpoints_exports_and_r
         return load_config("configs/kg_sao_tiny.yaml", SMALL + [f"model.cache_dir={cache}",
                                                                 f"run_dir={tmp_path / 'run'}", *more])
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # our own cluster, not a running one
     try:
         run = build_run(config("train.steps=2"))
         assert isinstance(run.engine, LoraTorchEngine)

@@ -33,7 +33,7 @@ def small_config(cache, run_dir, *more):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # our own cluster, not a running one
     yield
     ray.shutdown()
 
