@@ -111,7 +111,7 @@ def test_budget_env_holds_the_answer_back_until_the_budget_is_spent():
 def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(cache, tmp_path):
     from support import small_config
     from tiderl.envs.setup import load_setup
-    from tiderl.models.embedded import ensure_embedded_model
+    from tiderl.embedded.build import ensure_embedded_model
 
     # The tests' small warm-started model (support.small_config, shared through `cache`), not the
     # config's own embedded model: that one takes 400 warm-start steps on 3000 traces to build,
