@@ -104,6 +104,12 @@ class _Worker:
         self._replies = Connection(reply_read, writable=False)
         # The backend whose idle server connection this (idle) worker keeps, if any.
         self.warm: BackendSpec | None = None
+        # kill() runs once. Two threads can reach it for one worker (a dropped session's finalizer
+        # and its slot's close on another thread), and closing a pipe twice at once closes a
+        # descriptor number some other code has reused since (measured: EBADF in a new worker).
+        # Re-entrant: a collection inside kill() may finalize the session that owns this worker.
+        self._kill_lock = threading.RLock()
+        self._killed = False
 
     def call(self, message: tuple[Any, ...], timeout_s: float) -> Any:
         """Send one request and return the reply's value (raising what the worker raised).
@@ -126,16 +132,20 @@ class _Worker:
         return self.process.poll() is None
 
     def kill(self) -> int | None:
-        """Kill the process (if still running), reap it and close the pipes; its exit code."""
-        if self.process.poll() is None:
-            self.process.kill()
-        code = self.process.wait()
-        for end in (self._requests, self._replies):
-            try:
-                end.close()
-            except OSError:
-                pass
-        return code
+        """Kill the process (if still running), reap it and close the pipes (once); its exit code."""
+        with self._kill_lock:
+            if self._killed:
+                return self.process.returncode
+            self._killed = True
+            if self.process.poll() is None:
+                self.process.kill()
+            code = self.process.wait()
+            for end in (self._requests, self._replies):
+                try:
+                    end.close()
+                except OSError:
+                    pass
+            return code
 
 
 _IDLE: list[_Worker] = []
