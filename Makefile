@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) -m tiderl.cli demo --config configs/kg_sao_tiny.yaml --run-dir $(RUN_DIR)
 
-# The suite CI runs: every test but the learning test (about 17 minutes on 2 loaded cores; see README).
+# The suite CI runs: every test but the learning test (about 11 minutes on 2 free cores; README).
 test: setup
 	$(PY) -m pytest -q -m "not learning" tests
 
