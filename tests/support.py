@@ -572,3 +572,18 @@ def kept_sessions(engine) -> int:
     """How many sessions have a kept prefix cache in a TorchEngine now."""
     with engine._inbox_lock:
         return len(engine._kept)
+
+
+def give_own_behaviour_logprobs(model, trajectories, image_processor=None) -> None:
+    """Scripted turns carry log-prob 0: give each sampled token the model's own log-prob, as if it
+    had sampled the trajectories (images through `image_processor`)."""
+    import torch
+
+    from tiderl.train.batching import collate
+    from tiderl.train.forward import token_logprobs
+
+    batch = collate(trajectories, 0, image_processor)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
+    for row, t in enumerate(trajectories):
+        t.behavior_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : len(t.tokens)], t.loss_mask)]

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from support import CLIP, LR, snapshot
+from support import CLIP, LR, give_own_behaviour_logprobs, snapshot
 from test_vlm import CORPUS, SquaresEnv
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
@@ -18,9 +18,7 @@ from tiderl.embedded.tiny_vlm import build_tiny_vlm
 from tiderl.envs.protocol import Task
 from tiderl.lab.ranks import spawn_ranks
 from tiderl.rollout.base import SamplingParams
-from tiderl.train.batching import collate
 from tiderl.train.critic import ValueModel
-from tiderl.train.forward import token_logprobs
 from tiderl.train.learner import Learner
 from tiderl.train.step import train_step
 
@@ -47,12 +45,7 @@ def episodes(processor) -> list:
 def one_step(make_learner) -> dict:
     model, processor = build_tiny_vlm(CORPUS, seed=0)
     trajectories = episodes(processor)
-    # Scripted turns carry log-prob 0: give them the policy's own, as if it had sampled them.
-    batch = collate(trajectories, 0, processor.image_processor)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
-    for row, t in enumerate(trajectories):
-        t.behavior_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : len(t.tokens)], t.loss_mask)]
+    give_own_behaviour_logprobs(model, trajectories, processor.image_processor)
     cfg = AlgoConfig(**{**preset_defaults("sao"), "critic_updates": 2, "entropy_coef": 0.0})
     value_model = ValueModel.from_policy(copy.deepcopy(model))
     actor, critic = make_learner(model, LR), make_learner(value_model, LR)

@@ -167,6 +167,13 @@ def _vlm_dir(tmp_path) -> Path:
     return model_dir
 
 
+def main_train(args: list[str]) -> int:
+    """`tiderl train` with `args`; its exit code."""
+    from tiderl.cli import main
+
+    return main(["train", *args])
+
+
 def _vlm_args(model_dir, run_dir, *more) -> list[str]:
     """SAO (a critic that reads the images too) on ColourEnv, 6 episodes a step."""
     return ["env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.path={model_dir}", f"run_dir={run_dir}",
@@ -226,12 +233,6 @@ def test_a_vlm_run_resumes_exactly_and_keeps_buffered_images_across_a_checkpoint
     assert main_train(_vlm_args(model_dir, run_dir, "train.steps=4", "train.resume=auto", *slow)) == 0
     ledger = json.loads((run_dir / "system.json").read_text())["ledger"]
     assert ledger["trained"] == 4 * 6 and ledger["failed"] == 0, ledger
-
-
-def main_train(args: list[str]) -> int:
-    from tiderl.cli import main
-
-    return main(["train", *args])
 
 
 @pytest.mark.slow  # a local Ray cluster, 2 trainer ranks and a critic actor (about 60 s on 2 shared cores)

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from support import give_own_behaviour_logprobs
 from test_vlm import CORPUS, SquaresEnv, square
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
@@ -114,12 +115,7 @@ def test_a_train_step_on_episodes_with_images_trains_the_vision_tower_and_connec
     policy = copy.deepcopy(model)
     trajectories = _scripted_episodes(processor)
     trajectories[1].reward = 0.0  # rewards differ (both answers were right): advantages survive whitening
-    # Scripted turns carry log-prob 0: give them the policy's own, as if it had sampled them.
-    batch = collate(trajectories, 0, processor.image_processor)
-    with torch.no_grad():
-        lp, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
-    for row, t in enumerate(trajectories):
-        t.behavior_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : len(t.tokens)], t.loss_mask)]
+    give_own_behaviour_logprobs(policy, trajectories, processor.image_processor)
     critic = ValueModel.from_policy(policy)
     cfg = AlgoConfig(**{**preset_defaults("sao"), "critic_updates": 1, "entropy_coef": 0.0})
     before = {k: v.clone() for k, v in policy.state_dict().items()}
