@@ -23,7 +23,7 @@ from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.embedded.tiny_qwen2vl import IMAGE_PAD, build_tiny_qwen2vl
 from tiderl.envs.protocol import Observation, Task
 from tiderl.models.loading import ImageQwen2VLProcessor, load_model, load_processor, load_tokenizer
-from tiderl.models.vision import ChatProcessor, embed_inputs, image_inputs, mrope_positions, rope_positions, uses_mrope
+from tiderl.models.vision import ChatProcessor, PromptImages, embed_inputs, image_inputs, mrope_positions, rope_positions, uses_mrope
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.train.batching import collate
@@ -304,3 +304,42 @@ def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
     changed = [k for k, v in trained.state_dict().items()
                if k.startswith("model.visual.") and not torch.equal(v, model.state_dict()[k])]
     assert changed, "the vision tower did not train"
+
+
+def test_rows_with_other_lags_decode_together_and_one_joins_a_running_batch(qwen):
+    """Continuous batching with M-RoPE: a text-only row (no lag), rows whose images give other lags,
+    and a row that joins while another decodes; each row's log-probs are the trainer's."""
+    model, processor = qwen
+    engine = TorchEngine(model, processor, seed=5)
+    fmt = chat_format(processor, None)
+
+    def prompt(*images):
+        content = Observation("What colour?", list(images)) if images else "What colour?"
+        return fmt.prompt_with_images([{"role": "user", "content": content}])
+
+    def submit(ids_images, n, on_done=None):
+        ids, images = ids_images
+        return engine.submit(ids, SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=[]),
+                             on_done=on_done, images=PromptImages(images, [1] * len(ids)) if images else None)
+
+    joined: list = []
+
+    def join_another(_):
+        joined.append(engine.pending())  # the long row still decodes
+        joined.append(submit(prompt(square("green", (20, 60))), 6))
+
+    requests = [submit(prompt(square("red", (50, 40))), 2, join_another),
+                submit(prompt(square("blue", (64, 64)), square("red")), 16), submit(prompt(), 10)]
+    engine.serve()
+    assert joined[0] >= 1
+    requests.append(joined[1])
+    for request in requests:
+        done = request.result
+        assert done is not None and len(done.token_ids) == request.params.max_new_tokens
+        ids = torch.tensor([request.prompt + done.token_ids])
+        shown = request.images.images if request.images is not None else []
+        pixels = [{**image_inputs(processor.image_processor, shown),
+                   "forced": torch.tensor([True] * len(request.prompt))}] if shown else None
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, ids, torch.ones_like(ids), pixels=pixels)
+        torch.testing.assert_close(lp[0, len(request.prompt):], torch.tensor(done.logprobs), atol=1e-5, rtol=0)
