@@ -343,3 +343,28 @@ def test_rows_with_other_lags_decode_together_and_one_joins_a_running_batch(qwen
         with torch.no_grad():
             lp, _ = token_logprobs(model, ids, torch.ones_like(ids), pixels=pixels)
         torch.testing.assert_close(lp[0, len(request.prompt):], torch.tensor(done.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("options", [  # (about 3 s each)
+    ["model.lora.r=4", "model.critic_lora=lora", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,qkv]"],
+    ["train.autocast=bfloat16", "train.activation_checkpointing=true"]])
+def test_a_qwen2vl_trains_with_lora_or_bf16_autocast_and_activation_checkpointing(tmp_path, options):
+    """With LoRA only adapters train, the vision tower's too when its attention's `qkv` is named
+    (the default target modules match none of its layers); otherwise the vision tower trains."""
+    from test_vlm_run import _vlm_args, corpus
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    model, processor = build_tiny_qwen2vl(corpus(), seed=0)
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    run = build_run(load_config(None, _vlm_args(tmp_path / "model", tmp_path / "run", "train.steps=2", *options)))
+    before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
+    history, summary = train(run)
+    assert summary["ledger"]["trained"] == 2 * 6 and summary["ledger"]["failed"] == 0, summary["ledger"]
+    assert history[-1]["policy/loss"] != 0  # the actor trained at step 2
+    changed = {k for k, v in before.items() if not torch.equal(v, run.actor.model.state_dict()[k])}
+    assert any(".visual." in k or k.startswith("model.visual.") for k in changed), sorted(changed)[:5]
+    if "model.lora.r=4" in options:
+        assert all(".lora_" in k for k in changed), sorted(changed)[:5]
