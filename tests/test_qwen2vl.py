@@ -86,6 +86,25 @@ def test_the_tiny_qwen2vl_round_trips_through_a_folder_without_the_network(qwen,
         torch.testing.assert_close(model(**inputs).logits, loaded(**inputs).logits, rtol=0, atol=0)
 
 
+def test_a_qwen2vl_folder_in_the_older_layout_loads(qwen, tmp_path):
+    """Checkpoints made before transformers 5: the image processor in preprocessor_config.json,
+    the chat template in chat_template.json."""
+    model, processor = qwen
+    model.config.save_pretrained(tmp_path)
+    processor.image_processor.save_pretrained(tmp_path)
+    tokenizer = copy.deepcopy(processor.tokenizer)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": processor.tokenizer.chat_template}))
+    assert (tmp_path / "preprocessor_config.json").is_file() and not (tmp_path / "processor_config.json").is_file()
+    again = load_processor(tmp_path)
+    assert again.image_processor.to_dict() == processor.image_processor.to_dict()
+    assert again.tokenizer.chat_template == processor.tokenizer.chat_template
+    messages = [{"role": "user", "content": Observation("What colour?", [square("red", (50, 40))])}]
+    assert chat_format(ChatProcessor(again), None).prompt_with_images(messages)[0] == chat_format(
+        processor, None).prompt_with_images(messages)[0]
+
+
 def test_a_qwen2vl_folder_with_only_a_tokenizer_is_refused_with_the_fix(qwen, tmp_path):
     model, processor = qwen
     model.config.save_pretrained(tmp_path)
@@ -306,11 +325,13 @@ def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
     assert changed, "the vision tower did not train"
 
 
-def test_rows_with_other_lags_decode_together_and_one_joins_a_running_batch(qwen):
+@pytest.mark.parametrize("prefill_tokens", [4096, 24])
+def test_rows_with_other_lags_decode_together_and_one_joins_a_running_batch(qwen, prefill_tokens):
     """Continuous batching with M-RoPE: a text-only row (no lag), rows whose images give other lags,
-    and a row that joins while another decodes; each row's log-probs are the trainer's."""
+    and a row that joins while another decodes; each row's log-probs are the trainer's. With a
+    small prefill budget the joining rows are prefilled in groups, each in passes along its length."""
     model, processor = qwen
-    engine = TorchEngine(model, processor, seed=5)
+    engine = TorchEngine(model, processor, seed=5, prefill_tokens=prefill_tokens)
     fmt = chat_format(processor, None)
 
     def prompt(*images):
@@ -332,6 +353,7 @@ def test_rows_with_other_lags_decode_together_and_one_joins_a_running_batch(qwen
                 submit(prompt(square("blue", (64, 64)), square("red")), 16), submit(prompt(), 10)]
     engine.serve()
     assert joined[0] >= 1
+    assert (engine.stats["prefill_passes"] > 2) == (prefill_tokens < 4096)  # the first three rows, then the fourth
     requests.append(joined[1])
     for request in requests:
         done = request.result

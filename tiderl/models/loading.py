@@ -223,6 +223,9 @@ def _load_qwen2vl_processor(source: str) -> ImageQwen2VLProcessor:
                          "preprocessor_config.json): save the vision-language model's processor there with "
                          "processor.save_pretrained(path), not only its tokenizer")
     tokenizer = (PreTrainedTokenizerFast if _declares_generic_tokenizer(source) else AutoTokenizer).from_pretrained(source)
+    legacy = Path(source) / "chat_template.json"  # (where such checkpoints keep the processor's template)
+    if not tokenizer.chat_template and legacy.is_file():
+        tokenizer.chat_template = json.loads(legacy.read_text()).get("chat_template")
     return ImageQwen2VLProcessor(image_processor, tokenizer, chat_template=tokenizer.chat_template)
 
 
