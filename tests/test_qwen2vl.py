@@ -295,7 +295,7 @@ def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_wit
     assert float((_logprobs_at_token_indices(model, processor, t) - lp[0, :len(t.tokens)]).abs().max()) > 1e-3
 
 
-@pytest.mark.slow  # trains through the CLI (about 20 s on 2 shared cores)
+@pytest.mark.slow  # trains and evaluates through the CLI (about 30 s on 2 shared cores)
 def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
     from test_vlm_run import ColourEnv, corpus
     from tiderl.cli import main
@@ -323,6 +323,77 @@ def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
     changed = [k for k, v in trained.state_dict().items()
                if k.startswith("model.visual.") and not torch.equal(v, model.state_dict()[k])]
     assert changed, "the vision tower did not train"
+    results = tmp_path / "eval.json"  # `tiderl eval` evaluates the checkpoint
+    assert main(["eval", "--model", str(actor), "--json", str(results), "env.name=test_vlm_run:ColourEnv",
+                 "data.source=colours", "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=24",
+                 "log.progress=false"]) == 0
+    greedy = json.loads(results.read_text())["greedy"]
+    assert greedy["n"] == 6 and greedy["by_stop_reason"].get("error") is None
+
+
+@pytest.mark.slow  # two short runs and a resumed one (about 20 s on 2 shared cores)
+def test_a_qwen2vl_run_resumes_exactly_at_staleness_0(tmp_path):
+    """Resumed from step 1's checkpoint, steps 2-3 and the final weights equal the uninterrupted
+    run's bit for bit."""
+    import shutil
+
+    from support import TIMED
+    from test_vlm_run import _vlm_args, corpus
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    def rows(run_dir):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMED)}
+                for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    model, processor = build_tiny_qwen2vl(corpus(), seed=0)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    exact = ["train.steps=3", "train.checkpoint_every=1", "train.reproducible=true"]
+    a = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "a", *exact)))
+    train(a)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    b = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "b", *exact,
+                                              f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}")))
+    assert b.step == 1
+    train(b)
+    assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3]
+    assert rows(tmp_path / "a") == rows(tmp_path / "b")
+    assert any(r.get("policy/loss") for r in rows(tmp_path / "a")[1:])  # the actor trained in the compared steps
+    for k, v in a.actor.model.state_dict().items():
+        assert torch.equal(v, b.actor.model.state_dict()[k]), k
+    for k, v in a.critic.model.state_dict().items():
+        assert torch.equal(v, b.critic.model.state_dict()[k]), k
+
+
+@pytest.mark.slow  # trains a model (60 warm-start steps)
+def test_a_tiny_qwen2vl_learns_to_name_the_colour_it_is_shown(qwen):
+    """The images carry signal end to end with M-RoPE: after a short supervised warm start (the
+    answer is the colour of the square, the question the same every time), the torch engine's
+    greedy answer names the colour it is shown, for every colour."""
+    from tiderl.models.warmstart import supervised_finetune
+
+    model, processor = qwen
+    model = copy.deepcopy(model)
+    tok = processor.tokenizer
+    colours = ["red", "green", "blue"]
+    demos = []
+    for colour in colours:
+        (t,) = play_episodes(ScriptedEngine(tok, {"What colour": [f"answer: {colour}"]}), processor, SquaresEnv,
+                             [Task(colour, "q", None, {"colours": [colour]})], SamplingParams(max_new_tokens=20),
+                             max_turns=1, max_total_tokens=200)
+        assert t.reward == 1.0
+        demos.append(t)
+    losses = supervised_finetune(model, demos, 0, steps=60, batch_size=3, lr=3e-3, seed=0, log=lambda _: None,
+                                 image_processor=processor.image_processor)
+    assert losses[-1] < 0.1 * losses[0]
+    tasks = [Task(c, "q", None, {"colours": [c]}) for c in colours]
+    out = play_episodes(TorchEngine(model, processor, seed=0), processor, SquaresEnv, tasks,
+                        SamplingParams(temperature=0.0, max_new_tokens=12), max_turns=1, max_total_tokens=200)
+    assert [t.reward for t in out] == [1.0, 1.0, 1.0], [tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m])
+                                                          for t in out]
 
 
 @pytest.mark.parametrize("prefill_tokens", [4096, 24])
