@@ -210,8 +210,7 @@ def _load_qwen2vl_processor(source: str) -> ImageQwen2VLProcessor:
     and its chat template."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    # transformers 5 saves the image processor inside processor_config.json; checkpoints made
-    # before, in preprocessor_config.json.
+    # transformers 5 saves the image processor in processor_config.json, older checkpoints beside it.
     nested = Path(source) / "processor_config.json"
     nested = json.loads(nested.read_text()).get("image_processor") if nested.is_file() else None
     if nested is not None:

@@ -6,6 +6,7 @@ images to a vision-language model. docs/multimodal.md describes the whole path.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,7 @@ def split_processor(tokenizer_or_processor: Any) -> tuple[Any, Any | None]:
     return obj, None
 
 
-# The image processor outputs a model takes: Idefics3's per-image tensors (and their mask), or
-# Qwen2-VL's flattened patches with each image's (t, h, w) patch grid.
+# The image processor outputs a model takes (Idefics3's and Qwen2-VL's: `image_inputs`).
 _PIXEL_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
 
 
@@ -198,20 +198,21 @@ def mrope_positions(image_mask: list[bool], grids: list[list[int]], merge: int) 
     token's position. ValueError when the image tokens and the grids disagree."""
     out = torch.empty(3, len(image_mask), dtype=torch.long)
     start, i, images = 0, 0, iter(grids)
-    while i < len(image_mask):
-        if not image_mask[i]:
-            out[:, i] = start
-            start, i = start + 1, i + 1
-            continue
-        t, h, w = next(images, (0, 0, 0))
-        gh, gw = h // merge, w // merge
-        n = t * gh * gw
-        if n == 0 or i + n > len(image_mask) or not all(image_mask[i: i + n]):
-            raise ValueError(f"the image tokens at {i} do not match the images' grids {grids} (merge {merge}): "
-                             "the tokens and Trajectory.images disagree")
-        cell = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"))
-        out[:, i: i + n] = cell.reshape(3, n) + start
-        start, i = start + max(gh, gw), i + n
+    for is_image, run in itertools.groupby(image_mask):  # (runs, not tokens: a row is thousands long)
+        end = i + sum(1 for _ in run)
+        if not is_image:
+            out[:, i:end] = torch.arange(start, start + end - i)
+            start, i = start + end - i, end
+        while i < end:  # one image after another (a run may hold several)
+            t, h, w = next(images, (0, 0, 0))
+            gh, gw = h // merge, w // merge
+            n = t * gh * gw
+            if n == 0 or i + n > end:
+                raise ValueError(f"the image tokens at {i} do not match the images' grids {grids} (merge {merge}): "
+                                 "the tokens and Trajectory.images disagree")
+            cell = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"))
+            out[:, i: i + n] = cell.reshape(3, n) + start
+            start, i = start + max(gh, gw), i + n
     if next(images, None) is not None:
         raise ValueError(f"{len(grids)} images but fewer image token runs: the tokens and Trajectory.images disagree")
     return out, start
