@@ -461,3 +461,30 @@ def test_a_qwen2vl_trains_with_lora_or_bf16_autocast_and_activation_checkpointin
     assert any(".visual." in k or k.startswith("model.visual.") for k in changed), sorted(changed)[:5]
     if "model.lora.r=4" in options:
         assert all(".lora_" in k for k in changed), sorted(changed)[:5]
+
+
+def test_a_placeholder_token_the_model_sampled_is_text_for_positions_too(qwen):
+    """A sampled `<|image_pad|>` takes no image features and a text position (one more than the
+    last), for the trainer and for the engine alike: after it and the next image, the engine's
+    log-prob of its next token is the trainer's."""
+    model, processor = qwen
+    tok = processor.tokenizer
+    (t,) = play_episodes(ScriptedEngine(tok, {"What colour": [CALL + IMAGE_PAD, "answer: red blue"]}), processor,
+                         SquaresEnv, [Task("a", "q", None, {"colours": ["red", "blue"]})],
+                         SamplingParams(max_new_tokens=40), max_turns=3, max_total_tokens=400)
+    image_id = model.config.image_token_id
+    sampled_at = [i for i, (x, m) in enumerate(zip(t.tokens, t.loss_mask)) if x == image_id and m]
+    assert len(sampled_at) == 1 and len(t.images) == 2
+    pixels = {**image_inputs(processor.image_processor, t.images), "forced": torch.tensor([m == 0 for m in t.loss_mask])}
+    positions = rope_positions(model, torch.tensor([t.tokens]), [pixels])[:, 0]
+    k = sampled_at[0]
+    assert positions[:, k].tolist() == [int(positions[:, :k].max()) + 1] * 3
+    end = len(t.tokens) - 3
+    engine = TorchEngine(model, processor, seed=0)
+    (c,) = engine.generate([t.tokens[:end]], SamplingParams(temperature=0.0, max_new_tokens=1),
+                           images=[PromptImages(list(t.images), [1 - m for m in t.loss_mask[:end]])])
+    ids = torch.tensor([t.tokens[:end] + c.token_ids])
+    forced = {**pixels, "forced": torch.tensor([m == 0 for m in t.loss_mask[:end]] + [False])}
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, torch.ones_like(ids), pixels=[forced])
+    assert abs(float(lp[0, end]) - c.logprobs[0]) < 1e-5
