@@ -19,6 +19,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    Qwen2VLProcessor,
 )
 
 _DTYPES = {
@@ -190,13 +191,54 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+class ImageQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor for images only: the image processor and the tokenizer, no video
+    processor. transformers' own insists on its video processor, which needs torchvision;
+    tiderl shows images, never videos. It saves as a Qwen2VLProcessor (`processor_class`): the
+    name transformers' own class loads by where torchvision is installed."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                 **kwargs: Any):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "processor_class": "Qwen2VLProcessor"}
+
+
+def _load_qwen2vl_processor(source: str) -> ImageQwen2VLProcessor:
+    """A Qwen2-VL folder's processor without torchvision: its PIL image processor, its tokenizer
+    and its chat template."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    # transformers 5 saves the image processor in processor_config.json, older checkpoints beside it.
+    nested = Path(source) / "processor_config.json"
+    nested = json.loads(nested.read_text()).get("image_processor") if nested.is_file() else None
+    if nested is not None:
+        image_processor = Qwen2VLImageProcessorPil.from_dict(nested)
+    elif (Path(source) / "preprocessor_config.json").is_file():
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(source)
+    else:
+        raise ValueError(f"{source} holds no image processor (no processor_config.json with one, no "
+                         "preprocessor_config.json): save the vision-language model's processor there with "
+                         "processor.save_pretrained(path), not only its tokenizer")
+    tokenizer = (PreTrainedTokenizerFast if _declares_generic_tokenizer(source) else AutoTokenizer).from_pretrained(source)
+    legacy = Path(source) / "chat_template.json"  # (where such checkpoints keep the processor's template)
+    if not tokenizer.chat_template and legacy.is_file():
+        tokenizer.chat_template = json.loads(legacy.read_text()).get("chat_template")
+    return ImageQwen2VLProcessor(image_processor, tokenizer, chat_template=tokenizer.chat_template)
+
+
 def load_processor(path: str | Path) -> Any:
-    """The multi-modal processor saved in `path` (`processor.save_pretrained`).
+    """The multi-modal processor saved in `path` (`processor.save_pretrained`); for Qwen2-VL, an
+    `ImageQwen2VLProcessor` (no torchvision needed).
 
     `AutoProcessor` falls back to the bare tokenizer when the folder has no processor config (a
     model saved with only `tokenizer.save_pretrained`): that is refused here, with the fix, rather
     than found later as images that never reach the model.
     """
+    config = Path(path) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen2_vl":
+        return _load_qwen2vl_processor(str(path))
     processor = AutoProcessor.from_pretrained(str(path))
     if not (hasattr(processor, "image_processor") and hasattr(processor, "tokenizer")):
         raise ValueError(f"{path} holds no image processor (AutoProcessor gave a {type(processor).__name__}): save the "

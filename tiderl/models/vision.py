@@ -6,6 +6,7 @@ images to a vision-language model. docs/multimodal.md describes the whole path.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,12 +72,16 @@ def split_processor(tokenizer_or_processor: Any) -> tuple[Any, Any | None]:
     return obj, None
 
 
+# The image processor outputs a model takes (Idefics3's and Qwen2-VL's: `image_inputs`).
+_PIXEL_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
+
+
 def image_inputs(image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
     """The pixel inputs of `images` (PIL images, in placeholder order) as one sample of the model:
-    `pixel_values` `[1, N, C, H, W]` (and `pixel_attention_mask` `[1, N, H, W]` where the processor
-    makes one)."""
+    Idefics3's `pixel_values` `[1, N, C, H, W]` (and `pixel_attention_mask` `[1, N, H, W]`), or
+    Qwen2-VL's `pixel_values` `[patches, C * T * P * P]` and `image_grid_thw` `[N, 3]`."""
     out = image_processor(images=[list(images)], return_tensors="pt")
-    return {k: out[k] for k in ("pixel_values", "pixel_attention_mask") if k in out}
+    return {k: out[k] for k in _PIXEL_KEYS if k in out}
 
 
 def image_token_id(model: Any) -> int:
@@ -87,19 +92,37 @@ def image_token_id(model: Any) -> int:
         token = getattr(config, "image_token_index", None)
     if token is None:
         raise ValueError(f"{type(model).__name__} has no image_token_id in its config: it is not a vision-language "
-                         "model tiderl can feed images to (supported: Idefics3 / SmolVLM)")
+                         "model tiderl can feed images to (supported: Idefics3 / SmolVLM, Qwen2-VL)")
     return int(token)
 
 
 def image_features(model: Any, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
     """`[N * tokens_per_image, hidden]`: the features of one sample's images (`image_inputs`), vision
     tower then connector, in order, as the language model embeds them."""
-    inputs = {k: v.to(model.device) for k, v in pixels.items() if k in ("pixel_values", "pixel_attention_mask")}
+    inputs = {k: v.to(model.device) for k, v in pixels.items() if k in _PIXEL_KEYS}
     out = model.get_image_features(**inputs, return_dict=True)
     features = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
     return features.reshape(-1, features.shape[-1])
+
+
+def _unwrap(model: Any) -> Any:
+    """The model inside a DDP wrapper, which has only `forward`. Using the embeddings and the vision
+    tower before the wrapper's forward is sound: their gradients flow back through `inputs_embeds`,
+    and DDP averages every parameter's gradient wherever it was used."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _placeholders(ids: torch.Tensor, token: int, row_pixels: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[T]` bool: the positions of `ids` (one row) that take image features: its placeholder
+    tokens, only the forced ones where `row_pixels` has "forced" (padding beyond it is not)."""
+    where = ids == token
+    if "forced" in row_pixels:
+        forced = row_pixels["forced"][: ids.shape[0]].to(where.device, torch.bool)
+        where[len(forced):] = False
+        where[: len(forced)] &= forced
+    return where
 
 
 def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, torch.Tensor] | None] | None) -> torch.Tensor:
@@ -113,11 +136,7 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
     ValueError, naming the row, when a row's placeholder count is not its images' token count
     (an episode whose tokens and images disagree must not train on the wrong pixels).
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        # The wrapper has only `forward`; the embeddings and the vision tower are the wrapped
-        # model's. Using them before the wrapper's forward is sound: their gradients flow back
-        # through `inputs_embeds`, and DDP averages every parameter's gradient wherever it was used.
-        model = model.module
+    model = _unwrap(model)
     embeds = model.get_input_embeddings()(input_ids)
     if not pixels or all(p is None for p in pixels):
         return embeds
@@ -127,11 +146,7 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
         if row_pixels is None:  # no images: placeholder tokens (sampled ones) are text, as without pixel values
             rows.append(embeds[row])
             continue
-        where = input_ids[row] == token
-        if "forced" in row_pixels:  # (as long as the row's tokens: padding beyond them is not forced)
-            forced = row_pixels["forced"][: input_ids.shape[1]].to(where.device, torch.bool)
-            where[len(forced):] = False
-            where[: len(forced)] &= forced
+        where = _placeholders(input_ids[row], token, row_pixels)
         features = image_features(model, row_pixels).to(embeds.dtype)
         if int(where.sum()) != features.shape[0]:
             raise ValueError(f"row {row} has {int(where.sum())} image placeholder tokens but its image(s) give "
@@ -144,7 +159,86 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
 def model_inputs(model: Any, input_ids: torch.Tensor,
                  pixels: list[dict[str, torch.Tensor] | None] | None) -> dict[str, torch.Tensor]:
     """The token inputs of a forward pass: `input_ids` when no row has images (the text-only call
-    as it always was), else `inputs_embeds` from `embed_inputs`."""
+    as it always was), else `inputs_embeds` from `embed_inputs`, with the 3-D `position_ids` of
+    `rope_positions` for a model with M-RoPE (Qwen2-VL)."""
     if not pixels or all(p is None for p in pixels):
         return {"input_ids": input_ids}
-    return {"inputs_embeds": embed_inputs(model, input_ids, pixels)}
+    inputs = {"inputs_embeds": embed_inputs(model, input_ids, pixels)}
+    positions = rope_positions(model, input_ids, pixels)
+    if positions is not None:
+        inputs["position_ids"] = positions.to(input_ids.device)
+    return inputs
+
+
+# --- M-RoPE (Qwen2-VL): 3-D rotary positions -------------------------------------------------------
+# A text token's (temporal, height, width) position is one number, one more than the largest
+# before it; an image's tokens start from the next one, plus their grid cell's (t, h, w), and the
+# text after the image resumes at that start plus the grid's larger side: positions fall behind
+# token indices after each image, and the engine's decode steps add that lag.
+
+MROPE_MODEL_TYPES = ("qwen2_vl",)
+
+
+def uses_mrope(model: Any) -> bool:
+    """Whether `model` takes 3-D rotary positions for image tokens (Qwen2-VL). ValueError for a
+    model with M-RoPE of another kind (Qwen2.5-VL, ...): its positions are not computed here."""
+    config = _unwrap(model).config
+    if getattr(config, "model_type", None) in MROPE_MODEL_TYPES:
+        return True
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if "mrope_section" in (getattr(text, "rope_parameters", None) or {}):
+        raise ValueError(f"{config.model_type} uses 3-D rotary positions (M-RoPE) that tiderl does not compute: "
+                         f"supported with images: Idefics3 / SmolVLM, {', '.join(MROPE_MODEL_TYPES)}")
+    return False
+
+
+def mrope_positions(image_mask: list[bool], grids: list[list[int]], merge: int) -> tuple[torch.Tensor, int]:
+    """`[3, T]` M-RoPE positions of a sequence whose image tokens are at `image_mask` (each image
+    `t * (h / merge) * (w / merge)` of them, its grid `(t, h, w)` in `grids`), and the next text
+    token's position. ValueError when the image tokens and the grids disagree."""
+    out = torch.empty(3, len(image_mask), dtype=torch.long)
+    start, i, images = 0, 0, iter(grids)
+    for is_image, run in itertools.groupby(image_mask):  # (runs, not tokens: a row is thousands long)
+        end = i + sum(1 for _ in run)
+        if not is_image:
+            out[:, i:end] = torch.arange(start, start + end - i)
+            start, i = start + end - i, end
+        while i < end:  # one image after another (a run may hold several)
+            t, h, w = next(images, (0, 0, 0))
+            gh, gw = h // merge, w // merge
+            n = t * gh * gw
+            if n == 0 or i + n > end:
+                raise ValueError(f"the image tokens at {i} do not match the images' grids {grids} (merge {merge}): "
+                                 "the tokens and Trajectory.images disagree")
+            cell = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"))
+            out[:, i: i + n] = cell.reshape(3, n) + start
+            start, i = start + max(gh, gw), i + n
+    if next(images, None) is not None:
+        raise ValueError(f"{len(grids)} images but fewer image token runs: the tokens and Trajectory.images disagree")
+    return out, start
+
+
+def rope_positions(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, torch.Tensor] | None] | None,
+                   lag: list[int] | None = None) -> torch.Tensor | None:
+    """`[3, B, T]` position ids of `input_ids` with their images (`pixels`, as `embed_inputs`
+    takes them; a row without images is 0..T-1) for a model with M-RoPE, else None. `lag`, when
+    given, receives each row's next text position minus T (a decode step's position is its index
+    plus that)."""
+    if not uses_mrope(model):
+        return None
+    model = _unwrap(model)
+    merge, token, rows = int(model.config.vision_config.spatial_merge_size), image_token_id(model), []
+    for row in range(input_ids.shape[0]):
+        row_pixels = pixels[row] if pixels else None
+        if row_pixels is None:
+            positions, following = torch.arange(input_ids.shape[1]).expand(3, -1), input_ids.shape[1]
+        elif "image_grid_thw" not in row_pixels:
+            raise ValueError(f"row {row}'s pixel inputs have no image_grid_thw, which {type(model).__name__} needs "
+                             "for its positions: process the images with the model's own image processor")
+        else:
+            where = _placeholders(input_ids[row], token, row_pixels).tolist()
+            positions, following = mrope_positions(where, row_pixels["image_grid_thw"].tolist(), merge)
+        rows.append(positions)
+        if lag is not None:
+            lag.append(following - input_ids.shape[1])
+    return torch.stack(rows, dim=1)

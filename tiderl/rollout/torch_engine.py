@@ -17,7 +17,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.models.vision import PromptImages, embed_inputs, image_inputs, split_processor
+from tiderl.models.vision import PromptImages, embed_inputs, image_inputs, rope_positions, split_processor
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_uniform,
                                  token_decoder)
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
@@ -56,6 +56,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    rope_lag: int = 0  # M-RoPE (Qwen2-VL): a decode step's position is its index plus this (vision.rope_positions)
 
 
 @dataclass
@@ -320,10 +321,10 @@ class TorchEngine:
         # Every group's cache is at most as wide as its longest prompt.
         width = max(len(r.prompt) for r in joining)
         buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cache, logit_parts, versions, logit_versions, row = None, [], [], [], 0
+        cache, logit_parts, versions, logit_versions, lags, row = None, [], [], [], [], 0
         for g in groups:
             cache, logits, group_versions, logit_version = self._prefill(
-                [suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g], [joining[i] for i in g])
+                [suffixes[i] for i in g], [prefix[i] for i in g], [reuse[i] for i in g], [joining[i] for i in g], lags)
             logit_parts.append(logits)
             versions += group_versions
             logit_versions += [logit_version] * len(g)
@@ -348,8 +349,8 @@ class TorchEngine:
         # character or a stripped leading space at the window's start.
         rows = [
             _Row(r, list(r.prompt), v, frozenset(r.params.stop_token_ids),
-                 max((len(s.encode("utf-8")) for s in r.params.stop), default=0) + 2, logit_version)
-            for r, v, logit_version in zip(joining, versions, logit_versions)
+                 max((len(s.encode("utf-8")) for s in r.params.stop), default=0) + 2, logit_version, rope_lag=lag)
+            for r, v, logit_version, lag in zip(joining, versions, logit_versions, lags)
         ]
         self._merge(rows, cache, logits)
         self._joining = []
@@ -360,11 +361,13 @@ class TorchEngine:
         prefix: list[int],
         reuse: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None],
         requests: list[Request],
+        lags: list[int],
     ) -> tuple[Cache, torch.Tensor, list[int], int]:
         """Encode `suffixes` (after each row's kept prefix of `prefix[g]` tokens, `reuse[g]`):
         the rows' right-aligned cache, their next-token logits, each row's cache version (-1
-        when mixed) and the version of the weights that computed the logits. Passes of at most
-        `prefill_tokens` tokens (0: one pass) go along the columns, each continuing from the last."""
+        when mixed) and the version of the weights that computed the logits; each row's
+        `_Row.rope_lag` is appended to `lags`. Passes of at most `prefill_tokens` tokens (0: one
+        pass) go along the columns, each continuing from the last."""
         group, span, width = len(suffixes), max(len(s) for s in suffixes), max(prefix)
         # Identical prompts joining together (the completions of one group) are encoded once and
         # their rows of the cache copied; only when no row reuses a kept cache (all are whole prompts).
@@ -395,11 +398,16 @@ class TorchEngine:
         step = max(1, self.prefill_tokens // len(encode)) if self.prefill_tokens and self._plain else span
         input_ids, attention_mask, position_ids = (t.to(self.device) for t in (input_ids, attention_mask, position_ids))
         seen: set[int] = set()
-        embeds = self._embed(input_ids, requests, suffixes, prefix, seen) if with_images else None
+        embeds, rope = self._embed(input_ids, requests, suffixes, prefix, seen) if with_images else (None, {})
+        lags += [rope[g][1] if g in rope else 0 for g in range(len(suffixes))]
+        if rope:  # M-RoPE: 3-D positions, a row with images at its whole prompt's (vision.rope_positions)
+            position_ids = position_ids.expand(3, -1, -1).clone()
+            for g, (positions, _) in rope.items():
+                position_ids[:, g, span - len(suffixes[g]):] = positions[:, prefix[g]:]
         for start in range(0, span, step):
             stop = min(span, start + step)
             logits, cache, version = self._forward(input_ids[:, start:stop], attention_mask[:, :width + stop],
-                                                   position_ids[:, start:stop], cache,
+                                                   position_ids[..., start:stop], cache,
                                                    None if embeds is None else embeds[:, start:stop])
             seen.add(version)
             self.stats["prefill_passes"] += 1
@@ -420,10 +428,13 @@ class TorchEngine:
         return cache, logits, versions, version
 
     def _embed(self, input_ids: torch.Tensor, requests: list[Request], suffixes: list[list[int]], prefix: list[int],
-               seen: set[int]) -> torch.Tensor:
+               seen: set[int]) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, int]]]:
         """Input embeddings of a prefill (`input_ids`: the suffixes, right-aligned): the suffix part
         of each row's whole prompt embedded with all its images (`embed_inputs`: a placeholder run
-        cut by a reused prefix still gets its own features). Adds the weights' version to `seen`."""
+        cut by a reused prefix still gets its own features). Adds the weights' version to `seen`.
+        For a model with M-RoPE, also {row: (its whole prompt's [3, len] positions, its rope lag)}
+        for the rows with images."""
+        rope: dict[int, tuple[torch.Tensor, int]] = {}
         with self._lock:
             embeds = self.model.get_input_embeddings()(input_ids)
             for g, (request, suffix, p) in enumerate(zip(requests, suffixes, prefix)):
@@ -432,8 +443,12 @@ class TorchEngine:
                               "forced": torch.tensor(request.images.forced, dtype=torch.bool)}
                     whole = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
                     embeds[g, embeds.shape[1] - len(suffix):] = embed_inputs(self.model, whole, [pixels])[0, p:]
+                    lag: list[int] = []
+                    positions = rope_positions(self.model, whole, [pixels], lag)
+                    if positions is not None:
+                        rope[g] = (positions[:, 0].to(self.device), lag[0])
             seen.add(self.version)
-        return embeds
+        return embeds, rope
 
     def _take_kept(self, request: Request) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], int] | None:
         """The kept cache of `request`'s session cut to what the prompt shares with it (at least one
@@ -528,7 +543,8 @@ class TorchEngine:
                 version = self.version
             self._logits = logits.float()
         else:
-            self._logits, self._cache, version = self._forward(sampled[:, None], attend.long(), fed[:, None],
+            lag = torch.tensor([row.rope_lag for row in rows], device=self.device)
+            self._logits, self._cache, version = self._forward(sampled[:, None], attend.long(), (fed + lag)[:, None],
                                                                self._cache)
         self._width += 1
         self.stats["decode_steps"] += 1
