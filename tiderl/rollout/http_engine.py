@@ -10,11 +10,11 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import logging
 import math
 import shutil
 import threading
 import time
-import zlib
 from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,9 @@ from tiderl.rollout.weights import weights_checksum
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
+    from tiderl.rollout.launch import ServerLauncher
+
+logger = logging.getLogger(__name__)
 
 # The fixed probe: its text (the first PROBE_PROMPT_TOKENS of its tokens) and greedy continuation.
 PROBE_TEXT = "Probe: the quick brown fox jumps over the lazy dog, 0123456789 times."
@@ -39,6 +42,11 @@ PROBE_TEMPERATURE = 0.5
 
 class ServerError(RuntimeError):
     """A server could not be reached or answered with an error; the message says which and why."""
+
+
+class ServerLost(ServerError):
+    """The connection to a server failed (refused, reset, closed mid-answer): it is down, not
+    slow. Requests to a launched server that is lost are retried on the others."""
 
 
 class Handle:
@@ -70,7 +78,13 @@ class HttpEngine:
     engine takes `model` itself as the reference (a caller with no further use for it:
     evaluation). Construction checks every server (reachable, serving one model, the same
     weights, processed log-probs) and raises `ServerError` saying what is wrong. Call `close()`
-    when done (it ends the engine's thread).
+    when done (it ends the engine's thread and stops launched servers).
+
+    `launch=N` starts N servers serving `model` (`tiderl.rollout.launch`) instead of using
+    `urls`. Requests go to the least-loaded server that is up (an episode's turns stay on its
+    first server while it lives); when a launched server is lost, its requests are retried on
+    the others and it is restarted in the background, loaded with the current weights and
+    probed before it takes requests again (`events` records each loss and return).
     """
 
     def __init__(
@@ -90,16 +104,19 @@ class HttpEngine:
         probe_tolerance: float = 0.02,
         seed_requests: bool = False,
         copy_model: bool = True,
+        launch: int = 0,
+        server: str = "tiderl",
+        launch_timeout_s: float = 300.0,
+        server_executable: str = "",
     ) -> None:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
 
-        if not urls:
+        if not urls and not launch:
             raise ValueError("rollout.options.urls is empty: give the base URL of at least one server")
         if weight_sync not in ("vllm", "sglang", "none"):
             raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use vllm, sglang or none")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
-        self.urls = [u.rstrip("/") for u in urls]
         self.tokenizer = tokenizer
         self.seed = seed
         self.weight_sync = weight_sync
@@ -116,6 +133,18 @@ class HttpEngine:
         self._checksum = weights_checksum(self.reference.state_dict())
         self._serials = itertools.count()  # request counter: the per-request seeds
         self._round_robin = itertools.count()
+        self.launcher: ServerLauncher | None = None
+        self._folder: Path | None = None  # the weights the servers hold, as a folder they read
+        self.events: list[dict[str, Any]] = []  # servers lost, restarted, failed to come back
+        self.retried = 0  # requests retried on another server after theirs was lost
+        # Held by a weight update from the reload to the probe, and by a restarted server's
+        # catch-up: the reference model, `_folder` and the servers' weights change together.
+        self._sync_lock = threading.Lock()
+        if launch:
+            served_model = served_model or "tiderl"
+            urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model)
+        self.urls = [u.rstrip("/") for u in urls]
+        self._failover = bool(launch)  # lost servers are routed around (and restarted)
         # Figures of the last weight update and of the probes, for logs and tests.
         self.last_sync: dict[str, float] = {}
         self.last_probe_diff = math.nan
@@ -137,6 +166,10 @@ class HttpEngine:
             self._idle = asyncio.Event()  # set while no admitted request is in flight
             self._idle.set()
             self._in_flight = 0
+            self._load = [0] * len(self.urls)  # requests outstanding per server
+            self._down: set[int] = set()  # servers lost and not yet back
+            self._up_again = asyncio.Event()  # set when a lost server is back
+            self._affinity: dict[Hashable, int] = {}  # session -> its server
 
         self._run(setup())
         try:
@@ -160,8 +193,26 @@ class HttpEngine:
         return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
                    copy_model=copy_model, **options)
 
+    def _launch(self, tokenizer: Any, count: int, kind: str, timeout_s: float, executable: str,
+                served_model: str) -> list[str]:
+        """Write the policy (with its tokenizer) as the servers' model directory, start `count`
+        servers and wait for them; their URLs."""
+        from tiderl.models.loading import save_model_dir
+        from tiderl.rollout.launch import ServerLauncher
+
+        base = save_model_dir(self.reference, tokenizer, self.weights_dir / "base")
+        self._folder = base.resolve()
+        self.launcher = ServerLauncher(count, kind, base, self.weights_dir.parent / "servers", served_model,
+                                       timeout_s, executable)
+        seconds = self.launcher.start()
+        self.events.append({"event": "launched", "servers": count, "seconds": round(seconds, 3)})
+        logger.info("launched %d %s servers in %.1f s: %s", count, kind, seconds, self.launcher.urls)
+        return self.launcher.urls
+
     def close(self) -> None:
-        """Close the HTTP client and end the engine's thread (idempotent)."""
+        """Close the HTTP client, end the engine's thread and stop launched servers (idempotent)."""
+        if self.launcher is not None:
+            self.launcher.stop()
         if self._loop.is_closed():
             return
         if threading.current_thread() is self._thread:  # from a callback: nothing can be awaited here
@@ -234,16 +285,66 @@ class HttpEngine:
             self._done.wait_for(lambda: self._pending == 0)
 
     def end_session(self, session: Hashable) -> None:
-        """Nothing to free here: the server evicts its prefix cache by itself."""
+        """Forget the session's server (the server evicts its prefix cache by itself)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._affinity.pop, session, None)
 
     # ------------------------------------------------------------------ requests
 
-    def _url_for(self, session: Hashable | None) -> str:
-        if len(self.urls) == 1:
-            return self.urls[0]
-        if session is None:
-            return self.urls[next(self._round_robin) % len(self.urls)]
-        return self.urls[zlib.crc32(repr(session).encode("utf-8")) % len(self.urls)]
+    async def _server_for(self, session: Hashable | None) -> int:
+        """The server for a request: its session's while that one is up, else the least-loaded up
+        server (ties rotate). Waits for a lost server to come back when none is up."""
+        deadline = time.monotonic() + self.sync_timeout_s
+        while len(self._down) == len(self.urls):
+            if time.monotonic() > deadline:
+                raise ServerError(f"every server is down ({self.urls}) and none came back within "
+                                  f"rollout.options.sync_timeout_s={self.sync_timeout_s:g} s: see their logs")
+            self._up_again.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._up_again.wait(), max(0.01, deadline - time.monotonic()))
+        kept = self._affinity.get(session) if session is not None else None
+        if kept is not None and kept not in self._down:
+            return kept
+        turn, n = next(self._round_robin), len(self.urls)
+        index = min((i for i in range(n) if i not in self._down), key=lambda i: (self._load[i], (i - turn) % n))
+        if session is not None:
+            self._affinity[session] = index
+        return index
+
+    def _lost(self, index: int, error: BaseException) -> None:
+        """Route around server `index` from now on and bring it back in the background (on the
+        engine's loop; once per loss however many requests saw it)."""
+        if index in self._down:
+            return
+        self._down.add(index)
+        self.events.append({"event": "lost", "server": index, "url": self.urls[index], "reason": str(error)[:300]})
+        logger.warning("server %s lost (%s); %d of %d up", self.urls[index], error, len(self.urls) - len(self._down),
+                       len(self.urls))
+        if self.launcher is not None:
+            threading.Thread(target=self._bring_back, args=(index,), name=f"tiderl-restart-{index}",
+                             daemon=True).start()
+
+    def _bring_back(self, index: int) -> None:
+        """Restart launched server `index`, load the current weights, probe, then take requests."""
+        url = self.urls[index]
+        try:
+            assert self.launcher is not None
+            seconds = self.launcher.restart(index)
+            with self._sync_lock:
+                if self._folder.name != "base":  # it started from the first weights: catch up
+                    self._run(self._reload(url, self._folder), timeout=self.sync_timeout_s + 5)
+                self._check_probe(url, what=f"after its restart at version {self.version}", during_update=True)
+                self._run(self._back_up(index))
+            self.events.append({"event": "restarted", "server": index, "version": self.version,
+                                "seconds": round(seconds, 3), "probe_max_abs_diff": self.last_probe_diff})
+            logger.info("server %s is back at weights version %d after %.1f s", url, self.version, seconds)
+        except Exception as exc:  # noqa: BLE001 - it stays down; the others serve, the event says why
+            self.events.append({"event": "restart_failed", "server": index, "reason": str(exc)[:500]})
+            logger.error("restarting server %s failed: %s", url, exc)
+
+    async def _back_up(self, index: int) -> None:
+        self._down.discard(index)
+        self._up_again.set()
 
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
         """The JSON of one `/v1/completions` request (docs/engines.md, "Requests")."""
@@ -281,9 +382,23 @@ class HttpEngine:
             # length, so a turn's draw does not depend on the order requests reach the engine.
             seed = (self.seed * 1_000_003 + next(self._serials)) % 2**62 if params.seed is None \
                 else stream_seed(params.seed, len(prompt))
+            body = self.request_body(prompt, params, seed)
             async with self._slots:
-                data = await self._post(url or self._url_for(session), "/v1/completions",
-                                        self.request_body(prompt, params, seed))
+                if url is not None:  # a probe of this very server
+                    return self.parse_completion(await self._post(url, "/v1/completions", body), params, version)
+                while True:
+                    index = await self._server_for(session)
+                    self._load[index] += 1
+                    try:
+                        data = await self._post(self.urls[index], "/v1/completions", body)
+                        break
+                    except ServerLost as exc:
+                        if not self._failover:
+                            raise
+                        self._lost(index, exc)
+                        self.retried += 1  # the same request (and version) on another server
+                    finally:
+                        self._load[index] -= 1
             return self.parse_completion(data, params, version)
         finally:
             if not during_update:
@@ -341,6 +456,9 @@ class HttpEngine:
         except httpx.TimeoutException as exc:
             raise ServerError(f"{url}{path}: no answer within the timeout ({exc!r}); raise "
                               "rollout.options.timeout_s (or sync_timeout_s) or check the server") from exc
+        except httpx.TransportError as exc:
+            raise ServerLost(f"{url}{path}: cannot reach the server ({exc!r}); start it (docs/engines.md) "
+                             "or correct rollout.options.urls") from exc
         except httpx.HTTPError as exc:
             raise ServerError(f"{url}{path}: cannot reach the server ({exc!r}); start it (docs/engines.md) "
                               "or correct rollout.options.urls") from exc
@@ -378,24 +496,26 @@ class HttpEngine:
                                "cannot follow training; use weight_sync=vllm (or sglang) to train")
         check_update(self.reference.state_dict(), state_dict, version, self.version)
         t0 = time.perf_counter()
-        self._checksum = math.nan  # until the new weights pass the probe
-        self.reference.load_state_dict(state_dict, strict=True)
-        folder = self._write_weights(version)
-        t_write = time.perf_counter()
         self._run(self._close_and_drain(), timeout=self.sync_timeout_s + 5)
         try:
             t_drained = time.perf_counter()
-            self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
-            t_reloaded = time.perf_counter()
-            for url in self.urls:
-                self._check_probe(url, what=f"after loading version {version}", during_update=True)
-            self.version = version
-            self._checksum = weights_checksum(state_dict)
+            with self._sync_lock:  # a restarted server catches up before or after, not during
+                self._checksum = math.nan  # until the new weights pass the probe
+                self.reference.load_state_dict(state_dict, strict=True)
+                folder = self._write_weights(version)
+                t_write = time.perf_counter()
+                reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
+                t_reloaded = time.perf_counter()
+                for index in reloaded:
+                    self._probe_or_lose(index, version)
+                self.version = version
+                self._folder = folder
+                self._checksum = weights_checksum(state_dict)
+                self._remove_older(folder)
         finally:
             self._loop.call_soon_threadsafe(self._open.set)
-        self._remove_older(folder)
-        self.last_sync = {"write_s": t_write - t0, "drain_s": t_drained - t_write,
-                          "reload_s": t_reloaded - t_drained, "probe_s": time.perf_counter() - t_reloaded,
+        self.last_sync = {"drain_s": t_drained - t0, "write_s": t_write - t_drained,
+                          "reload_s": t_reloaded - t_write, "probe_s": time.perf_counter() - t_reloaded,
                           "total_s": time.perf_counter() - t0, "probe_max_abs_diff": self.last_probe_diff}
 
     def state_checksum(self) -> float:
@@ -449,8 +569,32 @@ class HttpEngine:
             raise ServerError(f"a weight update waited {self.sync_timeout_s} s for {self._in_flight} requests in "
                               "flight to finish: raise rollout.options.sync_timeout_s or lower max_new_tokens") from exc
 
-    async def _reload_all(self, folder: Path) -> None:
-        await asyncio.gather(*(self._reload(url, folder) for url in self.urls))
+    async def _reload_all(self, folder: Path) -> list[int]:
+        """Reload every server that is up; the indices of those that did. A launched server lost
+        meanwhile is left to its restart (which loads the newest weights); any other failure raises."""
+        up = [i for i in range(len(self.urls)) if i not in self._down]
+        results = await asyncio.gather(*(self._reload(self.urls[i], folder) for i in up), return_exceptions=True)
+        done = []
+        for index, result in zip(up, results):
+            if isinstance(result, ServerLost) and self._failover:
+                self._lost(index, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                done.append(index)
+        if not done:
+            raise ServerError(f"no server took weights {folder.name}: every server is down ({self.urls})")
+        return done
+
+    def _probe_or_lose(self, index: int, version: int) -> None:
+        """Probe server `index` after a reload (ServerError when it serves other weights); a
+        launched server lost meanwhile is routed around instead."""
+        try:
+            self._check_probe(self.urls[index], what=f"after loading version {version}", during_update=True)
+        except ServerLost as exc:
+            if not self._failover:
+                raise
+            self._loop.call_soon_threadsafe(self._lost, index, exc)
 
     async def _reload(self, url: str, folder: Path) -> None:
         """Make the server at `url` load the weights in `folder`."""
