@@ -49,6 +49,17 @@ class ServerLost(ServerError):
     slow. Requests to a launched server that is lost are retried on the others."""
 
 
+@dataclasses.dataclass
+class ServerView:
+    """What the owner of the servers tells an engine that only sends requests (`owner=False`, a
+    Ray rollout worker's): the weights version the servers hold, its checksum, the servers not
+    to use (lost, not yet back)."""
+
+    version: int
+    checksum: float
+    down: list[int]
+
+
 class Handle:
     """One submitted request (`HttpEngine.submit`). Setting `cancelled = True` (any thread)
     aborts its HTTP request (the server stops decoding it) and its `on_done` is not called."""
@@ -85,6 +96,10 @@ class HttpEngine:
     first server while it lives); when a launched server is lost, its requests are retried on
     the others and it is restarted in the background, loaded with the current weights and
     probed before it takes requests again (`events` records each loss and return).
+
+    `owner=False` makes an engine that only sends requests to servers another engine owns (the
+    Ray backend's workers; the driver's engine syncs the servers): no start-up probe, and
+    `update_weights` takes the owner's `ServerView` after `pause()` (docs/scale.md).
     """
 
     def __init__(
@@ -108,6 +123,7 @@ class HttpEngine:
         server: str = "tiderl",
         launch_timeout_s: float = 300.0,
         server_executable: str = "",
+        owner: bool = True,
     ) -> None:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
 
@@ -135,6 +151,7 @@ class HttpEngine:
         self._round_robin = itertools.count()
         self.launcher: ServerLauncher | None = None
         self._folder: Path | None = None  # the weights the servers hold, as a folder they read
+        self._closing = False
         self.events: list[dict[str, Any]] = []  # servers lost, restarted, failed to come back
         self.retried = 0  # requests retried on another server after theirs was lost
         # Held by a weight update from the reload to the probe, and by a restarted server's
@@ -144,7 +161,8 @@ class HttpEngine:
             served_model = served_model or "tiderl"
             urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model)
         self.urls = [u.rstrip("/") for u in urls]
-        self._failover = bool(launch)  # lost servers are routed around (and restarted)
+        self.owner = owner
+        self._failover = bool(launch) or not owner  # lost servers are routed around (and restarted)
         # Figures of the last weight update and of the probes, for logs and tests.
         self.last_sync: dict[str, float] = {}
         self.last_probe_diff = math.nan
@@ -174,9 +192,11 @@ class HttpEngine:
         self._run(setup())
         try:
             self.served_model = served_model or self._run(self._served_model())
-            for url in self.urls:
+            for url in self.urls if owner else ():
                 self._check_probe(url, what="at start-up")
                 self._check_processed_logprobs(url)
+            if self.launcher is not None:
+                self._watchdog = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
         except BaseException:
             self.close()
             raise
@@ -184,14 +204,17 @@ class HttpEngine:
     Options = HttpEngineOptions  # rollout.options with rollout.engine=http
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int,
-                    copy_model: bool = True) -> HttpEngine:
+    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int, copy_model: bool = True,
+                    owner: bool = True, urls: list[str] | None = None) -> HttpEngine:
         """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this): each
-        option is the keyword of the same name."""
+        option is the keyword of the same name. `owner=False` with the owner's `urls`: an engine
+        that only sends requests (it launches nothing)."""
         h = cfg.rollout.options
         options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights"}
+        if not owner:
+            options.update(urls=urls or h.urls, launch=0, served_model=h.served_model or ("tiderl" if h.launch else ""))
         return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
-                   copy_model=copy_model, **options)
+                   copy_model=copy_model and owner, owner=owner, **options)
 
     def _launch(self, tokenizer: Any, count: int, kind: str, timeout_s: float, executable: str,
                 served_model: str) -> list[str]:
@@ -211,6 +234,10 @@ class HttpEngine:
 
     def close(self) -> None:
         """Close the HTTP client, end the engine's thread and stop launched servers (idempotent)."""
+        self._closing = True  # a server stopped now is not lost: no restart
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
         if self.launcher is not None:
             self.launcher.stop()
         if self._loop.is_closed():
@@ -320,7 +347,7 @@ class HttpEngine:
         self.events.append({"event": "lost", "server": index, "url": self.urls[index], "reason": str(error)[:300]})
         logger.warning("server %s lost (%s); %d of %d up", self.urls[index], error, len(self.urls) - len(self._down),
                        len(self.urls))
-        if self.launcher is not None:
+        if self.launcher is not None and not self._closing:
             threading.Thread(target=self._bring_back, args=(index,), name=f"tiderl-restart-{index}",
                              daemon=True).start()
 
@@ -330,6 +357,9 @@ class HttpEngine:
         try:
             assert self.launcher is not None
             seconds = self.launcher.restart(index)
+            if self._closing:  # the engine closed meanwhile: no server outlives it
+                self.launcher.stop()
+                return
             with self._sync_lock:
                 if self._folder.name != "base":  # it started from the first weights: catch up
                     self._run(self._reload(url, self._folder), timeout=self.sync_timeout_s + 5)
@@ -341,6 +371,15 @@ class HttpEngine:
         except Exception as exc:  # noqa: BLE001 - it stays down; the others serve, the event says why
             self.events.append({"event": "restart_failed", "server": index, "reason": str(exc)[:500]})
             logger.error("restarting server %s failed: %s", url, exc)
+
+    async def _watch(self) -> None:
+        """Notice a launched server whose process exited, even with no request on it."""
+        assert self.launcher is not None
+        while True:
+            await asyncio.sleep(0.5)
+            for server in self.launcher.servers:
+                if server.index not in self._down and not server.alive():
+                    self._lost(server.index, ServerLost(f"{server.url}: its process exited (log: {server.log_path})"))
 
     async def _back_up(self, index: int) -> None:
         self._down.discard(index)
@@ -491,6 +530,8 @@ class HttpEngine:
         when a server fails to reload or the probe differs by more than `probe_tolerance`; the
         engine then reports a NaN checksum until an update succeeds.
         """
+        if not self.owner:
+            return self._follow(state_dict, version)
         if self.weight_sync == "none":
             raise RuntimeError("rollout.options.weight_sync=none: the server's weights are fixed, so the engine "
                                "cannot follow training; use weight_sync=vllm (or sglang) to train")
@@ -517,6 +558,33 @@ class HttpEngine:
         self.last_sync = {"drain_s": t_drained - t0, "write_s": t_write - t_drained,
                           "reload_s": t_reloaded - t_write, "probe_s": time.perf_counter() - t_reloaded,
                           "total_s": time.perf_counter() - t0, "probe_max_abs_diff": self.last_probe_diff}
+
+    def pause(self) -> None:
+        """Stop admitting requests and wait for those in flight (the owner reloads the servers
+        next; `update_weights` with its `ServerView` admits them again)."""
+        self._run(self._close_and_drain(), timeout=self.sync_timeout_s + 5)
+
+    def view(self) -> ServerView:
+        """The servers' state for the engines that only send requests (`owner=False`)."""
+        return ServerView(self.version, self._checksum, sorted(self._down))
+
+    def _follow(self, view: Any, version: int) -> None:
+        """owner=False: take the owner's `ServerView` of `version` and admit requests again."""
+        if not isinstance(view, ServerView) or view.version != version:
+            raise TypeError(f"an HTTP engine with owner=False takes the owner's ServerView of version {version}, "
+                            f"not {type(view).__name__}: the owner's engine reloads the servers")
+        if version < self.version:
+            raise ValueError(f"update_weights got version {version}, lower than the engine's current version "
+                             f"{self.version}: versions must not decrease")
+
+        async def adopt() -> None:
+            self._down = set(view.down)
+            self._affinity.clear()
+            self._up_again.set()
+            self.version, self._checksum = version, view.checksum
+            self._open.set()
+
+        self._run(adopt())
 
     def state_checksum(self) -> float:
         """`weights_checksum` of the last weights every server was verified to serve (NaN after a
