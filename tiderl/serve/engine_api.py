@@ -55,7 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path == "/reset_prefix_cache":
                 return self._answer(200, {"success": True})
         except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
-            return self._answer(400, {"error": {"message": f"{type(exc).__name__}: {exc}", "code": 400}})
+            return self._answer(400, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
         return self._answer(404, {"detail": f"no route POST {self.path}"})
 
 
