@@ -29,8 +29,8 @@ httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip in
 from support import greedy_reference, peaky_model
 from tiderl.config import ConfigError, load_config
 from tiderl.rollout.base import SamplingParams
-from tiderl.rollout.http_engine import HttpEngine
-from tiderl.rollout.launch import LaunchError, ServerLauncher, server_command, server_env
+from tiderl.rollout.http_engine import HttpEngine, ServerView
+from tiderl.rollout.launch import LaunchError, ServerLauncher, free_port, server_command, server_env
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.serve.engine_api import EngineServer
@@ -71,6 +71,37 @@ def test_the_engine_server_answers_what_the_http_engine_sends(model, tokenizer, 
                                                                    "kwargs": {"weights_path": str(tmp_path / "no")}})
         assert missing.status_code == 400 and "model.safetensors" in missing.text
     finally:
+        server.close()
+
+
+def test_an_engine_that_only_sends_requests_routes_around_a_lost_server_and_follows_its_owner(
+        model, tokenizer, prompts, tmp_path):
+    """A Ray worker's engine (owner=False): no probes, a server that refuses connections is routed
+    around (its requests retried on the other), requests wait while paused, and the owner's
+    ServerView sets the version the tokens carry."""
+    server = EngineServer(TorchEngine(model, tokenizer), "tiny").start()
+    client = HttpEngine(model, tokenizer, urls=[f"http://127.0.0.1:{free_port()}", server.url], served_model="tiny",
+                        weights_dir=tmp_path, owner=False, copy_model=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=6)
+        for prompt, completion in zip(prompts, client.generate(prompts, params)):
+            assert completion.token_ids == greedy_reference(model, prompt, 6) and completion.policy_version == [0] * 6
+        assert client.retried >= 1 and client._down == {0}
+        client.pause()  # the owner reloads the servers next: nothing is sent meanwhile
+        done: list = []
+        client.submit(prompts[0], params, on_done=done.append)
+        time.sleep(0.3)
+        assert done == [] and server.engine.version == 0
+        new = peaky_model(len(tokenizer), seed=1)
+        server.engine.update_weights(new.state_dict(), 1)  # what the owner's reload does
+        client.update_weights(ServerView(1, weights_checksum(new.state_dict()), [0]), 1)
+        client.serve()
+        assert done[0].policy_version == [1] * 6 and done[0].token_ids == greedy_reference(new, prompts[0], 6)
+        assert client.version == 1 and client.state_checksum() == weights_checksum(new.state_dict())
+        with pytest.raises(TypeError, match="takes the owner's ServerView of version 2"):
+            client.update_weights(new.state_dict(), 2)
+    finally:
+        client.close()
         server.close()
 
 
