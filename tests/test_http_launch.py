@@ -150,10 +150,16 @@ def test_launch_options_are_checked(tmp_path):
         load_config(None, ["rollout.engine=http", "rollout.options.launch=-1"])
 
 
-def _kill_when_busy(engine: HttpEngine, index: int, killed: threading.Event, deadline_s: float = 120.0) -> None:
+def test_serve_api_engine_needs_a_model(capsys):
+    from tiderl.cli import main
+
+    assert main(["serve", "--api", "engine"]) == 2
+    assert "serve --api engine needs --model DIR" in capsys.readouterr().err
+
+
+def _kill_when_busy(engine: HttpEngine, index: int, killed: threading.Event, done: threading.Event) -> None:
     """Kill launched server `index` once it holds a request (a server dying mid-run)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end and not killed.is_set():
+    while not done.is_set():
         if engine._load[index] > 0:
             engine.launcher.kill(index)
             killed.set()
@@ -187,11 +193,14 @@ def test_two_launched_servers_train_and_one_killed_mid_run_comes_back(cache, tmp
     engine = run.engine
     try:
         assert isinstance(engine, HttpEngine) and len(engine.urls) == 2 and engine.launcher is not None
-        killed = threading.Event()
-        killer = threading.Thread(target=_kill_when_busy, args=(engine, 0, killed), daemon=True)
+        killed, done = threading.Event(), threading.Event()
+        killer = threading.Thread(target=_kill_when_busy, args=(engine, 0, killed, done), daemon=True)
         killer.start()
-        history, summary = train(run)
-        killer.join()
+        try:
+            history, summary = train(run)
+        finally:
+            done.set()
+            killer.join()
         assert killed.is_set(), "test setup: server 0 never held a request"
         assert [h["policy_version"] for h in history] == [1, 2]
         ledger = summary["ledger"]

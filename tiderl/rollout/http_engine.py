@@ -377,7 +377,7 @@ class HttpEngine:
         assert self.launcher is not None
         while True:
             await asyncio.sleep(0.5)
-            for server in self.launcher.servers:
+            for server in [] if self.launcher.stopped else self.launcher.servers:
                 if server.index not in self._down and not server.alive():
                     self._lost(server.index, ServerLost(f"{server.url}: its process exited (log: {server.log_path})"))
 

@@ -90,6 +90,7 @@ class ServerLauncher:
         self.timeout_s, self.executable = timeout_s, executable
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers = [Server(i, free_port(), log_dir / f"server-{i}.log") for i in range(count)]
+        self.stopped = False  # set by stop(): no restart after it
         atexit.register(self.stop)
 
     @property
@@ -114,6 +115,8 @@ class ServerLauncher:
         """Stop server `index` (if it still runs) and start it again on its port; returns seconds
         until it answered `/health` (LaunchError when it does not)."""
         server = self.servers[index]
+        if self.stopped:
+            raise LaunchError(f"launched server {index} is not restarted: the servers were stopped")
         t0 = time.monotonic()
         self._kill(server)
         self._spawn(server)
@@ -175,6 +178,7 @@ class ServerLauncher:
 
     def stop(self) -> None:
         """Stop every server (idempotent)."""
+        self.stopped = True
         for server in self.servers:
             self._kill(server)
         atexit.unregister(self.stop)
