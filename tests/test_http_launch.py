@@ -217,6 +217,11 @@ def test_two_launched_servers_train_and_one_killed_mid_run_comes_back(cache, tmp
             engine._check_probe(url, what="after the run")
         assert engine.state_checksum() == weights_checksum(run.actor.model.state_dict())
         assert engine.launcher.servers[0].starts == 2 and engine.launcher.servers[1].starts == 1
+        sync = engine.last_sync
+        print(f"\n[launch] start {engine.events[0]['seconds']:.1f} s, restart {back['seconds']:.1f} s, last sync "
+              f"{sync['total_s'] * 1000:.0f} ms (write {sync['write_s'] * 1000:.0f}, reload {sync['reload_s'] * 1000:.0f}, "
+              f"probe {sync['probe_s'] * 1000:.0f}), {engine.retried} requests retried (load "
+              f"{os.getloadavg()[0]:.1f})", file=sys.stderr)
         processes = [s.process for s in engine.launcher.servers]
     finally:
         engine.close()
@@ -234,24 +239,40 @@ def ray_cluster():
 @pytest.mark.slow
 def test_the_http_engine_on_the_ray_backend_with_launched_servers(ray_cluster, cache, tmp_path):
     """Two Ray rollout workers send requests to two launched servers; the driver's engine drains
-    the workers, reloads each server once per version and probes it."""
+    the workers, reloads each server once per version and probes it. Server 0 is killed as the
+    workers start: their first requests (each worker's first goes to server 0) are retried on
+    server 1, the driver's engine restarts server 0 at the current weights, and the workers take
+    it back at the next sync."""
     from tiderl.recipe import train
     from tiderl.run import build_run
+    from tiderl.system.ray_backend import RayRollout
+
+    class KilledAtStart(RayRollout):
+        async def start(self) -> None:
+            await super().start()
+            self.servers.launcher.kill(0)
 
     run = build_run(load_config(CONFIG, SMALL_RUN + [f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}",
                                                      "system.backend=ray", "system.options.workers=2",
                                                      "system.max_staleness=1"]))
     engine = run.engine
     try:
-        history, summary = train(run)
+        history, summary = train(run, backend=KilledAtStart.from_run(run))
         assert [h["policy_version"] for h in history] == [1, 2]
         ledger = summary["ledger"]
         assert ledger["trained"] == 8 and ledger["failed"] == 0 and _balanced(ledger), ledger
         backend = summary["backend"]
         assert backend["servers"]["urls"] == engine.urls
-        assert sum(s["episodes"] for s in backend["worker_stats"]) >= 8  # the episodes ran in the workers
-        # One reload per version on each server (not one per worker): the server's version counts them.
-        assert [httpx.get(u + "/health").json()["version"] for u in engine.urls] == [2, 2]
+        stats = backend["worker_stats"]
+        assert sum(s["episodes"] for s in stats) >= 8  # the episodes ran in the workers
+        assert sum(s["requests_retried"] for s in stats) >= 1, stats  # on server 1, in the workers
+        assert [e["server"] for e in engine.events if e["event"] == "lost"] == [0], engine.events
+        back = _wait_for_event(engine, "restarted")
+        assert back["event"] == "restarted", back
+        # Server 1 was reloaded once per version, not once per worker (its version counts reloads).
+        assert httpx.get(engine.urls[1] + "/health").json()["version"] == 2
+        for url in engine.urls:  # both serve the trained weights
+            engine._check_probe(url, what="after the run")
         assert engine.version == 2 and engine.state_checksum() == weights_checksum(run.actor.model.state_dict())
     finally:
         engine.close()

@@ -240,6 +240,7 @@ class RolloutWorker:
             "cancelled": self.cancelled,
             "generated_tokens": self.generated_tokens,
             "cut_tokens": self.cut_tokens,
+            "requests_retried": getattr(self.engine, "retried", 0),  # the HTTP engine's, on another server
             "decode_batches": client.batches if client else 0,
             "decode_busy_s": round(client.busy_s, 3) if client else 0.0,
         }
