@@ -151,6 +151,7 @@ class HttpEngine:
         self._round_robin = itertools.count()
         self.launcher: ServerLauncher | None = None
         self._folder: Path | None = None  # the weights the servers hold, as a folder they read
+        self._reference_memo: dict[tuple[Any, ...], list[float]] = {}  # reference_logprobs' last answer
         self._closing = False
         self.events: list[dict[str, Any]] = []  # servers lost, restarted, failed to come back
         self.retried = 0  # requests retried on another server after theirs was lost
@@ -543,6 +544,7 @@ class HttpEngine:
             with self._sync_lock:  # a restarted server catches up before or after, not during
                 self._checksum = math.nan  # until the new weights pass the probe
                 self.reference.load_state_dict(state_dict, strict=True)
+                self._reference_memo = {}
                 folder = self._write_weights(version)
                 t_write = time.perf_counter()
                 reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
@@ -687,12 +689,17 @@ class HttpEngine:
 
     def reference_logprobs(self, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs of `tokens` after `prompt` under the reference model at `temperature` (one
-        full forward pass, no cache)."""
-        sequence = torch.tensor([prompt + tokens], device=self.device)
-        with torch.no_grad():
-            logits = self.reference(input_ids=sequence).logits[0, len(prompt) - 1: -1].float()
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        return logprobs.gather(-1, torch.tensor(tokens, device=self.device)[:, None]).squeeze(-1).tolist()
+        full forward pass, no cache; remembered until the reference changes, so N servers that
+        answer a probe alike cost one pass)."""
+        key = (tuple(prompt), tuple(tokens), temperature)
+        if key not in self._reference_memo:
+            sequence = torch.tensor([prompt + tokens], device=self.device)
+            with torch.no_grad():
+                logits = self.reference(input_ids=sequence).logits[0, len(prompt) - 1: -1].float()
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            self._reference_memo = {key: logprobs.gather(-1, torch.tensor(tokens, device=self.device)[:, None])
+                                    .squeeze(-1).tolist()}
+        return self._reference_memo[key]
 
     def _probe(self, url: str, params: SamplingParams, during_update: bool = False) -> tuple[Completion, list[float]]:
         prompt = self.probe_prompt()
