@@ -364,9 +364,10 @@ class HttpEngine:
             with self._sync_lock:
                 if self._folder.name != "base":  # it started from the first weights: catch up
                     self._run(self._reload(url, self._folder), timeout=self.sync_timeout_s + 5)
-                self._check_probe(url, what=f"after its restart at version {self.version}", during_update=True)
+                version = self.version
+                self._check_probe(url, what=f"after its restart at version {version}", during_update=True)
                 self._run(self._back_up(index))
-            self.events.append({"event": "restarted", "server": index, "version": self.version,
+            self.events.append({"event": "restarted", "server": index, "version": version,
                                 "seconds": round(seconds, 3), "probe_max_abs_diff": self.last_probe_diff})
             logger.info("server %s is back at weights version %d after %.1f s", url, self.version, seconds)
         except Exception as exc:  # noqa: BLE001 - it stays down; the others serve, the event says why

@@ -67,6 +67,9 @@ class HttpEngineOptions:
         for key in ("timeout_s", "sync_timeout_s", "probe_tolerance", "launch_timeout_s"):
             need(getattr(self, key) > 0, key, "must be > 0", "use the default")
         need(self.launch >= 0, "launch", "must be >= 0", "use 0 (servers at urls) or e.g. 2")
+        need(not self.launch or self.weight_sync != "sglang", "weight_sync",
+             "is sglang, but launch starts tiderl or vLLM servers, which reload through /collective_rpc",
+             "use weight_sync=vllm with launch")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         if self.launch:
