@@ -105,6 +105,35 @@ def test_an_engine_that_only_sends_requests_routes_around_a_lost_server_and_foll
         server.close()
 
 
+def test_requests_go_to_the_least_loaded_server_and_an_episode_stays_on_its_own(model, tokenizer, prompts, tmp_path):
+    from support import StubServer
+
+    servers = [StubServer(model, tokenizer) for _ in range(2)]
+    engine = HttpEngine(model, tokenizer, urls=[s.url for s in servers], weights_dir=tmp_path)
+    try:
+        for s in servers:
+            s.requests.clear()
+            s.delay_s = 0.3  # every request is outstanding while the next ones are routed
+        params = SamplingParams(temperature=0.0, max_new_tokens=2)
+        engine.generate(prompts[:4], params)
+        assert [len(s.requests) for s in servers] == [2, 2]  # least outstanding, not all on one
+        for s in servers:
+            s.requests.clear()
+            s.delay_s = 0.0
+        first = engine.submit(prompts[0], params, session="episode")  # an idle engine: server 0 or 1
+        engine.serve()
+        busy = next(i for i, s in enumerate(servers) if s.requests)
+        for _ in range(3):  # the episode's later turns, with the other server idle too
+            engine.submit(prompts[0], params, session="episode")
+            engine.serve()
+        assert len(servers[busy].requests) == 4 and not servers[1 - busy].requests
+        assert first.future.result().token_ids
+    finally:
+        engine.close()
+        for s in servers:
+            s.close()
+
+
 def test_the_commands_a_launch_runs(tmp_path):
     ours = server_command("tiderl", tmp_path, 8123, "tiderl")
     assert ours[:7] == [sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model"]
