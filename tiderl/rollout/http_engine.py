@@ -550,8 +550,7 @@ class HttpEngine:
                 t_write = time.perf_counter()
                 reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
                 t_reloaded = time.perf_counter()
-                for index in reloaded:
-                    self._probe_or_lose(index, version)
+                self._probe_all(reloaded, version)
                 self.version = version
                 self._folder = folder
                 self._checksum = weights_checksum(state_dict)
@@ -657,15 +656,23 @@ class HttpEngine:
             raise ServerError(f"no server took weights {folder.name}: every server is down ({self.urls})")
         return done
 
-    def _probe_or_lose(self, index: int, version: int) -> None:
-        """Probe server `index` after a reload (ServerError when it serves other weights); a
-        launched server lost meanwhile is routed around instead."""
-        try:
-            self._check_probe(self.urls[index], what=f"after loading version {version}", during_update=True)
-        except ServerLost as exc:
-            if not self._failover:
-                raise
-            self._loop.call_soon_threadsafe(self._lost, index, exc)
+    def _probe_all(self, indices: list[int], version: int) -> None:
+        """Probe the servers `indices` at once after loading `version` (ServerError when one serves
+        other weights); a launched server lost meanwhile is routed around instead."""
+        prompt, params = self.probe_prompt(), SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS)
+
+        async def ask_all() -> list[Any]:
+            return await asyncio.gather(*(self._complete(prompt, params, None, url=self.urls[i], during_update=True)
+                                          for i in indices), return_exceptions=True)
+
+        for index, answer in zip(indices, self._run(ask_all(), timeout=self.sync_timeout_s + 5)):
+            if isinstance(answer, ServerLost) and self._failover:
+                self._loop.call_soon_threadsafe(self._lost, index, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                self._compare_probe(self.urls[index], answer, self.reference_logprobs(prompt, answer.token_ids),
+                                    f"after loading version {version}")
 
     async def _reload(self, url: str, folder: Path) -> None:
         """Make the server at `url` load the weights in `folder`."""
@@ -713,6 +720,9 @@ class HttpEngine:
         """Raise ServerError unless the server's greedy probe log-probs match the reference's."""
         completion, expected = self._probe(url, SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS),
                                            during_update)
+        self._compare_probe(url, completion, expected, what)
+
+    def _compare_probe(self, url: str, completion: Completion, expected: list[float], what: str) -> None:
         diff = max(abs(a - b) for a, b in zip(completion.logprobs, expected))
         self.last_probe_diff = diff
         if not diff <= self.probe_tolerance:
