@@ -380,5 +380,6 @@ def test_config_builds_the_http_engine_and_rejects_its_keys_elsewhere(stub_serve
         load_config(None, ["rollout.engine=http", "rollout.options.urls=[localhost:8000]"])
     with pytest.raises(ConfigError, match="rollout.http.urls: moved to rollout.options.urls"):
         load_config(None, ["rollout.engine=http", f"rollout.http.urls=[{stub_server.url}]"])
-    with pytest.raises(ConfigError, match="use system.backend=local with rollout.engine=http"):
-        load_config(None, ["rollout.engine=http", "system.backend=ray"])
+    # On the Ray backend the driver's engine owns the servers and the workers only send requests
+    # (test_http_launch.py runs it).
+    assert load_config(None, ["rollout.engine=http", "system.backend=ray"]).system.backend == "ray"

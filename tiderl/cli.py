@@ -110,10 +110,18 @@ def _parser() -> argparse.ArgumentParser:
     from tiderl.lab.simulate_cli import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)
-    se = add("serve", "serve the model over an OpenAI-compatible API, recording sessions (docs/serve.md)")
+    se = add("serve", "serve the model over an OpenAI-compatible API, recording sessions (docs/serve.md); "
+             "--api engine: the torch engine behind the vLLM endpoints the HTTP engine uses (docs/engines.md)")
     se.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     se.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     se.add_argument("--record", metavar="FILE", help="append each finished session's trajectories to FILE (JSONL)")
+    se.add_argument("--api", choices=["agent", "engine"], default="agent",
+                    help="agent: chat completions with recorded sessions (default); engine: token-id completions, "
+                    "log-probs and weight reloads for rollout.engine=http (needs --model)")
+    se.add_argument("--model", help="--api engine: the model directory to serve")
+    se.add_argument("--served-model-name", default="tiderl", help="--api engine: the name /v1/models lists")
+    se.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--api engine: weights' dtype")
+    se.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)  # launched: exit with the run
     ex = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face model dir "
                         "(consolidates sharded checkpoints, merges LoRA adapters)")
     ex.add_argument("--checkpoint", required=True, help="a <run_dir>/checkpoints/step_N or final directory")
@@ -206,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return simulate(args)
     if args.command == "export":
         return cmd_export(args)
+    if args.command == "serve" and args.api == "engine":
+        return cmd_serve_engine(args)
     if args.command == "check-env":
         # argparse gives the trailing word to `env` ("check-env repo data.source=folder" would
         # read data.source=folder as the name): the environment is the one word without "=".
@@ -269,6 +279,18 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
     commands = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "warmstart": cmd_warmstart,
                 "pretrain-value": cmd_pretrain_value, "models": cmd_models}
     return commands[args.command](cfg, args)
+
+
+def cmd_serve_engine(args: argparse.Namespace) -> int:
+    """`tiderl serve --api engine --model DIR`: the engine server (no run config is read)."""
+    if not args.model:
+        print("tiderl: serve --api engine needs --model DIR (a Hugging Face model directory)", file=sys.stderr)
+        return 2
+    from tiderl.serve.engine_api import serve_engine
+
+    serve_engine(args.model, args.host, args.port, args.served_model_name, dtype=args.dtype,
+                 parent_pid=args.parent_pid)
+    return 0
 
 
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:

@@ -554,9 +554,6 @@ def validate(cfg: RunConfig) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
-    need(r.engine != "http" or sysc.backend != "ray", "rollout.engine",
-         "http drains and reloads its servers from one process, and Ray workers would each reload them",
-         "use system.backend=local with rollout.engine=http")
     need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
     need(cfg.eval.every >= 0 and cfg.eval.n >= 0, "eval.every/eval.n", "must be >= 0", "use 0 (off / all tasks)")
     need(not cfg.eval.every or cfg.eval.greedy or cfg.eval.sampled or cfg.eval.pass_k > 1, "eval.every",

@@ -10,11 +10,11 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import logging
 import math
 import shutil
 import threading
 import time
-import zlib
 from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,9 @@ from tiderl.rollout.weights import weights_checksum
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
+    from tiderl.rollout.launch import ServerLauncher
+
+logger = logging.getLogger(__name__)
 
 # The fixed probe: its text (the first PROBE_PROMPT_TOKENS of its tokens) and greedy continuation.
 PROBE_TEXT = "Probe: the quick brown fox jumps over the lazy dog, 0123456789 times."
@@ -39,6 +42,22 @@ PROBE_TEMPERATURE = 0.5
 
 class ServerError(RuntimeError):
     """A server could not be reached or answered with an error; the message says which and why."""
+
+
+class ServerLost(ServerError):
+    """The connection to a server failed (refused, reset, closed mid-answer): it is down, not
+    slow. Requests to a launched server that is lost are retried on the others."""
+
+
+@dataclasses.dataclass
+class ServerView:
+    """What the owner of the servers tells an engine that only sends requests (`owner=False`, a
+    Ray rollout worker's): the weights version the servers hold, its checksum, the servers not
+    to use (lost, not yet back)."""
+
+    version: int
+    checksum: float
+    down: list[int]
 
 
 class Handle:
@@ -70,7 +89,17 @@ class HttpEngine:
     engine takes `model` itself as the reference (a caller with no further use for it:
     evaluation). Construction checks every server (reachable, serving one model, the same
     weights, processed log-probs) and raises `ServerError` saying what is wrong. Call `close()`
-    when done (it ends the engine's thread).
+    when done (it ends the engine's thread and stops launched servers).
+
+    `launch=N` starts N servers serving `model` (`tiderl.rollout.launch`) instead of using
+    `urls`. Requests go to the least-loaded server that is up (an episode's turns stay on its
+    first server while it lives); when a launched server is lost, its requests are retried on
+    the others and it is restarted in the background, loaded with the current weights and
+    probed before it takes requests again (`events` records each loss and return).
+
+    `owner=False` makes an engine that only sends requests to servers another engine owns (the
+    Ray backend's workers; the driver's engine syncs the servers): no start-up probe, and
+    `update_weights` takes the owner's `ServerView` after `pause()` (docs/scale.md).
     """
 
     def __init__(
@@ -90,16 +119,20 @@ class HttpEngine:
         probe_tolerance: float = 0.02,
         seed_requests: bool = False,
         copy_model: bool = True,
+        launch: int = 0,
+        server: str = "tiderl",
+        launch_timeout_s: float = 300.0,
+        server_executable: str = "",
+        owner: bool = True,
     ) -> None:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
 
-        if not urls:
+        if not urls and not launch:
             raise ValueError("rollout.options.urls is empty: give the base URL of at least one server")
         if weight_sync not in ("vllm", "sglang", "none"):
             raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use vllm, sglang or none")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
-        self.urls = [u.rstrip("/") for u in urls]
         self.tokenizer = tokenizer
         self.seed = seed
         self.weight_sync = weight_sync
@@ -116,6 +149,21 @@ class HttpEngine:
         self._checksum = weights_checksum(self.reference.state_dict())
         self._serials = itertools.count()  # request counter: the per-request seeds
         self._round_robin = itertools.count()
+        self.launcher: ServerLauncher | None = None
+        self._folder: Path | None = None  # the weights the servers hold, as a folder they read
+        self._reference_memo: dict[tuple[Any, ...], list[float]] = {}  # reference_logprobs' last answer
+        self._closing = False
+        self.events: list[dict[str, Any]] = []  # servers lost, restarted, failed to come back
+        self.retried = 0  # requests retried on another server after theirs was lost
+        # Held by a weight update from the reload to the probe, and by a restarted server's
+        # catch-up: the reference model, `_folder` and the servers' weights change together.
+        self._sync_lock = threading.Lock()
+        if launch:
+            served_model = served_model or "tiderl"
+            urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model)
+        self.urls = [u.rstrip("/") for u in urls]
+        self.owner = owner
+        self._failover = bool(launch) or not owner  # lost servers are routed around (and restarted)
         # Figures of the last weight update and of the probes, for logs and tests.
         self.last_sync: dict[str, float] = {}
         self.last_probe_diff = math.nan
@@ -137,13 +185,19 @@ class HttpEngine:
             self._idle = asyncio.Event()  # set while no admitted request is in flight
             self._idle.set()
             self._in_flight = 0
+            self._load = [0] * len(self.urls)  # requests outstanding per server
+            self._down: set[int] = set()  # servers lost and not yet back
+            self._up_again = asyncio.Event()  # set when a lost server is back
+            self._affinity: dict[Hashable, int] = {}  # session -> its server
 
         self._run(setup())
         try:
             self.served_model = served_model or self._run(self._served_model())
-            for url in self.urls:
+            for url in self.urls if owner else ():
                 self._check_probe(url, what="at start-up")
                 self._check_processed_logprobs(url)
+            if self.launcher is not None:
+                self._watchdog = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
         except BaseException:
             self.close()
             raise
@@ -151,17 +205,42 @@ class HttpEngine:
     Options = HttpEngineOptions  # rollout.options with rollout.engine=http
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int,
-                    copy_model: bool = True) -> HttpEngine:
+    def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int, copy_model: bool = True,
+                    owner: bool = True, urls: list[str] | None = None) -> HttpEngine:
         """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this): each
-        option is the keyword of the same name."""
+        option is the keyword of the same name. `owner=False` with the owner's `urls`: an engine
+        that only sends requests (it launches nothing)."""
         h = cfg.rollout.options
         options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights"}
+        if not owner:
+            options.update(urls=urls or h.urls, launch=0, served_model=h.served_model or ("tiderl" if h.launch else ""))
         return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
-                   copy_model=copy_model, **options)
+                   copy_model=copy_model and owner, owner=owner, **options)
+
+    def _launch(self, tokenizer: Any, count: int, kind: str, timeout_s: float, executable: str,
+                served_model: str) -> list[str]:
+        """Write the policy (with its tokenizer) as the servers' model directory, start `count`
+        servers and wait for them; their URLs."""
+        from tiderl.models.loading import save_model_dir
+        from tiderl.rollout.launch import ServerLauncher
+
+        base = save_model_dir(self.reference, tokenizer, self.weights_dir / "base")
+        self._folder = base.resolve()
+        self.launcher = ServerLauncher(count, kind, base, self.weights_dir.parent / "servers", served_model,
+                                       timeout_s, executable)
+        seconds = self.launcher.start()
+        self.events.append({"event": "launched", "servers": count, "seconds": round(seconds, 3)})
+        logger.info("launched %d %s servers in %.1f s: %s", count, kind, seconds, self.launcher.urls)
+        return self.launcher.urls
 
     def close(self) -> None:
-        """Close the HTTP client and end the engine's thread (idempotent)."""
+        """Close the HTTP client, end the engine's thread and stop launched servers (idempotent)."""
+        self._closing = True  # a server stopped now is not lost: no restart
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+        if self.launcher is not None:
+            self.launcher.stop()
         if self._loop.is_closed():
             return
         if threading.current_thread() is self._thread:  # from a callback: nothing can be awaited here
@@ -234,16 +313,79 @@ class HttpEngine:
             self._done.wait_for(lambda: self._pending == 0)
 
     def end_session(self, session: Hashable) -> None:
-        """Nothing to free here: the server evicts its prefix cache by itself."""
+        """Forget the session's server (the server evicts its prefix cache by itself)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._affinity.pop, session, None)
 
     # ------------------------------------------------------------------ requests
 
-    def _url_for(self, session: Hashable | None) -> str:
-        if len(self.urls) == 1:
-            return self.urls[0]
-        if session is None:
-            return self.urls[next(self._round_robin) % len(self.urls)]
-        return self.urls[zlib.crc32(repr(session).encode("utf-8")) % len(self.urls)]
+    async def _server_for(self, session: Hashable | None) -> int:
+        """The server for a request: its session's while that one is up, else the least-loaded up
+        server (ties rotate). Waits for a lost server to come back when none is up."""
+        deadline = time.monotonic() + self.sync_timeout_s
+        while len(self._down) == len(self.urls):
+            if time.monotonic() > deadline:
+                raise ServerError(f"every server is down ({self.urls}) and none came back within "
+                                  f"rollout.options.sync_timeout_s={self.sync_timeout_s:g} s: see their logs")
+            self._up_again.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._up_again.wait(), max(0.01, deadline - time.monotonic()))
+        kept = self._affinity.get(session) if session is not None else None
+        if kept is not None and kept not in self._down:
+            return kept
+        turn, n = next(self._round_robin), len(self.urls)
+        index = min((i for i in range(n) if i not in self._down), key=lambda i: (self._load[i], (i - turn) % n))
+        if session is not None:
+            self._affinity[session] = index
+        return index
+
+    def _lost(self, index: int, error: BaseException) -> None:
+        """Route around server `index` from now on and bring it back in the background (on the
+        engine's loop; once per loss however many requests saw it)."""
+        if index in self._down:
+            return
+        self._down.add(index)
+        self.events.append({"event": "lost", "server": index, "url": self.urls[index], "reason": str(error)[:300]})
+        logger.warning("server %s lost (%s); %d of %d up", self.urls[index], error, len(self.urls) - len(self._down),
+                       len(self.urls))
+        if self.launcher is not None and not self._closing:
+            threading.Thread(target=self._bring_back, args=(index,), name=f"tiderl-restart-{index}",
+                             daemon=True).start()
+
+    def _bring_back(self, index: int) -> None:
+        """Restart launched server `index`, load the current weights, probe, then take requests."""
+        url = self.urls[index]
+        try:
+            assert self.launcher is not None
+            seconds = self.launcher.restart(index)
+            if self._closing:  # the engine closed meanwhile: no server outlives it
+                self.launcher.stop()
+                return
+            with self._sync_lock:
+                if self._folder.name != "base":  # it started from the first weights: catch up
+                    self._run(self._reload(url, self._folder), timeout=self.sync_timeout_s + 5)
+                version = self.version
+                self._check_probe(url, what=f"after its restart at version {version}", during_update=True)
+                self._run(self._back_up(index))
+            self.events.append({"event": "restarted", "server": index, "version": version,
+                                "seconds": round(seconds, 3), "probe_max_abs_diff": self.last_probe_diff})
+            logger.info("server %s is back at weights version %d after %.1f s", url, self.version, seconds)
+        except Exception as exc:  # noqa: BLE001 - it stays down; the others serve, the event says why
+            self.events.append({"event": "restart_failed", "server": index, "reason": str(exc)[:500]})
+            logger.error("restarting server %s failed: %s", url, exc)
+
+    async def _watch(self) -> None:
+        """Notice a launched server whose process exited, even with no request on it."""
+        assert self.launcher is not None
+        while True:
+            await asyncio.sleep(0.5)
+            for server in [] if self.launcher.stopped else self.launcher.servers:
+                if server.index not in self._down and not server.alive():
+                    self._lost(server.index, ServerLost(f"{server.url}: its process exited (log: {server.log_path})"))
+
+    async def _back_up(self, index: int) -> None:
+        self._down.discard(index)
+        self._up_again.set()
 
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
         """The JSON of one `/v1/completions` request (docs/engines.md, "Requests")."""
@@ -281,9 +423,23 @@ class HttpEngine:
             # length, so a turn's draw does not depend on the order requests reach the engine.
             seed = (self.seed * 1_000_003 + next(self._serials)) % 2**62 if params.seed is None \
                 else stream_seed(params.seed, len(prompt))
+            body = self.request_body(prompt, params, seed)
             async with self._slots:
-                data = await self._post(url or self._url_for(session), "/v1/completions",
-                                        self.request_body(prompt, params, seed))
+                if url is not None:  # a probe of this very server
+                    return self.parse_completion(await self._post(url, "/v1/completions", body), params, version)
+                while True:
+                    index = await self._server_for(session)
+                    self._load[index] += 1
+                    try:
+                        data = await self._post(self.urls[index], "/v1/completions", body)
+                        break
+                    except ServerLost as exc:
+                        if not self._failover:
+                            raise
+                        self._lost(index, exc)
+                        self.retried += 1  # the same request (and version) on another server
+                    finally:
+                        self._load[index] -= 1
             return self.parse_completion(data, params, version)
         finally:
             if not during_update:
@@ -341,6 +497,9 @@ class HttpEngine:
         except httpx.TimeoutException as exc:
             raise ServerError(f"{url}{path}: no answer within the timeout ({exc!r}); raise "
                               "rollout.options.timeout_s (or sync_timeout_s) or check the server") from exc
+        except httpx.TransportError as exc:
+            raise ServerLost(f"{url}{path}: cannot reach the server ({exc!r}); start it (docs/engines.md) "
+                             "or correct rollout.options.urls") from exc
         except httpx.HTTPError as exc:
             raise ServerError(f"{url}{path}: cannot reach the server ({exc!r}); start it (docs/engines.md) "
                               "or correct rollout.options.urls") from exc
@@ -373,30 +532,61 @@ class HttpEngine:
         when a server fails to reload or the probe differs by more than `probe_tolerance`; the
         engine then reports a NaN checksum until an update succeeds.
         """
+        if not self.owner:
+            return self._follow(state_dict, version)
         if self.weight_sync == "none":
             raise RuntimeError("rollout.options.weight_sync=none: the server's weights are fixed, so the engine "
                                "cannot follow training; use weight_sync=vllm (or sglang) to train")
         check_update(self.reference.state_dict(), state_dict, version, self.version)
         t0 = time.perf_counter()
-        self._checksum = math.nan  # until the new weights pass the probe
-        self.reference.load_state_dict(state_dict, strict=True)
-        folder = self._write_weights(version)
-        t_write = time.perf_counter()
         self._run(self._close_and_drain(), timeout=self.sync_timeout_s + 5)
         try:
             t_drained = time.perf_counter()
-            self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
-            t_reloaded = time.perf_counter()
-            for url in self.urls:
-                self._check_probe(url, what=f"after loading version {version}", during_update=True)
-            self.version = version
-            self._checksum = weights_checksum(state_dict)
+            with self._sync_lock:  # a restarted server catches up before or after, not during
+                self._checksum = math.nan  # until the new weights pass the probe
+                self.reference.load_state_dict(state_dict, strict=True)
+                self._reference_memo = {}
+                folder = self._write_weights(version)
+                t_write = time.perf_counter()
+                reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
+                t_reloaded = time.perf_counter()
+                self._probe_all(reloaded, version)
+                self.version = version
+                self._folder = folder
+                self._checksum = weights_checksum(state_dict)
+                self._remove_older(folder)
         finally:
             self._loop.call_soon_threadsafe(self._open.set)
-        self._remove_older(folder)
-        self.last_sync = {"write_s": t_write - t0, "drain_s": t_drained - t_write,
-                          "reload_s": t_reloaded - t_drained, "probe_s": time.perf_counter() - t_reloaded,
+        self.last_sync = {"drain_s": t_drained - t0, "write_s": t_write - t_drained,
+                          "reload_s": t_reloaded - t_write, "probe_s": time.perf_counter() - t_reloaded,
                           "total_s": time.perf_counter() - t0, "probe_max_abs_diff": self.last_probe_diff}
+
+    def pause(self) -> None:
+        """Stop admitting requests and wait for those in flight (the owner reloads the servers
+        next; `update_weights` with its `ServerView` admits them again)."""
+        self._run(self._close_and_drain(), timeout=self.sync_timeout_s + 5)
+
+    def view(self) -> ServerView:
+        """The servers' state for the engines that only send requests (`owner=False`)."""
+        return ServerView(self.version, self._checksum, sorted(self._down))
+
+    def _follow(self, view: Any, version: int) -> None:
+        """owner=False: take the owner's `ServerView` of `version` and admit requests again."""
+        if not isinstance(view, ServerView) or view.version != version:
+            raise TypeError(f"an HTTP engine with owner=False takes the owner's ServerView of version {version}, "
+                            f"not {type(view).__name__}: the owner's engine reloads the servers")
+        if version < self.version:
+            raise ValueError(f"update_weights got version {version}, lower than the engine's current version "
+                             f"{self.version}: versions must not decrease")
+
+        async def adopt() -> None:
+            self._down = set(view.down)
+            self._affinity.clear()
+            self._up_again.set()
+            self.version, self._checksum = version, view.checksum
+            self._open.set()
+
+        self._run(adopt())
 
     def state_checksum(self) -> float:
         """`weights_checksum` of the last weights every server was verified to serve (NaN after a
@@ -449,8 +639,40 @@ class HttpEngine:
             raise ServerError(f"a weight update waited {self.sync_timeout_s} s for {self._in_flight} requests in "
                               "flight to finish: raise rollout.options.sync_timeout_s or lower max_new_tokens") from exc
 
-    async def _reload_all(self, folder: Path) -> None:
-        await asyncio.gather(*(self._reload(url, folder) for url in self.urls))
+    async def _reload_all(self, folder: Path) -> list[int]:
+        """Reload every server that is up; the indices of those that did. A launched server lost
+        meanwhile is left to its restart (which loads the newest weights); any other failure raises."""
+        up = [i for i in range(len(self.urls)) if i not in self._down]
+        results = await asyncio.gather(*(self._reload(self.urls[i], folder) for i in up), return_exceptions=True)
+        done = []
+        for index, result in zip(up, results):
+            if isinstance(result, ServerLost) and self._failover:
+                self._lost(index, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                done.append(index)
+        if not done:
+            raise ServerError(f"no server took weights {folder.name}: every server is down ({self.urls})")
+        return done
+
+    def _probe_all(self, indices: list[int], version: int) -> None:
+        """Probe the servers `indices` at once after loading `version` (ServerError when one serves
+        other weights); a launched server lost meanwhile is routed around instead."""
+        prompt, params = self.probe_prompt(), SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS)
+
+        async def ask_all() -> list[Any]:
+            return await asyncio.gather(*(self._complete(prompt, params, None, url=self.urls[i], during_update=True)
+                                          for i in indices), return_exceptions=True)
+
+        for index, answer in zip(indices, self._run(ask_all(), timeout=self.sync_timeout_s + 5)):
+            if isinstance(answer, ServerLost) and self._failover:
+                self._loop.call_soon_threadsafe(self._lost, index, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                self._compare_probe(self.urls[index], answer, self.reference_logprobs(prompt, answer.token_ids),
+                                    f"after loading version {version}")
 
     async def _reload(self, url: str, folder: Path) -> None:
         """Make the server at `url` load the weights in `folder`."""
@@ -475,12 +697,17 @@ class HttpEngine:
 
     def reference_logprobs(self, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs of `tokens` after `prompt` under the reference model at `temperature` (one
-        full forward pass, no cache)."""
-        sequence = torch.tensor([prompt + tokens], device=self.device)
-        with torch.no_grad():
-            logits = self.reference(input_ids=sequence).logits[0, len(prompt) - 1: -1].float()
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        return logprobs.gather(-1, torch.tensor(tokens, device=self.device)[:, None]).squeeze(-1).tolist()
+        full forward pass, no cache; remembered until the reference changes, so N servers that
+        answer a probe alike cost one pass)."""
+        key = (tuple(prompt), tuple(tokens), temperature)
+        if key not in self._reference_memo:
+            sequence = torch.tensor([prompt + tokens], device=self.device)
+            with torch.no_grad():
+                logits = self.reference(input_ids=sequence).logits[0, len(prompt) - 1: -1].float()
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            self._reference_memo = {key: logprobs.gather(-1, torch.tensor(tokens, device=self.device)[:, None])
+                                    .squeeze(-1).tolist()}
+        return self._reference_memo[key]
 
     def _probe(self, url: str, params: SamplingParams, during_update: bool = False) -> tuple[Completion, list[float]]:
         prompt = self.probe_prompt()
@@ -493,6 +720,9 @@ class HttpEngine:
         """Raise ServerError unless the server's greedy probe log-probs match the reference's."""
         completion, expected = self._probe(url, SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS),
                                            during_update)
+        self._compare_probe(url, completion, expected, what)
+
+    def _compare_probe(self, url: str, completion: Completion, expected: list[float], what: str) -> None:
         diff = max(abs(a - b) for a, b in zip(completion.logprobs, expected))
         self.last_probe_diff = diff
         if not diff <= self.probe_tolerance:

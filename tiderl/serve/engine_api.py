@@ -1,0 +1,150 @@
+"""`tiderl serve --api engine`: a model served by the torch engine behind the vLLM endpoints the
+HTTP engine uses (docs/engines.md, "The engine server"), so that `rollout.engine=http` runs, and
+`rollout.options.launch` starts servers, on a machine without vLLM.
+
+Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` (token-id prompts, per-token
+log-probs, token ids back), `POST /collective_rpc` with method `reload_weights` (a folder with
+`model.safetensors` holding every key of the model), `POST /reset_prefix_cache`. The standard
+library's threading HTTP server: one thread per request, and the torch engine batches the
+requests that wait together (one thread decodes for all of them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from tiderl.rollout.base import SamplingParams
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: the HTTP engine reuses its connections
+
+    def log_message(self, *args: Any) -> None:  # one line per request would drown the log
+        pass
+
+    def _answer(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        server: EngineServer = self.server.owner  # type: ignore[attr-defined]
+        if self.path == "/health":
+            return self._answer(200, {"status": "ok", "version": server.engine.version})
+        if self.path == "/v1/models":
+            return self._answer(200, {"object": "list", "data": [{"id": server.served_model, "object": "model"}]})
+        return self._answer(404, {"detail": f"no route GET {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        server: EngineServer = self.server.owner  # type: ignore[attr-defined]
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            if self.path == "/v1/completions":
+                return self._answer(200, server.complete(body))
+            if self.path == "/collective_rpc":
+                return self._answer(200, server.collective_rpc(body))
+            if self.path == "/reset_prefix_cache":
+                return self._answer(200, {"success": True})
+        except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
+            return self._answer(400, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
+        return self._answer(404, {"detail": f"no route POST {self.path}"})
+
+
+class EngineServer:
+    """`engine` (a TorchEngine) behind the vLLM endpoints, on `host:port` (0 = a free port).
+    `start()` serves on a thread, `serve_forever()` on this one; `close()` stops it. `reloads`
+    counts the weight loads (each one bumps the engine's version by one)."""
+
+    def __init__(self, engine: Any, served_model: str = "tiderl", host: str = "127.0.0.1", port: int = 0):
+        self.engine = engine
+        self.served_model = served_model
+        self.reloads = 0
+        self.httpd = ThreadingHTTPServer((host, port), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.owner = self  # type: ignore[attr-defined]
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self._thread: threading.Thread | None = None
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The `/v1/completions` answer for `body` (ValueError for what this server does not take)."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a list of token ids (this server takes token ids, not text)")
+        if body.get("model", self.served_model) != self.served_model:
+            raise ValueError(f"model {body.get('model')!r} is not served here; this server serves {self.served_model!r}")
+        params = SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                                max_new_tokens=int(body.get("max_tokens", 16)), stop=list(body.get("stop") or []),
+                                stop_token_ids=list(body.get("stop_token_ids") or []), seed=body.get("seed"))
+        (completion,) = self.engine.generate([prompt], params)
+        choice = {"index": 0, "text": completion.text, "token_ids": completion.token_ids,
+                  "logprobs": {"token_logprobs": completion.logprobs,
+                               "tokens": [f"token_id:{t}" for t in completion.token_ids]},
+                  "finish_reason": completion.finish_reason}
+        return {"object": "text_completion", "model": self.served_model, "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids)}}
+
+    def collective_rpc(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`reload_weights` from `kwargs.weights_path` (the only method this server runs)."""
+        from safetensors.torch import load_file
+
+        if body.get("method") != "reload_weights":
+            raise ValueError(f"collective_rpc method {body.get('method')!r}: this server runs reload_weights only")
+        file = Path(body["kwargs"]["weights_path"]) / "model.safetensors"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} does not exist (reload_weights needs a folder with model.safetensors)")
+        self.engine.update_weights(load_file(str(file)), self.engine.version + 1)
+        self.reloads += 1
+        return {"results": [None]}
+
+    def start(self) -> EngineServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="tiderl-engine-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process when `parent` is gone (a launched server must not outlive its run, even
+    one killed without a chance to stop it)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def serve_engine(model_dir: str, host: str = "127.0.0.1", port: int = 8000, served_model: str = "tiderl",
+                 tokenizer_dir: str = "", dtype: str = "float32", device: str = "cpu", seed: int = 0,
+                 parent_pid: int = 0) -> None:
+    """Load `model_dir` (and its tokenizer, or `tokenizer_dir`'s) into a TorchEngine and serve it
+    until interrupted (`tiderl serve --api engine`)."""
+    from tiderl.models.loading import load_model, load_tokenizer
+    from tiderl.rollout.torch_engine import TorchEngine
+
+    model = load_model(model_dir, dtype, device)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    server = EngineServer(TorchEngine(model, tokenizer, device=device, seed=seed, copy_model=False), served_model, host, port)
+    if parent_pid:
+        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    print(f"tiderl engine server: {model_dir} as {served_model!r} at {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
