@@ -20,11 +20,12 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) -m tiderl.cli demo --config configs/kg_sao_tiny.yaml --run-dir $(RUN_DIR)
 
-# The suite CI runs: every test but the learning test (about 11 minutes on 2 free cores; README).
+# The suite CI runs: every test but the knowledge-graph learning test (README); the fast learning
+# test (tests/test_learning_fast.py) is in it.
 test: setup
 	$(PY) -m pytest -q -m "not learning" tests
 
-# The learning test (tests/test_learning.py): 60 SAO steps must raise held-out success by more than
+# The knowledge-graph learning test (tests/test_learning.py): 60 SAO steps must raise held-out success by more than
 # 3 standard errors; 6-7 minutes on 2 free cores once its model is cached, 10+ when it builds it.
 test-learning: setup
 	$(PY) -m pytest -q -s -m learning tests
