@@ -587,3 +587,57 @@ def give_own_behaviour_logprobs(model, trajectories, image_processor=None) -> No
         lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
     for row, t in enumerate(trajectories):
         t.behavior_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : len(t.tokens)], t.loss_mask)]
+
+
+# -- the learning tests (test_learning, test_learning_fast) ------------------------------------
+
+
+def learning_cache(request, tmp_path: Path, name: str) -> Path:
+    """A model cache that outlives the test: pytest's cache folder `name` (so a CI that keeps
+    `.pytest_cache` builds the model once), or a tmp folder when the cache plugin is off."""
+    cache = getattr(request.config, "cache", None)
+    return cache.mkdir(name) if cache is not None else tmp_path / "cache"
+
+
+def assert_training_learns(config: str, cache_dir: Path, run_dir: Path, split_key: str, min_gain_se: float) -> None:
+    """Build `config`'s run (its embedded model into `cache_dir`), evaluate it greedily on the held-out
+    tasks, train, evaluate again, and assert the greedy success rose by more than `min_gain_se`
+    standard errors of the difference (sqrt(se_before² + se_after²)). `split_key` names the task meta
+    field that the split keeps apart: no held-out task shares its value with a training task. A start
+    at 0 or 1 (standard error 0) is refused, as a gain measured from it would say little. The times of
+    the build, the evaluations and the training are printed (`-s`), not asserted."""
+    import math
+
+    from tiderl.config import load_config
+    from tiderl.evaluate import evaluate
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    t0 = time.perf_counter()
+    cfg = load_config(config, [f"model.cache_dir={cache_dir}", f"run_dir={run_dir}"])
+    run = build_run(cfg)
+    built = time.perf_counter()
+    held_out = run.setup.eval_tasks
+    assert len(held_out) == cfg.data.eval_size
+    assert not {t.meta[split_key] for t in run.setup.train_tasks} & {t.meta[split_key] for t in held_out}
+
+    def greedy() -> dict:
+        return evaluate(run.engine, run.tokenizer, run.make_env, held_out, cfg.env, cfg.rollout, greedy=True)
+
+    before = greedy()
+    assert 0.0 < before["success"] < 1.0, before
+    t_train = time.perf_counter()
+    history, _ = train(run)
+    t_after = time.perf_counter()
+    after = greedy()
+    end = time.perf_counter()
+    assert len(history) == cfg.train.steps
+
+    se = math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2)
+    gain = after["success"] - before["success"]
+    print(f"\nheld-out greedy success (n={after['n']}): {before['success']:.3f} ± {before['stderr']:.3f} -> "
+          f"{after['success']:.3f} ± {after['stderr']:.3f}, gain {gain:+.3f} = {gain / se:.1f} SE; "
+          f"build {built - t0:.0f} s, eval {t_train - built + end - t_after:.0f} s, train {t_after - t_train:.0f} s, "
+          f"total {end - t0:.0f} s")
+    assert gain > min_gain_se * se, (f"held-out success {before['success']:.3f} -> {after['success']:.3f}: a gain of "
+                                     f"{gain:+.3f}, not above {min_gain_se} standard errors ({min_gain_se * se:.3f})")

@@ -16,56 +16,12 @@ seed 7) is part of the test. The times are printed (`-s`), not asserted.
 
 from __future__ import annotations
 
-import math
-import time
-
 import pytest
-
-from tiderl.config import load_config
-from tiderl.evaluate import evaluate
-from tiderl.recipe import train
-from tiderl.run import build_run
+from support import assert_training_learns, learning_cache
 
 pytestmark = pytest.mark.slow
 
-CONFIG = "configs/ci_learning_fast.yaml"
-# The gain must exceed this many standard errors of the difference of the two success rates.
-MIN_GAIN_SE = 3.0
 
-
-@pytest.fixture
-def cache_dir(request, tmp_path):
-    cache = getattr(request.config, "cache", None)
-    return cache.mkdir("tiderl_learning_fast") if cache is not None else tmp_path / "cache"
-
-
-def test_forty_sao_steps_raise_held_out_place_value_success_by_more_than_3_standard_errors(cache_dir, tmp_path):
-    t0 = time.perf_counter()
-    cfg = load_config(CONFIG, [f"model.cache_dir={cache_dir}", f"run_dir={tmp_path / 'run'}"])
-    run = build_run(cfg)
-    built = time.perf_counter()
-    held_out = run.setup.eval_tasks
-    assert len(held_out) == cfg.data.eval_size
-    assert not {t.meta["number"] for t in run.setup.train_tasks} & {t.meta["number"] for t in held_out}
-
-    def greedy() -> dict:
-        return evaluate(run.engine, run.tokenizer, run.make_env, held_out, cfg.env, cfg.rollout, greedy=True)
-
-    before = greedy()
-    # A gain measured from a floor (no success at all, standard error 0) would say little.
-    assert 0.0 < before["success"] < 1.0, before
-    t_train = time.perf_counter()
-    history, _ = train(run)
-    t_after = time.perf_counter()
-    after = greedy()
-    end = time.perf_counter()
-    assert len(history) == cfg.train.steps
-
-    se = math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2)
-    gain = after["success"] - before["success"]
-    print(f"\nheld-out greedy success (n={after['n']}): {before['success']:.3f} ± {before['stderr']:.3f} -> "
-          f"{after['success']:.3f} ± {after['stderr']:.3f}, gain {gain:+.3f} = {gain / se:.1f} SE; "
-          f"build {built - t0:.0f} s, eval {t_train - built + end - t_after:.0f} s, train {t_after - t_train:.0f} s, "
-          f"total {end - t0:.0f} s")
-    assert gain > MIN_GAIN_SE * se, (f"held-out success {before['success']:.3f} -> {after['success']:.3f}: a gain of "
-                                     f"{gain:+.3f}, not above {MIN_GAIN_SE} standard errors ({MIN_GAIN_SE * se:.3f})")
+def test_forty_sao_steps_raise_held_out_place_value_success_by_more_than_3_standard_errors(request, tmp_path):
+    assert_training_learns("configs/ci_learning_fast.yaml", learning_cache(request, tmp_path, "tiderl_learning_fast"),
+                           tmp_path / "run", split_key="number", min_gain_se=3.0)
