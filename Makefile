@@ -21,9 +21,10 @@ demo: setup
 	$(PY) -m tiderl.cli demo --config configs/kg_sao_tiny.yaml --run-dir $(RUN_DIR)
 
 # The suite CI runs: every test but the knowledge-graph learning test (README); the fast learning
-# test (tests/test_learning_fast.py) is in it.
+# test (tests/test_learning_fast.py) is in it. The 25 slowest tests are listed at the end, so a
+# run's log shows where the suite's time goes.
 test: setup
-	$(PY) -m pytest -q -m "not learning" tests
+	$(PY) -m pytest -q -m "not learning" --durations=25 tests
 
 # The knowledge-graph learning test (tests/test_learning.py): 60 SAO steps must raise held-out success by more than
 # 3 standard errors; 6-7 minutes on 2 free cores once its model is cached, 10+ when it builds it.
