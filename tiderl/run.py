@@ -41,7 +41,7 @@ from tiderl.system.buffer import ReadyBuffer
 from tiderl.system.cores import RunThreads
 from tiderl.system.ledger import LedgerLog, cut_back
 from tiderl.system.pool import PoolSettings, RolloutBackend, RolloutPool
-from tiderl.train.annotate import CriticSnapshot, Preparation, RefLogprobs
+from tiderl.train.annotate import CriticSnapshot, ImagePixels, Preparation, RefLogprobs
 from tiderl.train.checkpoint import MARKER, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from tiderl.train.critic import ValueModel, freeze_matching
 from tiderl.train.forward import logprob_temperature
@@ -221,11 +221,11 @@ def check_writable(run_dir: Path) -> None:
 
 
 def preparations_for(run: Run) -> list[Preparation]:
-    """What a trajectory needs before it trains, for the run's algorithm: critic values (from a
-    snapshot of the critic) when it has a critic, reference log-probs when it has a KL term."""
+    """What a trajectory needs before it trains: its images' pixel inputs for a vision-language
+    model, critic values (from a snapshot of the critic) with a critic, reference log-probs with KL."""
     cfg, pad = run.cfg, run.tokenizer.pad_token_id
     images = getattr(run.tokenizer, "image_processor", None)  # a vision-language model's (docs/multimodal.md)
-    out: list[Preparation] = []
+    out: list[Preparation] = [] if images is None else [ImagePixels(images)]  # first: the others reuse its pixels
     if run.critic is not None:
         out.append(CriticSnapshot(run.critic.model, pad, cfg.train.micro_batch_tokens, cfg.model.device,
                                   image_processor=images))

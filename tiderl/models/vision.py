@@ -7,6 +7,7 @@ images to a vision-language model. docs/multimodal.md describes the whole path.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,36 @@ _PIXEL_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
 def image_inputs(image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
     """The pixel inputs of `images` (PIL images, in placeholder order) as one sample of the model:
     Idefics3's `pixel_values` `[1, N, C, H, W]` (and `pixel_attention_mask` `[1, N, H, W]`), or
-    Qwen2-VL's `pixel_values` `[patches, C * T * P * P]` and `image_grid_thw` `[N, 3]`."""
+    Qwen2-VL's `pixel_values` `[patches, C * T * P * P]` and `image_grid_thw` `[N, 3]`. Those
+    `prepare_image_inputs` computed for the same processor and images are returned as they are
+    (the same tensors: not to be changed in place)."""
+    cached = _prepared(image_processor, images)
+    if cached is not None:
+        return cached
     out = image_processor(images=[list(images)], return_tensors="pt")
     return {k: out[k] for k in _PIXEL_KEYS if k in out}
+
+
+# Pixel inputs computed ahead (`tiderl.train.annotate.ImagePixels`), keyed by the ids of the processor
+# and the images (an episode's images never change once it ends; hashing pixels costs what processing
+# does); weak references check that each id still names its object; an entry goes with its last image.
+_PREPARED: dict[tuple[int, ...], tuple[list[Any], dict[str, torch.Tensor]]] = {}
+
+
+def prepare_image_inputs(image_processor: Any, images: list[Any]) -> None:
+    """Compute `image_inputs(image_processor, images)` now: later calls with the same (identical)
+    processor and images return it without processing the images again, while the images live."""
+    if images and _prepared(image_processor, images) is None:
+        key, pixels = (id(image_processor), *map(id, images)), image_inputs(image_processor, images)
+        _PREPARED[key] = ([weakref.ref(obj) for obj in (image_processor, *images)], pixels)
+        weakref.finalize(images[-1], _PREPARED.pop, key, None)
+
+
+def _prepared(image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor] | None:
+    entry = _PREPARED.get((id(image_processor), *map(id, images)))
+    if entry is None or not all(ref() is obj for ref, obj in zip(entry[0], (image_processor, *images))):
+        return None
+    return entry[1]
 
 
 def image_token_id(model: Any) -> int:

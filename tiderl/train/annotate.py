@@ -1,6 +1,7 @@
 """Preparations: per-token passes that make a finished trajectory ready to train, computed ahead
 of the step by the asynchronous buffer (`tiderl.system.buffer.ReadyBuffer`), overlapped with
-training: critic values from a snapshot of the critic, and reference log-probs.
+training: the pixel inputs of an episode's images (`ImagePixels`), critic values from a snapshot
+of the critic, and reference log-probs.
 
 A preparation is a callable that annotates a list of trajectories in place
 (`Trajectory.annotations[key]`, one float per token). One that holds a copy of trained weights
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tiderl.models.vision import prepare_image_inputs
 from tiderl.train.batching import collate, micro_batch_indices, slice_batch
 from tiderl.train.forward import token_logprobs, token_values
 from tiderl.types import Trajectory
@@ -40,6 +42,20 @@ def annotate_per_token(trajectories: list[Trajectory], key: str, forward: Callab
             trajectories[row].annotations[key] = out[i, : lengths[row]].tolist()
         if after is not None:
             after(rows)
+
+
+class ImagePixels:
+    """The image stage: the image processor runs once per finished trajectory, ahead of the step;
+    the critic and reference preparations and the trainer's forward reuse its pixel inputs
+    (`models.vision.prepare_image_inputs`). Not the vision tower's pass: it trains, and the critic
+    snapshot and the reference have towers of their own (docs/multimodal.md)."""
+
+    def __init__(self, image_processor: Any):
+        self.image_processor = image_processor
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        for t in trajectories:
+            prepare_image_inputs(self.image_processor, t.images)
 
 
 class CriticSnapshot:
