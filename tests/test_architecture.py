@@ -234,7 +234,8 @@ PACKAGE_LINE_BUDGETS = {
     # issue 29: cut 49 lines: module docstrings that repeated docs/ (curiosity.md, rewards.md, algorithms.md)
     # +437: issue 30: servers the run launches (launch.py), least-loaded routing, a lost server's requests
     # retried and the server restarted at the current weights, the owner/sender split for Ray (http_engine.py)
-    "rollout": 2900,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
+    # +70: issue 30: LoRA with the HTTP engine (the adapters merged into the weights the servers reload)
+    "rollout": 2970,  # +85: the batching client passes images on, the torch engine prefills them (issue 31)
     # +16: the torch engine's M-RoPE positions in prefill and decode (issue 31: Qwen2-VL)
     # issue 29: cut 80 lines: module docstrings that repeated docs/engines.md point to it, kept_sessions to tests
     # +147: issue 30: `tiderl serve --api engine`, the torch engine behind the vLLM endpoints (engine_api.py)
@@ -269,8 +270,8 @@ PACKAGE_LINE_BUDGETS = {
 # Issue 35's cut tokens on the Ray and agent backends 19 (15,647). Issue 31's Qwen2-VL (its processor
 # without torchvision, M-RoPE positions in the trainer and the torch engine) 152 (15,799). Issue 30's
 # launched inference servers (the engine server, launch, failover and restart, the HTTP engine on Ray)
-# added 670 (16,470).
-CORE_LINE_BUDGET = 16_475
+# added 670 (16,470). Issue 30's LoRA with the HTTP engine (the merged weights its servers reload) 68 (16,540).
+CORE_LINE_BUDGET = 16_545
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

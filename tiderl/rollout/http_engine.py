@@ -153,7 +153,7 @@ class HttpEngine:
         self.reference = owned.to(self.device).eval().requires_grad_(False)
         self._vocab_size = self.reference.get_output_embeddings().weight.shape[0]
         self._max_positions = getattr(self.reference.config, "max_position_embeddings", None)
-        self._checksum = weights_checksum(self._synced())
+        self._checksum = weights_checksum(self._adapters if self._lora else self.reference.state_dict())
         self._serials = itertools.count()  # request counter: the per-request seeds
         self._round_robin = itertools.count()
         self.launcher: ServerLauncher | None = None
@@ -623,11 +623,6 @@ class HttpEngine:
         """Continue the per-request seeds from `rng_state()`'s output."""
         self._serials = itertools.count(int(state))
 
-    def _synced(self) -> dict[str, torch.Tensor]:
-        """What a weight update sends and the checksum covers: a LoRA policy's adapters, else
-        every weight of the reference."""
-        return self._adapters if self._lora else self.reference.state_dict()
-
     def served_state(self) -> dict[str, torch.Tensor]:
         """The weights the servers load: the reference's, with a LoRA policy's adapters merged
         (`tiderl.rollout.lora.merged_state`, W + (alpha / r) B A)."""
@@ -635,9 +630,7 @@ class HttpEngine:
 
     def _write_weights(self, version: int) -> Path:
         """The new weights (`served_state`) as an HF directory the server reads (`_write_state`)."""
-        folder = self.weights_dir / f"v{version:08d}-{time.time_ns()}"
-        folder.mkdir(parents=True, exist_ok=True)
-        return self._write_state(folder)
+        return self._write_state(self.weights_dir / f"v{version:08d}-{time.time_ns()}")
 
     def _write_state(self, folder: Path) -> Path:
         """`served_state()` into `folder`: the config and one safetensors file with EVERY key of
@@ -646,6 +639,7 @@ class HttpEngine:
         probe caught")."""
         from safetensors.torch import save_file
 
+        folder.mkdir(parents=True, exist_ok=True)
         tensors, seen = {}, set()
         for name, tensor in self.served_state().items():
             tensor = tensor.detach().to("cpu").contiguous()
