@@ -83,11 +83,14 @@ def test_lora_config_fields():
         load_config(None, ["model.lora.alpha=32"])
     with pytest.raises(ConfigError, match="model.lora.target_modules.*empty"):
         load_config(None, ["model.lora.r=8", "model.lora.target_modules=[]"])
-    # LoRA on data-parallel ranks (tests/test_parallel_lora.py); the HTTP engine has no adapter path.
+    # LoRA on data-parallel ranks (tests/test_parallel_lora.py) and with the HTTP engine (merged
+    # weights, tests/test_lora_http.py); an engine of its own has no adapter path.
     assert load_config(None, ["model.lora.r=8", "system.backend=ray", "train.parallel=fsdp2",
                               "train.world_size=2"]).model.lora.r == 8
-    with pytest.raises(ConfigError, match="model.lora.r.*rollout.engine=http"):
-        load_config(None, ["model.lora.r=8", "rollout.engine=http"])
+    assert load_config(None, ["model.lora.r=8", "rollout.engine=http"]).model.lora.r == 8
+    own = "tiderl.rollout.torch_engine:TorchEngine"  # named as a class: no LoRA path of its own
+    with pytest.raises(ConfigError, match=f"model.lora.r.*rollout.engine={own}.*Fix: use rollout.engine=torch or http"):
+        load_config(None, ["model.lora.r=8", f"rollout.engine={own}"])
 
 
 @pytest.mark.slow

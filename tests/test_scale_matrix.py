@@ -16,9 +16,6 @@ from tiderl.cli import main
 CONFIG = "configs/kg_sao_tiny.yaml"
 TWO_SERVERS = "rollout.options.urls=[http://127.0.0.1:8001,http://127.0.0.1:8002]"
 
-# Why each remaining refusal stands: (the field the error names, words of its message).
-LORA_ON_HTTP = ("model.lora.r", "only the torch engine")
-
 
 def combinations() -> list[tuple[str, list[str]]]:
     """(name, overrides) of the 25 combinations."""
@@ -38,9 +35,9 @@ def combinations() -> list[tuple[str, list[str]]]:
 
 
 def expected(name: str) -> tuple[str, str] | None:
-    """None when `name` is accepted, else (field, reason) of its refusal."""
-    if name.startswith("http-") and "-lora-" in name:
-        return LORA_ON_HTTP  # the HTTP engine's sync writes whole weights: no adapter path
+    """None when `name` is accepted, else (field, reason) of its refusal. None is refused any more:
+    the last six (LoRA with the HTTP engine) run since the engine merges the adapters into the
+    weights its servers reload (tests/test_lora_http.py)."""
     return None
 
 
@@ -51,9 +48,9 @@ def test_the_matrix_has_the_25_combinations_of_issue_30():
     assert len(COMBINATIONS) == 25 and len({name for name, _ in COMBINATIONS}) == 25
     accepted = [name for name, _ in COMBINATIONS if expected(name) is None]
     # Before issue 30's slices: 8 (torch engine without LoRA on ranks, no drift on Ray); then every
-    # torch-engine combination and drift (13); now the HTTP engine on Ray with full weights too (its
-    # servers synced by the driver's engine). LoRA with the HTTP engine stays refused (docs/scale.md).
-    assert len(accepted) == 19, accepted
+    # torch-engine combination and drift (13); then the HTTP engine on Ray with full weights (its
+    # servers synced by the driver's engine, 19); now LoRA with the HTTP engine too (merged weights).
+    assert len(accepted) == 25, accepted
 
 
 @pytest.mark.parametrize("name,overrides", COMBINATIONS, ids=[n for n, _ in COMBINATIONS])
@@ -68,12 +65,12 @@ def test_dry_run(name, overrides, capsys):
         assert code == 2 and field in err and reason in err and "Fix:" in err, err
 
 
-def test_lora_with_the_http_engine_names_the_engine_on_the_local_backend_too(capsys):
-    """The second reason an HTTP + LoRA row is refused, on its own: the HTTP engine's weight sync
-    writes whole weights for the servers to reload; it has no adapter path."""
-    code = main(["train", "--config", CONFIG, "--dry-run", "rollout.engine=http", TWO_SERVERS, "model.lora.r=8"])
+def test_lora_with_another_engine_is_refused_naming_the_two_that_take_it(capsys):
+    """An engine other than torch and http has no LoRA path: the error names both that do."""
+    code = main(["train", "--config", CONFIG, "--dry-run", "rollout.engine=tiderl.rollout.torch_engine:TorchEngine",
+                 "model.lora.r=8"])
     err = capsys.readouterr().err
-    assert code == 2 and LORA_ON_HTTP[0] in err and LORA_ON_HTTP[1] in err, err
+    assert code == 2 and "model.lora.r" in err and "rollout.engine=torch or http" in err and "Fix:" in err, err
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiderl.rollout import lora
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_seed,
                                  token_decoder)
 from tiderl.rollout.options import HttpEngineOptions
@@ -142,11 +143,17 @@ class HttpEngine:
         self.seed_requests = seed_requests
         self.version = 0
         self.device = torch.device(device)
-        owned = copy.deepcopy(model) if copy_model else model
+        # A LoRA policy: the reference is the base model with the adapters beside it, unmerged (the
+        # trainer's arithmetic), and the servers get the merged weights, so the probe checks the merge.
+        self._lora: dict[str, tuple[float, str, str]] = {}
+        if getattr(model, "peft_config", None):
+            owned, self._lora, self._adapters = lora.unmerged_plain(model, copy_model)
+        else:
+            owned = copy.deepcopy(model) if copy_model else model
         self.reference = owned.to(self.device).eval().requires_grad_(False)
         self._vocab_size = self.reference.get_output_embeddings().weight.shape[0]
         self._max_positions = getattr(self.reference.config, "max_position_embeddings", None)
-        self._checksum = weights_checksum(self.reference.state_dict())
+        self._checksum = weights_checksum(self._adapters if self._lora else self.reference.state_dict())
         self._serials = itertools.count()  # request counter: the per-request seeds
         self._round_robin = itertools.count()
         self.launcher: ServerLauncher | None = None
@@ -225,6 +232,10 @@ class HttpEngine:
         from tiderl.rollout.launch import ServerLauncher
 
         base = save_model_dir(self.reference, tokenizer, self.weights_dir / "base")
+        if self._lora:  # save_model_dir wrote the base alone: the servers start from the merged policy
+            for stale in base.glob("model*.safetensors*"):
+                stale.unlink()
+            self._write_state(base)
         self._folder = base.resolve()
         self.launcher = ServerLauncher(count, kind, base, self.weights_dir.parent / "servers", served_model,
                                        timeout_s, executable)
@@ -537,14 +548,23 @@ class HttpEngine:
         if self.weight_sync == "none":
             raise RuntimeError("rollout.options.weight_sync=none: the server's weights are fixed, so the engine "
                                "cannot follow training; use weight_sync=vllm (or sglang) to train")
-        check_update(self.reference.state_dict(), state_dict, version, self.version)
+        if self._lora:
+            check_update(self._adapters, state_dict, version, self.version,
+                         send="the policy's LoRA adapters, tiderl.train.lora.policy_state(model), of the same "
+                              "model.lora.r")
+        else:
+            check_update(self.reference.state_dict(), state_dict, version, self.version)
         t0 = time.perf_counter()
         self._run(self._close_and_drain(), timeout=self.sync_timeout_s + 5)
         try:
             t_drained = time.perf_counter()
             with self._sync_lock:  # a restarted server catches up before or after, not during
                 self._checksum = math.nan  # until the new weights pass the probe
-                self.reference.load_state_dict(state_dict, strict=True)
+                if self._lora:
+                    lora.set_all_adapters(self.reference, self._lora, state_dict)
+                    self._adapters = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
+                else:
+                    self.reference.load_state_dict(state_dict, strict=True)
                 self._reference_memo = {}
                 folder = self._write_weights(version)
                 t_write = time.perf_counter()
@@ -603,17 +623,25 @@ class HttpEngine:
         """Continue the per-request seeds from `rng_state()`'s output."""
         self._serials = itertools.count(int(state))
 
+    def served_state(self) -> dict[str, torch.Tensor]:
+        """The weights the servers load: the reference's, with a LoRA policy's adapters merged
+        (`tiderl.rollout.lora.merged_state`, W + (alpha / r) B A)."""
+        return lora.merged_state(self.reference, self._lora) if self._lora else self.reference.state_dict()
+
     def _write_weights(self, version: int) -> Path:
-        """The reference model (holding the new weights) as an HF directory the server reads: its
-        config and one safetensors file with EVERY key of the state dict, tied tensors under each
-        name (without the tied head `save_pretrained` drops, vLLM 0.32's in-place reload keeps the
-        OLD one: docs/engines.md, "A vLLM bug the probe caught")."""
+        """The new weights (`served_state`) as an HF directory the server reads (`_write_state`)."""
+        return self._write_state(self.weights_dir / f"v{version:08d}-{time.time_ns()}")
+
+    def _write_state(self, folder: Path) -> Path:
+        """`served_state()` into `folder`: the config and one safetensors file with EVERY key of
+        the state dict, tied tensors under each name (without the tied head `save_pretrained`
+        drops, vLLM 0.32's in-place reload keeps the OLD one: docs/engines.md, "A vLLM bug the
+        probe caught")."""
         from safetensors.torch import save_file
 
-        folder = self.weights_dir / f"v{version:08d}-{time.time_ns()}"
         folder.mkdir(parents=True, exist_ok=True)
         tensors, seen = {}, set()
-        for name, tensor in self.reference.state_dict().items():
+        for name, tensor in self.served_state().items():
             tensor = tensor.detach().to("cpu").contiguous()
             if tensor.data_ptr() in seen:  # safetensors refuses shared storage
                 tensor = tensor.clone()

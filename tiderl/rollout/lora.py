@@ -2,7 +2,9 @@
 unmerged, in the arithmetic of the trainer's peft forward (each adapted linear layer gets a
 `tiderl.rollout.low_rank` term, which says why not merged), and its weight syncs and
 `state_checksum` carry only the adapters (A, B). `make_engine` builds it when the policy carries
-peft adapters (`model.lora.r > 0`).
+peft adapters (`model.lora.r > 0`). The helpers below also serve the HTTP engine, which keeps
+the same unmerged model as its probe's reference and writes the merged weights (`merged_state`)
+for servers that have no adapters (docs/engines.md, "LoRA with the HTTP engine").
 """
 
 from __future__ import annotations
@@ -24,28 +26,7 @@ class LoraTorchEngine(TorchEngine):
     """A `TorchEngine` built from a peft LoRA model; `update_weights` takes its adapters only."""
 
     def __init__(self, model: Any, tokenizer: Any, copy_model: bool = True, **kwargs: Any) -> None:
-        # name of each adapted layer in the plain model -> (scaling, adapter keys A and B)
-        self._layers: dict[str, tuple[float, str, str]] = {}
-        for name, module in model.named_modules():
-            if getattr(module, "base_layer", None) is None or not hasattr(module, "lora_A"):
-                continue
-            if "default" not in module.lora_A or not isinstance(module.base_layer, torch.nn.Linear):
-                raise ValueError(f"LoraTorchEngine applies LoRA adapters on linear layers only, and {name} is a "
-                                 f"{type(module.base_layer).__name__}. Fix: name only linear layers in "
-                                 "model.lora.target_modules")
-            plain = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-            self._layers[plain] = (float(module.scaling["default"]),
-                                   f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight")
-        if not self._layers:
-            raise ValueError("LoraTorchEngine got a model without LoRA adapters; use TorchEngine for a plain model")
-        self._adapters = {k: v.detach().clone() for k, v in model.state_dict().items()
-                          if ".lora_A." in k or ".lora_B." in k}
-        # The base model without its adapters (a deep copy unless handed over: the trainer keeps
-        # training `model`), each adapted layer given its adapters back as an unmerged term.
-        plain_model = (copy.deepcopy(model) if copy_model else model).unload()
-        modules = dict(plain_model.named_modules())
-        for plain, (scaling, key_a, key_b) in self._layers.items():
-            low_rank.attach(modules[plain], self._adapters[key_a], self._adapters[key_b], scaling)
+        plain_model, self._layers, self._adapters = unmerged_plain(model, copy_model)
         super().__init__(plain_model, tokenizer, **{**kwargs, "copy_model": False})
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
@@ -53,10 +34,8 @@ class LoraTorchEngine(TorchEngine):
         `version` (never lower than the current one). Kept prefix caches are dropped."""
         check_update(self._adapters, state_dict, version, self.version,
                      send="the policy's LoRA adapters, tiderl.train.lora.policy_state(model), of the same model.lora.r")
-        modules = dict(self.model.named_modules())
         with self._lock:
-            for plain, (_, key_a, key_b) in self._layers.items():
-                low_rank.set_adapters(modules[plain], state_dict[key_a], state_dict[key_b])
+            set_all_adapters(self.model, self._layers, state_dict)
             self._adapters = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
             self.version = version
             self._drop_kept_caches()
@@ -65,3 +44,65 @@ class LoraTorchEngine(TorchEngine):
         """`weights_checksum` of the adapters the engine holds (what the trainer sends)."""
         with self._lock:
             return weights_checksum(self._adapters)
+
+
+def adapted_layers(model: Any) -> dict[str, tuple[float, str, str]]:
+    """The adapted layers of a peft LoRA model: each one's name in the plain model -> (its
+    scaling, the state-dict keys of its A and B). ValueError for adapters on anything but a
+    linear layer, or a model without adapters."""
+    layers: dict[str, tuple[float, str, str]] = {}
+    for name, module in model.named_modules():
+        if getattr(module, "base_layer", None) is None or not hasattr(module, "lora_A"):
+            continue
+        if "default" not in module.lora_A or not isinstance(module.base_layer, torch.nn.Linear):
+            raise ValueError(f"the engines apply LoRA adapters on linear layers only, and {name} is a "
+                             f"{type(module.base_layer).__name__}. Fix: name only linear layers in "
+                             "model.lora.target_modules")
+        plain = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+        layers[plain] = (float(module.scaling["default"]), f"{name}.lora_A.default.weight",
+                         f"{name}.lora_B.default.weight")
+    if not layers:
+        raise ValueError("a LoRA engine got a model without LoRA adapters; use the plain engine for a plain model")
+    return layers
+
+
+def unmerged_plain(model: Any, copy_model: bool = True) -> tuple[Any, dict[str, tuple[float, str, str]],
+                                                                 dict[str, torch.Tensor]]:
+    """(the base model of the peft model `model` without its adapters, each adapted layer given
+    them back as an unmerged `low_rank` term; `adapted_layers(model)`; copies of the adapters).
+    A deep copy unless `copy_model=False` hands `model` over (the trainer keeps training it)."""
+    layers = adapted_layers(model)
+    adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+    plain_model = (copy.deepcopy(model) if copy_model else model).unload()
+    modules = dict(plain_model.named_modules())
+    for plain, (scaling, key_a, key_b) in layers.items():
+        low_rank.attach(modules[plain], adapters[key_a], adapters[key_b], scaling)
+    return plain_model, layers, adapters
+
+
+def set_all_adapters(plain_model: Any, layers: dict[str, tuple[float, str, str]],
+                     state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy the adapters in `state_dict` (peft names) into the terms of `unmerged_plain`'s model."""
+    modules = dict(plain_model.named_modules())
+    for plain, (_, key_a, key_b) in layers.items():
+        low_rank.set_adapters(modules[plain], state_dict[key_a], state_dict[key_b])
+
+
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B A (`a` is `[r, in]`, `b` `[out, r]`), summed in the adapters' dtype and
+    rounded once to `weight`'s: the weight of a plain layer that computes what the layer with
+    the unmerged term does, up to that rounding."""
+    return (weight.to(a.dtype) + (b @ a) * scaling).to(weight.dtype)
+
+
+def merged_state(plain_model: Any, layers: dict[str, tuple[float, str, str]]) -> dict[str, torch.Tensor]:
+    """The state dict of `unmerged_plain`'s model with each term merged into its layer's weight
+    (`merge_weight`), under the plain model's names: what a server without adapters loads. The
+    model is unchanged."""
+    state = dict(plain_model.state_dict())
+    modules = dict(plain_model.named_modules())
+    for plain in layers:
+        term = low_rank.term_of(modules[plain])
+        assert term is not None, plain
+        state[f"{plain}.weight"] = merge_weight(state[f"{plain}.weight"], term.a, term.b, term.scaling)
+    return state

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 @dataclass
 class LoraSettings:
     """LoRA adapters on the policy (through `peft`, the optional extra `lora`): only the adapters
-    train (in one process or on DDP/FSDP2 ranks), and only they travel to the engines, which add
-    them beside their base weights (`tiderl.rollout.lora.LoraTorchEngine`)."""
+    train (in one process or on DDP/FSDP2 ranks), and only they travel to the engines: the torch
+    engine adds them beside its base weights (`tiderl.rollout.lora.LoraTorchEngine`), the HTTP
+    engine merges them into the weights its servers reload."""
 
     r: int = opt(0, "LoRA rank (0 = off: full fine-tuning).")
     alpha: float = opt(16.0, "LoRA scale numerator: the update is (alpha / r) * B A.")
@@ -32,10 +33,10 @@ class LoraSettings:
         need(self.alpha > 0, "alpha", "must be > 0", "use e.g. 16")
         need(self.r == 0 or bool(self.target_modules), "target_modules", "is empty",
              "name the layers to adapt, e.g. [q_proj, v_proj]")
-        need(self.r == 0 or cfg.rollout.engine == "torch", "r",
-             f"only the torch engine loads adapters, not rollout.engine={cfg.rollout.engine} (its sync sends whole "
-             "weights)",
-             "use rollout.engine=torch with LoRA")
+        need(self.r == 0 or cfg.rollout.engine in ("torch", "http"), "r",
+             f"only the torch engine (adapters unmerged) and the HTTP engine (adapters merged into the weights its "
+             f"servers reload) take a LoRA policy, not rollout.engine={cfg.rollout.engine}",
+             "use rollout.engine=torch or http with LoRA")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         return dict.fromkeys(("alpha", "target_modules"), "model.lora.r=0 turns LoRA off") if self.r == 0 else {}
