@@ -38,7 +38,8 @@ import torch
 from tiderl.agent.tool_parser import parse_hermes_tool_calls
 from tiderl.config import RunConfig
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
-from tiderl.embedded.tiny_vlm import init_tiny_vlm, make_processor, tiny_vlm_config, train_vlm_tokenizer
+from tiderl.embedded.tiny_vlm import (EMBEDDED_SCALE_FACTOR, init_tiny_vlm, make_processor, tiny_vlm_config,
+                                      train_vlm_tokenizer)
 from tiderl.envs.protocol import Env, Observation, Task, message_text
 from tiderl.envs.registration import WarmStart, environment
 from tiderl.envs.setup import Setup
@@ -229,10 +230,13 @@ def _tiny_vlm(cfg: RunConfig, texts: list[str]) -> tuple[torch.nn.Module, ChatPr
     """The tiny vision-language model of `model.tiny`'s sizes and its processor (as a tokenizer)."""
     tiny = cfg.model.tiny
     tokenizer = train_vlm_tokenizer(texts, vocab_size=tiny.vocab_size)
+    # One token per picture holding every patch in its own slot, so the model can learn where things
+    # are (`tiny_vlm.EMBEDDED_SCALE_FACTOR`). The visual environments key their builds on tiny_vlm.py's
+    # source, so changing it rebuilds their models (and no text model's).
     config = tiny_vlm_config(tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
                              num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
-                             max_position_embeddings=tiny.max_positions)
-    return init_tiny_vlm(config, cfg.seed), ChatProcessor(make_processor(tokenizer))
+                             max_position_embeddings=tiny.max_positions, scale_factor=EMBEDDED_SCALE_FACTOR)
+    return init_tiny_vlm(config, cfg.seed), ChatProcessor(make_processor(tokenizer, scale_factor=EMBEDDED_SCALE_FACTOR))
 
 
 def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module, log=log_progress):

@@ -134,3 +134,33 @@ def probe(model: Any, tokenizer: Any, setup: Any, tasks: list[Task], cfg: Any, b
         out[f"gap_{name}"] = round(gap.mean().item(), 4)
         out[f"gap_{name}_se"] = round((gap.std() / math.sqrt(len(gap))).item(), 4)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tiderl.embedded.vlm_probe --config C [--model DIR] [--tasks N] [key=value ...]`: the
+    probe on the first N held-out tasks of the config's setup, with the model in DIR (default: the
+    config's embedded tiny model, which must be built already), printed as JSON."""
+    import argparse
+    import json
+
+    from tiderl.config import load_config
+    from tiderl.embedded.build import embedded_model_dir
+    from tiderl.envs.setup import load_setup
+    from tiderl.models.loading import load_model, load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m tiderl.embedded.vlm_probe", description=main.__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--model", default="", help="a vision-language model directory")
+    parser.add_argument("--tasks", type=int, default=200, help="held-out tasks probed")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    path = args.model or str(embedded_model_dir(cfg))
+    model, tokenizer = load_model(path, dtype="float32", device="cpu"), load_tokenizer(path)
+    setup = load_setup(cfg)
+    print(json.dumps({"model": path, **probe(model, tokenizer, setup, setup.eval_tasks[:args.tasks], cfg)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
