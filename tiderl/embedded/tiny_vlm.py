@@ -76,13 +76,12 @@ def tiny_vlm_config(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2, 
     return config
 
 
-# The embedded build's pixel shuffle (`embedded.build`; issue 31): 4, so a 64 px picture of 16 px
-# patches becomes ONE `<image>` token whose features hold every patch in a slot of its own (a 4x4
-# grid: each cell's colour at a fixed place). With 2 (4 tokens) or 1 (16, one a cell) the language
-# model has to find the agent's and the goal's tokens by attention, which carries their content but
-# not their place, and a warm start did not learn it: the first-move probe (`vlm_probe`) showed no
-# use of the picture. Measured on a bare picture-to-first-move task (32 pictures a step, 1,500 grids):
-# held-out accuracy 0.91 after 100 steps with 4, 0.41 and 0.50 after 250 with 1 (docs/multimodal.md).
+# The pixel shuffle the visual demo's embedded build uses (`model.tiny.image_scale_factor=4`; issue 31):
+# a 64 px picture of 16 px patches becomes ONE `<image>` token whose features hold every patch in a
+# slot of its own (a 4x4 grid: each cell's colour at a fixed place). With 2 (4 tokens) or 1 (16, one
+# a cell) the language model has to find the agent's token by attention, which carries a token's
+# content but not its place, and the warm start did not learn to read the grid (`vlm_probe`;
+# docs/multimodal.md, "The visual demo").
 EMBEDDED_SCALE_FACTOR = 4
 
 
