@@ -21,6 +21,9 @@ def test_the_visual_demo_config_loads_and_train_dry_run_accepts_it(capsys):
     cfg = load_config(CONFIG)
     assert (cfg.env.name, cfg.model.path, cfg.algo.name) == ("visual_grid", "tiny", "sao")
     assert cfg.env.options.images and not cfg.env.options.text_state  # the model has to read the image
+    # what lets the tiny VLM read the grid (docs/multimodal.md, "The visual demo"): one image token a
+    # picture, every cell in its own slot, and a rule of one place (the goal fixed)
+    assert cfg.model.tiny.image_scale_factor == 4 and cfg.env.options.fixed_goal
     assert main(["train", "--config", str(CONFIG), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "name: visual_grid" in out and "path: tiny" in out

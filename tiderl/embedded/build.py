@@ -70,7 +70,7 @@ def build_key(cfg: RunConfig) -> str:
     start = warm_start(cfg)
     recipe = {
         "version": BUILD_VERSION,
-        "tiny": asdict(cfg.model.tiny),
+        "tiny": _tiny_recipe(cfg),
         "warmstart": _warmstart_recipe(cfg),
         # Only what shapes the demonstrations and their texts: not where data lives, not the eval
         # sample, not simulated latency (a benchmark must not rebuild the model per latency setting).
@@ -86,6 +86,15 @@ def build_key(cfg: RunConfig) -> str:
         # reuse a model warm-started on the old one (it silently did once).
         recipe["source"] = _source_digest(modules)
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _tiny_recipe(cfg: RunConfig) -> dict:
+    """The model's shape; the vision-language model's pixel shuffle only when it is not the default
+    2 (so the keys, and caches, of every build from before it existed stay what they were)."""
+    recipe = asdict(cfg.model.tiny)
+    if recipe["image_scale_factor"] == 2:
+        del recipe["image_scale_factor"]
+    return recipe
 
 
 def _warmstart_recipe(cfg: RunConfig) -> dict:
@@ -229,10 +238,13 @@ def _tiny_vlm(cfg: RunConfig, texts: list[str]) -> tuple[torch.nn.Module, ChatPr
     """The tiny vision-language model of `model.tiny`'s sizes and its processor (as a tokenizer)."""
     tiny = cfg.model.tiny
     tokenizer = train_vlm_tokenizer(texts, vocab_size=tiny.vocab_size)
+    # model.tiny.image_scale_factor=4: one token a picture holding every patch in its own slot, so the
+    # model can learn where things are (docs/multimodal.md, "The visual demo").
+    scale = tiny.image_scale_factor
     config = tiny_vlm_config(tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
                              num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
-                             max_position_embeddings=tiny.max_positions)
-    return init_tiny_vlm(config, cfg.seed), ChatProcessor(make_processor(tokenizer))
+                             max_position_embeddings=tiny.max_positions, scale_factor=scale)
+    return init_tiny_vlm(config, cfg.seed), ChatProcessor(make_processor(tokenizer, scale_factor=scale))
 
 
 def _copy_check(cfg: RunConfig, setup: Setup, tokenizer, model: torch.nn.Module, log=log_progress):

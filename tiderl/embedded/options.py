@@ -20,12 +20,17 @@ class TinyModelConfig:
     num_heads: int = opt(4, "Attention heads (query).")
     num_kv_heads: int = opt(2, "Key/value heads (grouped-query attention).")
     max_positions: int = opt(512, "Longest sequence the tiny model handles.")
+    image_scale_factor: int = opt(2, "Tiny vision-language model only: pixel shuffle of the connector; a 64 px picture "
+                                  "of 16 px patches gives 16 / factor**2 image tokens (1, 2 or 4; 4 = one token "
+                                  "holding every patch in its own slot, which the visual demo needs: docs/multimodal.md).")
 
     def check(self, cfg: Any) -> None:
         need(self.hidden_size % self.num_heads == 0, "hidden_size", "must be divisible by model.tiny.num_heads",
              "use e.g. 128 with 4 heads")
         need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide model.tiny.num_heads",
              "use e.g. 2 with 4 heads")
+        need(self.image_scale_factor in (1, 2, 4), "image_scale_factor", f"{self.image_scale_factor} does not divide "
+             "the 4x4 patches of a 64 px picture", "use 1, 2 or 4")
         need(cfg.model.path != "tiny" or self.max_positions >= cfg.env.max_total_tokens, "max_positions",
              "must be at least env.max_total_tokens", "raise model.tiny.max_positions")
 

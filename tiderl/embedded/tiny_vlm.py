@@ -76,6 +76,15 @@ def tiny_vlm_config(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2, 
     return config
 
 
+# The pixel shuffle the visual demo's embedded build uses (`model.tiny.image_scale_factor=4`; issue 31):
+# a 64 px picture of 16 px patches becomes ONE `<image>` token whose features hold every patch in a
+# slot of its own (a 4x4 grid: each cell's colour at a fixed place). With 2 (4 tokens) or 1 (16, one
+# a cell) the language model has to find the agent's token by attention, which carries a token's
+# content but not its place, and the warm start did not learn to read the grid (`vlm_probe`;
+# docs/multimodal.md, "The visual demo").
+EMBEDDED_SCALE_FACTOR = 4
+
+
 def init_tiny_vlm(config: Idefics3Config, seed: int) -> Idefics3ForConditionalGeneration:
     """A freshly initialised fp32 model; the same config and seed give identical weights (the
     global torch RNG is left untouched)."""

@@ -117,11 +117,18 @@ def is_held_out(key: str, every: int = 5) -> bool:
     return int(key[:8], 16) % every == 0
 
 
+def fixed_goal_cell(size: int) -> Cell:
+    """The goal of every task with `fixed_goal`: row 1, column size - 2 (all four moves are needed
+    to reach it from somewhere)."""
+    return (1, size - 2)
+
+
 def generate_tasks(seed: int, size: int, count: int, held_out: bool, min_path: int, max_path: int,
-                   wall_fraction: float) -> list[Task]:
+                   wall_fraction: float, fixed_goal: bool = False) -> list[Task]:
     """`count` distinct tasks of the held-out (or training) split, drawn with `seed`. Each has
     random walls (about `wall_fraction` of the cells), and a start and goal whose shortest path
-    is `min_path`..`max_path` moves. ValueError when the draws cannot find enough of them."""
+    is `min_path`..`max_path` moves; with `fixed_goal` the goal is always `fixed_goal_cell(size)`.
+    ValueError when the draws cannot find enough of them."""
     rng = random.Random(f"visual_grid-{seed}-{size}-{held_out}")
     cells = [(r, c) for r in range(size) for c in range(size)]
     tasks: list[Task] = []
@@ -129,9 +136,14 @@ def generate_tasks(seed: int, size: int, count: int, held_out: bool, min_path: i
     for _ in range(200 * count + 1000):
         if len(tasks) == count:
             break
-        walls = frozenset(rng.sample(cells, round(wall_fraction * len(cells))))
-        free = [cell for cell in cells if cell not in walls]
-        start, goal = rng.sample(free, 2)
+        if fixed_goal:
+            goal = fixed_goal_cell(size)
+            walls = frozenset(rng.sample([c for c in cells if c != goal], round(wall_fraction * len(cells))))
+            start = rng.choice([cell for cell in cells if cell not in walls and cell != goal])
+        else:
+            walls = frozenset(rng.sample(cells, round(wall_fraction * len(cells))))
+            free = [cell for cell in cells if cell not in walls]
+            start, goal = rng.sample(free, 2)
         path = shortest_moves(size, walls, start, goal)
         if path is None or not min_path <= len(path) <= max_path:
             continue
@@ -144,8 +156,9 @@ def generate_tasks(seed: int, size: int, count: int, held_out: bool, min_path: i
                            "goal": list(goal), "shortest": len(path)}))
     if len(tasks) < count:
         raise ConfigError(f"env.options: only {len(tasks)} of {count} grid tasks with a {min_path}..{max_path}-move "
-                          f"path found on a {size}x{size} grid. Fix: lower env.options.wall_fraction or "
-                          "env.options.num_train_tasks, or widen min_path/max_path")
+                          f"path found on a {size}x{size} grid{' with a fixed goal' if fixed_goal else ''}. Fix: "
+                          "lower env.options.wall_fraction or env.options.num_train_tasks (or data.eval_size), or "
+                          "widen min_path/max_path")
     return tasks
 
 

@@ -30,6 +30,9 @@ class GridOptions:
                        "models.")
     max_calls_per_turn: int = opt(4, "Moves one turn may make (each answered with an image).")
     num_train_tasks: int = opt(2000, "Training tasks generated.")
+    fixed_goal: bool = opt(False, "Put the goal of every task at row 1, column size-2 (still shown only in the "
+                           "picture): the right move then depends on where the agent is, not on two positions, "
+                           "which the tiny vision-language model learns (docs/multimodal.md, the visual demo).")
 
     def check(self, cfg: Any) -> None:
         need(4 <= self.size <= 8, "size", f"{self.size} is outside 4..8", "use 5")

@@ -37,7 +37,7 @@ def grid_setup(cfg: "RunConfig") -> Setup:
     _check_source(cfg, GRID_SOURCES[0])
     options, data = cfg.env.options, cfg.data
     shape = dict(size=options.size, min_path=options.min_path, max_path=max_path(cfg),
-                 wall_fraction=options.wall_fraction)
+                 wall_fraction=options.wall_fraction, fixed_goal=options.fixed_goal)
     train = grid.generate_tasks(data.seed, count=options.num_train_tasks, held_out=False, **shape)
     held_out = grid.generate_tasks(data.seed, count=data.eval_size, held_out=True, **shape)
     factory = _GridFactory(options.cell_px, options.text_state, options.max_calls_per_turn,
@@ -115,9 +115,11 @@ def table_demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> 
     return tasks, scripts, {"misread_rate": ws.relation_noise}
 
 
-# The generators still change: their source text keys a cached model (every option stays keyed:
-# each changes the tasks or what the model sees).
+# The generators and the tiny VLM's recipe still change: their source text keys a cached model (every
+# option stays keyed: each changes the tasks or what the model sees).
 GRID_WARM_START = WarmStart(demonstrations=grid_demonstrations,
-                            key_modules=("tiderl.envs.visual.grid", "tiderl.envs.visual.setup"))
+                            key_modules=("tiderl.envs.visual.grid", "tiderl.envs.visual.setup",
+                                         "tiderl.embedded.tiny_vlm"))
 TABLE_WARM_START = WarmStart(demonstrations=table_demonstrations,
-                             key_modules=("tiderl.envs.visual.table", "tiderl.envs.visual.setup"))
+                             key_modules=("tiderl.envs.visual.table", "tiderl.envs.visual.setup",
+                                          "tiderl.embedded.tiny_vlm"))
