@@ -1,7 +1,9 @@
 """A vision-language model on data-parallel ranks: 2 gloo ranks under DDP take the same
 `train_step` (SAO, critic included) on episodes with images as one process on the same batch: the
 vision tower, the connector and the language model get the same averaged gradients and the same
-update. FSDP2 with images is refused before any rank starts, naming the fix."""
+update, for the tiny Idefics3 and the tiny Qwen2-VL (whose M-RoPE positions,
+`models.vision.model_inputs`, must reach the wrapped model on every rank). FSDP2 with images is
+refused before any rank starts, naming the fix."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from support import CLIP, LR, give_own_behaviour_logprobs, snapshot
 from test_vlm import CORPUS, SquaresEnv
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
+from tiderl.embedded.tiny_qwen2vl import build_tiny_qwen2vl
 from tiderl.embedded.tiny_vlm import build_tiny_vlm
 from tiderl.envs.protocol import Task
 from tiderl.lab.ranks import spawn_ranks
@@ -22,6 +25,8 @@ from tiderl.train.critic import ValueModel
 from tiderl.train.learner import Learner
 from tiderl.train.step import train_step
 
+# Each architecture's builder and the parameter-name part of its vision tower.
+ARCHITECTURES = {"idefics3": (build_tiny_vlm, "vision_model."), "qwen2_vl": (build_tiny_qwen2vl, "visual.")}
 CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
 
 
@@ -42,8 +47,8 @@ def episodes(processor) -> list:
     return out
 
 
-def one_step(make_learner) -> dict:
-    model, processor = build_tiny_vlm(CORPUS, seed=0)
+def one_step(make_learner, architecture: str) -> dict:
+    model, processor = ARCHITECTURES[architecture][0](CORPUS, seed=0)
     trajectories = episodes(processor)
     give_own_behaviour_logprobs(model, trajectories, processor.image_processor)
     cfg = AlgoConfig(**{**preset_defaults("sao"), "critic_updates": 2, "entropy_coef": 0.0})
@@ -54,25 +59,27 @@ def one_step(make_learner) -> dict:
     return {"metrics": metrics, "actor": snapshot(actor), "critic": snapshot(critic)}
 
 
-def rank_main(rank: int, world_size: int, out_path: str) -> None:
+def rank_main(rank: int, world_size: int, out_path: str, architecture: str) -> None:
     from tiderl.train.parallel import ParallelLearner
 
-    got = one_step(lambda m, lr: ParallelLearner(m, "ddp", lr=lr, grad_clip=CLIP))
+    got = one_step(lambda m, lr: ParallelLearner(m, "ddp", lr=lr, grad_clip=CLIP), architecture)
     if rank == 0:
         torch.save(got, out_path)
 
 
 @pytest.mark.slow  # spawns 2 ranks (about 30 s on 2 shared cores)
-def test_two_ddp_ranks_train_a_vlm_as_one_process_does(tmp_path):
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_two_ddp_ranks_train_a_vlm_as_one_process_does(tmp_path, architecture):
     path = tmp_path / "rank0.pt"
-    spawn_ranks(rank_main, 2, str(path), timeout_s=300)
+    spawn_ranks(rank_main, 2, str(path), architecture, timeout_s=300)
     got = torch.load(path, weights_only=False)
-    single = one_step(lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP))
+    single = one_step(lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP), architecture)
+    tower = ARCHITECTURES[architecture][1]
     assert single["metrics"]["micro_batches"] >= 3  # a real split across the ranks
     for part in ("actor", "critic"):
         want_all = single[part]
         assert got[part].keys() == want_all.keys(), part
-        vision = [k for k in want_all if k.startswith("grad/") and "vision_model." in k and want_all[k].abs().max() > 0]
+        vision = [k for k in want_all if k.startswith("grad/") and tower in k and want_all[k].abs().max() > 0]
         assert vision, f"{part}: the vision tower got no gradient, the test would show nothing"
         for name, want in want_all.items():
             torch.testing.assert_close(got[part][name], want, atol=1e-6, rtol=1e-5, msg=f"{part} {name}")
