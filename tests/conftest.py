@@ -107,3 +107,16 @@ def trajectories():
     from support import step_trajectories
 
     return step_trajectories()
+
+
+# -- a local Ray cluster for a test module -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A 2-CPU local Ray cluster of the module's own (support.local_ray_cluster), shut down after
+    the module's last test; skipped where Ray is not installed."""
+    pytest.importorskip("ray")
+    from support import local_ray_cluster
+
+    yield from local_ray_cluster(request.module.__name__)

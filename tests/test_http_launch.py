@@ -259,14 +259,6 @@ def test_two_launched_servers_train_and_one_killed_mid_run_comes_back(cache, tmp
     assert all(p.poll() is not None for p in processes), "the servers are stopped with the engine"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    pytest.importorskip("ray")
-    from support import local_ray_cluster
-
-    yield from local_ray_cluster(__name__)
-
-
 @pytest.mark.slow
 def test_the_http_engine_on_the_ray_backend_with_launched_servers(ray_cluster, cache, tmp_path):
     """Two Ray rollout workers send requests to two launched servers; the driver's engine drains

@@ -172,14 +172,6 @@ def test_two_lora_steps_with_two_launched_servers(cache, tmp_path):
         engine.close()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    pytest.importorskip("ray")
-    from support import local_ray_cluster
-
-    yield from local_ray_cluster(__name__)
-
-
 @pytest.mark.slow
 def test_lora_with_launched_servers_on_the_ray_backend_with_fsdp2_ranks(ray_cluster, cache, tmp_path):
     """Ray + FSDP2 + LoRA + the HTTP engine (a row of tests/test_scale_matrix.py that this work

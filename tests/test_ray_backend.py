@@ -13,7 +13,6 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from support import local_ray_cluster  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
 from tiderl.recipe import train  # noqa: E402
 from tiderl.rollout.weights import weights_checksum  # noqa: E402
@@ -33,11 +32,6 @@ SMALL = [
     "system.wait_timeout_s=400",
 ]
 TIMEOUT_S = 400  # every blocking Ray call in this file waits at most this long
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray_cluster(__name__)
 
 
 def small_config(cache, run_dir, *more):
@@ -70,7 +64,7 @@ def assert_ledger_balances(summary):
 
 
 @pytest.mark.slow
-def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path):
+def test_ray_backend_trains_asynchronously(ray_cluster, cache, tmp_path):
     cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
                        "system.max_staleness=1", "system.options.workers=2")
     run = build_run(cfg)
@@ -111,7 +105,7 @@ def test_ray_backend_trains_asynchronously(cluster, cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeypatch):
+def test_killed_worker_is_retried_and_replaced(ray_cluster, cache, tmp_path, monkeypatch):
     # Simulated tool latency makes episodes long enough to be killed in flight.
     cfg = small_config(cache, tmp_path / "run", "train.steps=3", "system.backend=ray",
                        "system.max_staleness=1", "system.options.workers=2",
@@ -166,7 +160,7 @@ def test_killed_worker_is_retried_and_replaced(cluster, cache, tmp_path, monkeyp
 
 
 @pytest.fixture(scope="module")
-def slow_tool_run(cluster, cache, tmp_path_factory):
+def slow_tool_run(ray_cluster, cache, tmp_path_factory):
     """A run whose episodes take at least 1.5 s (one simulated tool call)."""
     cfg = small_config(cache, tmp_path_factory.mktemp("pool"), "system.backend=ray", "system.options.workers=2",
                        "env.tool_latency=fixed", "env.tool_latency_s=1.5")
@@ -306,7 +300,7 @@ class DisagreeingWorker:
 
 
 @pytest.mark.slow
-def test_disagreeing_workers_fail_the_sync(cluster):
+def test_disagreeing_workers_fail_the_sync(ray_cluster):
     cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "system.options.workers=2",
                                                    "rollout.batch_size=2", "system.wait_timeout_s=400"])
     model = torch.nn.Linear(3, 2)
@@ -326,7 +320,7 @@ def test_disagreeing_workers_fail_the_sync(cluster):
 
 
 @pytest.mark.slow
-def test_ray_backend_counts_the_tokens_of_cancelled_episodes_as_waste(cluster, cache, tmp_path):
+def test_ray_backend_counts_the_tokens_of_cancelled_episodes_as_waste(ray_cluster, cache, tmp_path):
     """Over-provisioned on-policy training on Ray (admission 2x the batch, staleness 0) cancels the
     episodes still running on old weights: their workers count the sampled tokens of their completed
     turns (`cut_tokens`), and the run's waste includes them, as with the local backend."""

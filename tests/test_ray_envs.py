@@ -16,7 +16,6 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from support import local_ray_cluster  # noqa: E402
 from tiderl.agent.loop import ScriptedEngine, play_episode  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
 from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config  # noqa: E402
@@ -30,11 +29,6 @@ COMMON = ["system.backend=ray", "system.options.workers=1", f"system.wait_timeou
           "env.max_total_tokens=8192", "train.micro_batch_tokens=8192", "rollout.max_new_tokens=1024",
           "data.eval_size=2", "model.tiny.max_positions=8192"]
 EPISODES = 3  # oracle episodes per environment
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray_cluster(__name__)
 
 
 def tiny_policy(tokenizer) -> torch.nn.Module:
@@ -65,7 +59,7 @@ def asked(setup, task):
 
 
 @pytest.mark.slow
-def test_a_drifting_world_follows_the_weight_version_in_the_ray_workers(cluster, tokenizer):
+def test_a_drifting_world_follows_the_weight_version_in_the_ray_workers(ray_cluster, tokenizer):
     cfg = load_config("configs/kg_sao_tiny.yaml", COMMON + [
         "env.options.num_films=40", "env.options.num_people=40", "env.options.drift.every_steps=1",
         "env.options.drift.kind=relations", "env.options.drift.fraction=0.5", "rollout.max_new_tokens=8",
@@ -179,7 +173,7 @@ ENVIRONMENTS = {"kg": _kg, "math": _math, "db": _db, "repo": _repo, "code": _cod
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ENVIRONMENTS))
-def test_each_builtin_environment_plays_its_oracle_on_a_ray_worker(cluster, tokenizer, tmp_path, name):
+def test_each_builtin_environment_plays_its_oracle_on_a_ray_worker(ray_cluster, tokenizer, tmp_path, name):
     path, overrides = ENVIRONMENTS[name](tmp_path)
     cfg = load_config(path, overrides + COMMON)
     setup = load_setup(cfg)
