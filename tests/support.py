@@ -589,6 +589,17 @@ def give_own_behaviour_logprobs(model, trajectories, image_processor=None) -> No
         t.behavior_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : len(t.tokens)], t.loss_mask)]
 
 
+# -- a small knowledge-graph run (test_scale_matrix, test_http_launch, test_lora_http) ----------
+
+# configs/kg_sao_tiny.yaml at toy size: a 2-layer tiny model warm-started for 2 steps, batches of 4.
+SMALL_KG_RUN = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16",
+                "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+                "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.warmstart.num_traces=40",
+                "model.warmstart.steps=2", "model.warmstart.batch_size=16", "rollout.batch_size=4",
+                "algo.critic_warmup_steps=0", "env.max_turns=2", "rollout.max_new_tokens=16", "log.progress=false",
+                "log.tensorboard=false", "system.wait_timeout_s=300"]
+
+
 # -- the learning tests (test_learning, test_learning_fast) ------------------------------------
 
 

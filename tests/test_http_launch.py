@@ -26,7 +26,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
-from support import greedy_reference, peaky_model
+from support import SMALL_KG_RUN, greedy_reference, peaky_model
 from tiderl.config import ConfigError, load_config
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.http_engine import HttpEngine, ServerView
@@ -36,14 +36,7 @@ from tiderl.rollout.weights import weights_checksum
 from tiderl.serve.engine_api import EngineServer
 
 CONFIG = "configs/kg_sao_tiny.yaml"
-# A small KG run (test_scale_matrix's): a 2-layer tiny model warm-started for 2 steps, batches of 4.
-SMALL_RUN = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16",
-             "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
-             "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.warmstart.num_traces=40",
-             "model.warmstart.steps=2", "model.warmstart.batch_size=16", "rollout.batch_size=4",
-             "algo.critic_warmup_steps=0", "env.max_turns=2", "rollout.max_new_tokens=16", "log.progress=false",
-             "log.tensorboard=false", "system.wait_timeout_s=300", "train.steps=2",
-             "rollout.engine=http", "rollout.options.launch=2"]
+SMALL_RUN = SMALL_KG_RUN + ["train.steps=2", "rollout.engine=http", "rollout.options.launch=2"]
 
 
 def test_the_engine_server_answers_what_the_http_engine_sends(model, tokenizer, prompts, tmp_path):

@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("peft")
 httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
-from support import StubServer  # noqa: E402
+from support import SMALL_KG_RUN, StubServer  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
 from tiderl.rollout import lora as rollout_lora  # noqa: E402
 from tiderl.rollout.http_engine import HttpEngine, ServerError  # noqa: E402
@@ -33,14 +33,8 @@ from tiderl.train.lora import apply_lora, merged_copy, policy_state  # noqa: E40
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj"]
 CONFIG = "configs/kg_sao_tiny.yaml"
-SMALL_RUN = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16",
-             "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
-             "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.warmstart.num_traces=40",
-             "model.warmstart.steps=2", "model.warmstart.batch_size=16", "rollout.batch_size=4",
-             "algo.critic_warmup_steps=0", "env.max_turns=2", "rollout.max_new_tokens=16", "log.progress=false",
-             "log.tensorboard=false", "system.wait_timeout_s=300", "train.steps=2", "rollout.engine=http",
-             "rollout.options.launch=2", "model.lora.r=4", "model.lora.alpha=16", "algo.actor_lr=0.01",
-             "algo.entropy_coef=0.01"]
+SMALL_RUN = SMALL_KG_RUN + ["train.steps=2", "rollout.engine=http", "rollout.options.launch=2", "model.lora.r=4",
+                          "model.lora.alpha=16", "algo.actor_lr=0.01", "algo.entropy_coef=0.01"]
 
 
 def _lora_policy(model, seed: int = 1):

@@ -83,20 +83,14 @@ def test_the_http_engine_with_two_servers_and_fsdp2_ranks_trains_on_the_local_ba
     pytest.importorskip("httpx")
     import copy
 
-    from support import StubServer
+    from support import SMALL_KG_RUN, StubServer
     from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.rollout.http_engine import HttpEngine
     from tiderl.rollout.weights import weights_checksum
     from tiderl.run import build_run
 
-    common = ["env.options.num_films=40", "env.options.num_people=40", "data.eval_size=16",
-              "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
-              "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.warmstart.num_traces=40",
-              "model.warmstart.steps=2", "model.warmstart.batch_size=16", "rollout.batch_size=4",
-              "algo.critic_warmup_steps=0", "algo.entropy_coef=0.01", "env.max_turns=2", "rollout.max_new_tokens=16",
-              "log.progress=false", "log.tensorboard=false", "system.wait_timeout_s=300",
-              f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"]
+    common = SMALL_KG_RUN + ["algo.entropy_coef=0.01", f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"]
     assert not ray.is_initialized()
     first = build_run(load_config(CONFIG, common))  # builds (and caches) the model the servers start with
     servers = [StubServer(copy.deepcopy(first.actor.model), first.tokenizer) for _ in range(2)]
