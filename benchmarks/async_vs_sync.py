@@ -112,6 +112,14 @@ CONFIG = "configs/kg_sao_tiny.yaml"
 TARGET_GAIN = 0.10  # held-out success above the initial policy's
 HEADLINE_ASYNC = "async-s2"
 HEADLINES = (HEADLINE_ASYNC, "async-s2-mask+1")  # each against the strongest sync mode
+# Issue 35's goal, fixed here before its runs (2026-12-03): the candidate default policy must waste at
+# most 5 % of decoded sampled tokens, train episodes whose mean length is within 5 % of synchronous
+# training's (plain sync, or sync-3B when plain sync did not run: both train every episode they start),
+# and train at least GOAL_SPEEDUP[w] times the sampled tokens per second of the sync mode that trained
+# the most per second in the same workload (the strongest at throughput, whichever it is).
+GOAL_MODE = "async-s2-mask+2-drain"
+GOAL_WASTE, GOAL_LENGTH = 0.05, 0.05
+GOAL_SPEEDUP = {"none": 0.9, "longgen": 0.9, "fixed1": 1.5, "ln0.5": 1.5, "ln1.0": 1.5}  # ln1.5: no rule
 BASE = ["system.backend=local", "system.cores=auto", "log.progress=false", "log.tensorboard=false",
         "algo.critic_warmup_steps=2"]
 
@@ -612,8 +620,31 @@ def report(rows: list[dict[str, Any]], workloads: list[str], modes: list[Mode]) 
                 f"{w}: {name} vs strongest sync ({strongest}), {len(seeds)} seeds: time to target "
                 f"{g:.2f}x [95% {lo:.2f}-{hi:.2f}]" + (f" ({censored} censored runs)" if censored else "")
                 + f"; trained tokens/s {tg:.2f}x [{tlo:.2f}-{thi:.2f}]")
+        if GOAL_MODE in by_mode and sync:
+            headline.append(goal_line(w, by_mode[GOAL_MODE], sync))
         lines.append("")
     return lines + headline
+
+
+def goal_line(workload: str, rows: list[dict[str, Any]], sync: dict[str, list[dict[str, Any]]]) -> str:
+    """Issue 35's three rules (GOAL_*) for `rows` (GOAL_MODE's runs) against the sync modes' runs."""
+    fastest = max(sync, key=lambda k: interval([r["trained_tok_s"] for r in sync[k]])[0])
+    reference = next((k for k in ("sync", "sync-3B") if k in sync), fastest)
+    waste = interval([r["waste"] for r in rows])
+    length = [r["lengths"]["length/trained_mean"] for r in rows]
+    ref_length = [r["lengths"]["length/trained_mean"] for r in sync[reference]]
+    rel = interval(length)[0] / interval(ref_length)[0]
+    s = {r["seed"]: r for r in sync[fastest]}
+    seeds = [r["seed"] for r in rows if r["seed"] in s]
+    a = {r["seed"]: r for r in rows}
+    tg, tlo, thi = ratio([a[i]["trained_tok_s"] for i in seeds], [s[i]["trained_tok_s"] for i in seeds])
+    need = GOAL_SPEEDUP.get(workload)
+    verdicts = [waste[0] <= GOAL_WASTE, abs(rel - 1) <= GOAL_LENGTH] + ([tg >= need] if need else [])
+    return (f"{workload}: goal of issue 35 for {GOAL_MODE}, {len(rows)} seeds: waste {waste[0]:.3f} ± {waste[1]:.3f} "
+            f"(<= {GOAL_WASTE}), trained length {rel:.3f}x {reference}'s (within {GOAL_LENGTH:.0%}), trained tokens/s "
+            f"{tg:.2f}x [{tlo:.2f}-{thi:.2f}] the fastest sync ({fastest}"
+            + (f", >= {need}x): " if need else ", no rule for this workload): ")
+            + ("PASS" if all(verdicts) else "FAIL"))
 
 
 def main() -> None:

@@ -56,6 +56,26 @@ def test_headline_compares_async_with_the_strongest_sync_mode():
     assert "trained tokens/s 1.50x" in lines[-1]
 
 
+def test_the_goal_line_applies_issue_35s_three_rules():
+    def row(mode, seed, tok, waste, length):
+        return {**_row(mode, seed, 10.0, tok), "workload": "ln1.0", "waste": waste,
+                "lengths": {"length/trained_mean": length, "length/finished_mean": length}}
+
+    sync = [row(m, s, tok, 0.0, 100.0) for s in range(3) for m, tok in (("sync", 10.0), ("sync-3B", 20.0))]
+    good = [row(bench.GOAL_MODE, s, 32.0, 0.02, 97.0) for s in range(3)]
+    lines = bench.report(sync + good, ["ln1.0"], bench.MODES)
+    assert lines[-1].startswith(f"ln1.0: goal of issue 35 for {bench.GOAL_MODE}, 3 seeds: waste 0.020")
+    assert "0.970x sync's" in lines[-1] and "1.60x [1.60-1.60] the fastest sync (sync-3B" in lines[-1]
+    assert lines[-1].endswith("PASS")
+    for bad in ([row(bench.GOAL_MODE, s, 32.0, 0.06, 97.0) for s in range(3)],    # waste
+                [row(bench.GOAL_MODE, s, 32.0, 0.02, 90.0) for s in range(3)],    # length bias
+                [row(bench.GOAL_MODE, s, 28.0, 0.02, 97.0) for s in range(3)]):   # 1.4x < 1.5x
+        assert bench.report(sync + bad, ["ln1.0"], bench.MODES)[-1].endswith("FAIL")
+    # Without tool latency the throughput rule is 0.9x.
+    slow = [row(bench.GOAL_MODE, s, 19.0, 0.02, 97.0) for s in range(3)]
+    assert bench.report([{**r, "workload": "none"} for r in sync + slow], ["none"], bench.MODES)[-1].endswith("PASS")
+
+
 def test_generation_budgets_are_heavy_tailed_and_fixed_by_the_seed():
     median, sigma, cap = bench.WORKLOADS["longgen"].gen_budget
     draws = [bench.draw_budget(median, sigma, cap, bench.random.Random(i)) for i in range(4000)]
