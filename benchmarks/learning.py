@@ -71,7 +71,15 @@ MODES = {
     "grpo": ("configs/grpo.yaml", []),
     "dapo": ("configs/dapo.yaml", []),
     "ppo": ("configs/ppo.yaml", []),
+    # Issue 35: synchronous SAO against asynchronous SAO under the stale policy that keeps long
+    # episodes (tokens more than 4 versions old masked, not whole episodes dropped; admission
+    # drains the run's end), at equal trained tokens (--budget-of trained).
+    "sao_sync": ("configs/sao.yaml", ["system.max_staleness=0"]),
+    "sao_mask": ("configs/sao.yaml", ["system.stale.policy=mask", "system.stale.bound=4", "system.stale.drain=true"]),
 }
+# Paired differences the report prints (first - second); the last line gives those marked True.
+PAIRS = [("sao", "grpo", True), ("sao", "ppo", True), ("sao", "dapo", False), ("sao", "sao_w0", False),
+         ("sao_mask", "sao_sync", True), ("sao", "sao_sync", False), ("sao_mask", "sao", False)]
 COMMON = ["system.backend=local", "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1",
           "system.decode_threads=1"]
 TARGET_GAIN = 0.05  # time to accuracy: held-out success first >= start + this
@@ -96,11 +104,11 @@ def task_overrides(task_config: str | None) -> list[str]:
 def run_one(mode: str, seed: int, args: argparse.Namespace, model_path: str, out: Path) -> dict[str, Any]:
     """Train one mode on one seed to the token budget; returns its row (no trajectories)."""
     preset, extra = MODES[mode]
-    cfg = load_config(preset, COMMON + task_overrides(args.config) + extra + [
+    cfg = load_config(preset, COMMON + task_overrides(args.config) + [
         f"model.path={model_path}", f"seed={seed}", f"system.max_staleness={args.staleness}",
         f"rollout.batch_size={args.batch}", f"train.steps={args.max_steps}",
         f"data.eval_size={args.eval_n}", f"run_dir={out / f'{mode}_seed{seed}'}",
-    ] + args.override)
+    ] + extra + args.override)
     run = build_run(cfg)
     tasks = run.setup.eval_tasks[:args.eval_n]
     greedy = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=True)
@@ -144,8 +152,10 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, model_path: str, out
         if args.eval_every and version % args.eval_every == 0:
             held_out(version, int(metrics["system/generated_tokens"]))
 
-    history, summary = train(run, cfg.train.steps, observer=observe,
-                             stop=lambda m: m["system/generated_tokens"] >= args.token_budget)
+    def spent(m: dict[str, float]) -> float:
+        return acc["trained_action_tokens"] if args.budget_of == "trained" else m["system/generated_tokens"]
+
+    history, summary = train(run, cfg.train.steps, observer=observe, stop=lambda m: spent(m) >= args.token_budget)
     wall = time.perf_counter() - t0 - acc["eval_s"]
     generated = int(history[-1]["system/generated_tokens"])
     if curve[-1]["step"] != len(history):
@@ -255,12 +265,13 @@ def report(rows: list[dict[str, Any]], modes: list[str]) -> None:
     print("\n| paired difference of gains | seeds | mean [95 % CI] | verdict |")
     print("| --- | --- | --- | --- |")
     last = []
-    for other in ("grpo", "ppo", "dapo", "sao_w0"):
-        if "sao" in gains and other in gains and other != "sao":
-            ci = paired_difference(gains["sao"], gains[other])
-            print(f"| sao - {other} | {ci['n']} | {interval(ci)} | {verdict(ci)} |")
-            if other in ("grpo", "ppo"):
-                last.append(f"SAO - {other.upper()} {interval(ci)} ({verdict(ci)})")
+    for first, other, headline in PAIRS:
+        if first in gains and other in gains:
+            ci = paired_difference(gains[first], gains[other])
+            print(f"| {first} - {other} | {ci['n']} | {interval(ci)} | {verdict(ci, f'{first.upper()} higher', f'{first.upper()} lower')} |")
+            if headline:
+                last.append(f"{first.upper()} - {other.upper()} {interval(ci)} "
+                            f"({verdict(ci, f'{first.upper()} higher', f'{first.upper()} lower')})")
     for mode, g in gains.items():
         print(f"{mode}: {verdict(mean_ci(list(g.values())), 'learns', 'gets worse', 'no gain shown')}")
     if last:
@@ -274,7 +285,10 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="another task (e.g. configs/metaqa_sao_tiny.yaml)")
     parser.add_argument("--algos", default="sao,sao_w0,grpo,ppo", help=f"modes, from {', '.join(MODES)}")
     parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--budget", type=float, default=None, help="generated-token budget (default 100000)")
+    parser.add_argument("--budget", type=float, default=None, help="token budget (default 100000)")
+    parser.add_argument("--budget-of", choices=("generated", "trained"), default="generated",
+                        help="what the budget counts: generated (sampled) tokens, or trained action tokens "
+                             "(equal trained tokens: the async-vs-sync comparison of issue 35)")
     parser.add_argument("--batch", type=int, default=None, help="trajectories per optimizer step (default 64)")
     parser.add_argument("--out", default="runs/bench_learning")
     parser.add_argument("--eval-every", type=int, default=None,
@@ -313,7 +327,7 @@ def main() -> None:
 
     model_path = resolve_model_path(base, load_setup(base))  # built once, shared by every run
     print(f"model {model_path}; staleness {args.staleness}; {args.batch} trajectories per step; budget "
-          f"{args.token_budget} generated tokens; modes {modes}; seeds {seeds}; held-out n={args.eval_n} "
+          f"{args.token_budget} {args.budget_of} tokens; modes {modes}; seeds {seeds}; held-out n={args.eval_n} "
           f"every {args.eval_every or 'end'} steps")
 
     rows = finished_runs(out) if args.resume else []
