@@ -334,3 +334,11 @@ def test_ray_backend_counts_the_tokens_of_cancelled_episodes_as_waste(ray_cluste
     assert summary["waste"]["wasted_tokens"] >= cut
     assert history[-1]["system/wasted_tokens"] > 0  # seen during the run, not only at the end
     assert_ledger_balances(summary)
+
+
+def test_workers_ask_for_a_gpu_only_when_they_hold_an_engine():
+    """On GPUs a worker with its own torch engine takes one; with the HTTP engine the workers only
+    send requests to the servers, so they take none (the GPUs stay for the servers and ranks)."""
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.backend=ray", "model.device=cuda"])
+    assert rb.RayRollout(cfg, None, None, None).worker_options.get("num_gpus") == 1
+    assert "num_gpus" not in rb.RayRollout(cfg, None, None, None, servers=object()).worker_options

@@ -310,7 +310,7 @@ class RayRollout:
         # weight updates, checksums and pings that run beside the episodes.
         self.max_concurrency = max(settings.most_slots(), self.worker_range[1] * self.slots_per_worker) + 8
         self.worker_options: dict[str, Any] = {"max_concurrency": self.max_concurrency}
-        if cfg.model.device.startswith("cuda"):
+        if cfg.model.device.startswith("cuda") and servers is None:  # HTTP workers only send requests
             self.worker_options["num_gpus"] = 1
         self.worker_options.update(worker_options or {})
         self.critic = critic
