@@ -31,6 +31,7 @@ from tiderl.lab.simulate import (
     Schedule,
     Workload,
     compare,
+    policy_suffix,
     standard_modes,
     strongest_sync,
 )
@@ -207,21 +208,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "scale (discrete-event model; docs/simulate.md)",
         description="Every mode of benchmarks/async_vs_sync.py (and more) on a modelled pipeline; a scenario "
         "gives every setting, each flag overrides one. Docs: docs/simulate.md.")
-    sim.add_argument("--scenario", default="tiny-lognormal", choices=sorted(SCENARIOS),
-                     help="the starting settings (default tiny-lognormal)")
+    sim.add_argument("--scenario", choices=sorted(SCENARIOS),
+                     help="the starting settings (default tiny-lognormal; with --config agentic-cluster)")
     for flag, _, _, kind, what in FIELD_FLAGS:
         sim.add_argument(flag, type=kind, help=what, dest=_dest(flag))
     for flag, _, _, what in BOOL_FLAGS:
         sim.add_argument(flag, action="store_true", default=None, help=what, dest=_dest(flag))
     modes = sim.add_argument_group("modes (which schedules are compared)")
-    modes.add_argument("--staleness", type=_int_list, default=(1, 2, 4),
-                       help="the async modes' staleness levels, e.g. 1,2,4 (default)")
-    modes.add_argument("--stale-policies", type=_policy_list, default=(("drop", 0, False),),
+    modes.add_argument("--staleness", type=_int_list,
+                       help="the async modes' staleness levels, e.g. 1,2,4 (default; with --config its "
+                       "system.max_staleness)")
+    modes.add_argument("--stale-policies", type=_policy_list,
                        help="the async modes' stale policies (tiderl's system.stale.policy), each with an optional "
                        "+SLACK: trained tokens may be N + SLACK versions old (system.stale.bound) while admission "
                        "stays at N; /drain: admission drains the run's end (system.stale.drain). async-sN drops what is too "
                        "stale; async-sN-mask+1 masks tokens older than N + 1; e.g. drop,mask,mask+1,mask+1/drain "
-                       "(default drop)")
+                       "(default drop; with --config its system.stale)")
     modes.add_argument("--sync-overprov-admission", type=_int_min(2, "--sync-overprov-admission 1024"),
                        help="sync-overprov: episodes admitted per version, above --batch-size (default 2 x "
                        "batch), e.g. 1024")
@@ -236,6 +238,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        "lockstep decoding), as benchmarks/simulator.py --validate models them")
     modes.add_argument("--elastic", type=_slot_range, metavar="MIN-MAX",
                        help="also each async mode with elastic slots between MIN and MAX, e.g. 32-192")
+    recipe = sim.add_argument_group(
+        "from a run config (tiderl/lab/cluster_model.py): predict a recipe's step time on GPUs")
+    recipe.add_argument("--config", help="a run config (e.g. configs/cluster_qwen7b_sao.yaml): its servers, trainer "
+                        "ranks, batch, steps, staleness, stale policy and tool latency set the model's; the "
+                        "scenario gives the episodes' turns and tokens; flags still override")
+    recipe.add_argument("--gpu", default="h100", help="with --config: a100, h100 (default) or h200")
+    recipe.add_argument("--params", type=float, help="with --config: the model's parameters, e.g. 7.6e9 (default: "
+                        "read from model.path's config.json)")
+    recipe.add_argument("--mfu", type=float, default=0.35, help="with --config: the trainer's model-FLOPs "
+                        "utilisation (default 0.35)")
+    recipe.add_argument("--tokens-per-sampled", type=float, default=3.0, help="with --config: trained tokens "
+                        "(prompt and observations too) per sampled token (default 3)")
+    recipe.add_argument("--sync-gb-per-s", type=float, default=2.0, help="with --config: GB/s of a weight sync's "
+                        "write and read (default 2: files on shared storage)")
+    recipe.add_argument("--gpus-per-server", type=int, default=1, help="with --config: tensor-parallel GPUs per "
+                        "inference server (default 1)")
     run = sim.add_argument_group("run")
     run.add_argument("--seeds", type=_int_min(1, "--seeds 3"), help="seeds per mode, e.g. 3 (default 3; --quick 2)")
     run.add_argument("--quick", action="store_true",
@@ -251,7 +269,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def settings(args: argparse.Namespace) -> tuple[Workload, Cluster, Schedule]:
     """The scenario's settings with every flag given applied."""
-    workload, cluster, schedule = SCENARIOS[args.scenario]
+    workload, cluster, schedule = SCENARIOS[args.scenario or default_scenario(args)]
+    if args.config:
+        workload, cluster, schedule = recipe_settings(args, workload, schedule)
     parts = {Workload: workload, Cluster: cluster, Schedule: schedule}
     for flag, owner, name, *_ in FIELD_FLAGS + BOOL_FLAGS:
         value = getattr(args, _dest(flag))
@@ -263,6 +283,47 @@ def settings(args: argparse.Namespace) -> tuple[Workload, Cluster, Schedule]:
     return parts[Workload], parts[Cluster], schedule
 
 
+def recipe_settings(args: argparse.Namespace, workload: Workload,
+                    schedule: Schedule) -> tuple[Workload, Cluster, Schedule]:
+    """--config: the run config's settings on --gpu (tiderl/lab/cluster_model.py); its staleness
+    and stale policy become the compared async mode unless --staleness/--stale-policies say
+    otherwise. ValueError naming the flag or the config's field."""
+    from tiderl.config import load_config
+    from tiderl.lab import cluster_model as cm
+
+    try:
+        cfg = load_config(args.config)
+    except (ValueError, OSError) as exc:  # a ConfigError is a ValueError
+        raise ValueError(f"--config {args.config}: {exc}") from None
+    for flag, value in (("--mfu", args.mfu), ("--tokens-per-sampled", args.tokens_per_sampled),
+                        ("--sync-gb-per-s", args.sync_gb_per_s), ("--gpus-per-server", args.gpus_per_server)):
+        if not value > 0:
+            raise ValueError(f"{flag} {value}: must be > 0, e.g. {flag} 1")
+    shape = cm.model_shape(cfg, args.params)
+    cluster = cm.cluster_from_config(cfg, args.gpu, shape, mfu=args.mfu, tokens_per_sampled=args.tokens_per_sampled,
+                                     sync_gb_per_s=args.sync_gb_per_s, gpus_per_server=args.gpus_per_server)
+    if args.staleness is None and cfg.system.max_staleness > 0:
+        args.staleness = (cfg.system.max_staleness,)
+    if args.stale_policies is None:
+        args.stale_policies = (cm.stale_policy_of(cfg),)
+    args.recipe = {"config": args.config, "gpu": args.gpu, "params": shape.params,
+                   "max_staleness": cfg.system.max_staleness, "policy": cm.stale_policy_of(cfg)}
+    return (cm.workload_from_config(cfg, workload), cluster, cm.schedule_from_config(cfg, schedule))
+
+
+def recipe_line(args: argparse.Namespace, summaries: list[ModeSummary]) -> str:
+    """The mode the --config recipe runs, and its predicted step time and throughput."""
+    r = args.recipe
+    n = r["max_staleness"]
+    name = "sync" if n == 0 else f"async-s{n}" + policy_suffix(*r["policy"])
+    mode = next((m for m in summaries if m.name == name), None)
+    if mode is None:
+        return f"recipe {r['config']}: its mode ({name}) was not among those compared"
+    step, tps = mode.figure("step_s"), mode.figure("trained_tokens_per_s")
+    return (f"recipe {r['config']} on {r['gpu']} ({r['params'] / 1e9:.1f}B parameters) runs {name}: predicted step "
+            f"{step[0]:.1f} ± {step[1]:.1f} s, {tps[0]:.0f} trained sampled tokens/s")
+
+
 def modes_of(args: argparse.Namespace, schedule: Schedule) -> list:
     if args.sync_overprov_admission is not None and args.sync_overprov_admission <= schedule.batch_size:
         raise ValueError(f"--sync-overprov-admission {args.sync_overprov_admission}: must be above the batch "
@@ -271,10 +332,10 @@ def modes_of(args: argparse.Namespace, schedule: Schedule) -> list:
         if 0 < value < schedule.batch_size:
             raise ValueError(f"{flag} {value}: below the batch size ({schedule.batch_size}) no batch could fill; "
                              f"use 0 (the mode's own) or >= {schedule.batch_size}, e.g. {flag} {3 * schedule.batch_size}")
-    return standard_modes(schedule, staleness=args.staleness, cancel_factors=args.cancel_factors,
+    return standard_modes(schedule, staleness=args.staleness or (1, 2, 4), cancel_factors=args.cancel_factors,
                           overprov_admission=args.sync_overprov_admission or 0,
                           sync_batch_factor=args.sync_batch_factor, sync_loop=args.sync_loop, elastic=args.elastic,
-                          stale_policies=args.stale_policies)
+                          stale_policies=args.stale_policies or (("drop", 0, False),))
 
 
 def _dist_text(d: Dist) -> str:
@@ -390,8 +451,13 @@ def _sweep_values(args: argparse.Namespace) -> tuple[str, list[tuple[str, Any]]]
     return action.dest, values
 
 
+def default_scenario(args: argparse.Namespace) -> str:
+    return "agentic-cluster" if getattr(args, "config", None) else "tiny-lognormal"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the comparison (or the sweep) `args` ask for and print it; 2 on a bad setting."""
+    args.scenario = args.scenario or default_scenario(args)
     seeds = args.seeds or (2 if args.quick else 3)
     try:
         points = [("", args)]
@@ -407,13 +473,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out_json: dict[str, Any] = {"scenario": args.scenario, "seeds": seeds, "points": []}
     swept: list[tuple[str, ModeSummary, dict]] = []
-    for text, workload, cluster, schedule, modes in plans:
+    for (text, workload, cluster, schedule, modes), (_, point_args) in zip(plans, points):
         t0 = time.perf_counter()
         summaries = compare(workload, cluster, modes, seeds=seeds)
         title = f"--{args.sweep[0].lstrip('-')} {text}: " if args.sweep else ""
         print(f"{title}scenario {args.scenario}, {seeds} seeds per mode ({time.perf_counter() - t0:.1f} s); "
               f"mean ± 95 % interval; tokens are sampled tokens\n  settings: {describe(workload, cluster, schedule)}")
-        for line in table(summaries) + [length_line(summaries), gain_line(summaries), ""]:
+        recipe = [recipe_line(point_args, summaries)] if getattr(point_args, "recipe", None) else []
+        for line in table(summaries) + [length_line(summaries), gain_line(summaries)] + recipe + [""]:
             print(line)
         best, ratios = gains(summaries)
         swept.append((text, best, ratios))
