@@ -15,9 +15,9 @@ deployment places them. The modes and their concurrency (episodes running at onc
 |                  | finishers train, the rest restart on new weights   |       |             |
 | sync-3B          | max_staleness=0, batch 3B, a third of the steps    | 3B    | 3B          |
 | async-s1/s2/s4   | max_staleness=N (partial rollouts continue)        | B     | (N+1)B      |
-| async-s1/s2-     | the same, system.stale.policy=mask with bound N+1: | B     | (N+1)B      |
+| async-s1/s2-     | the same, system.stale.policy=mask with slack 1:   | B     | (N+1)B      |
 |   mask+1         | too-stale tokens masked, not whole episodes dropped |       |             |
-| async-s2-mask+2- | bound N+2, and system.stale.drain: no episode      | B     | (N+1)B      |
+| async-s2-mask+2- | slack 2, and system.stale.drain: no episode        | B     | (N+1)B      |
 |   drain          | starts near the end that no step would train        |       |             |
 
 sync-3B has the concurrency of async-s2. Workloads (`--workloads`): `none` (no tool latency:
@@ -378,10 +378,12 @@ class Mode:
         out = [f"system.max_staleness={self.staleness}", f"rollout.batch_size={self.batch_factor * b}"]
         if self.admission_factor:
             out.append(f"system.admission={self.admission_factor * b}")
-        if self.stale != ("drop", 0):
-            out += [f"system.stale.policy={self.stale[0]}", f"system.stale.bound={self.staleness + self.stale[1]}"]
-        if self.drain:
-            out.append("system.stale.drain=true")
+        # Every setting of system.stale the run reads is written out, so a mode does not change with
+        # tiderl's defaults (mask, slack 2 and drain since issue 35; the modes named sN drop at N).
+        if self.staleness:
+            out += [f"system.stale.policy={self.stale[0]}", f"system.stale.slack={self.stale[1]}"]
+        if self.staleness or self.admission_factor:
+            out.append(f"system.stale.drain={str(self.drain).lower()}")
         return out
 
 

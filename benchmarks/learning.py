@@ -75,7 +75,7 @@ MODES = {
     # episodes (tokens more than 4 versions old masked, not whole episodes dropped; admission
     # drains the run's end), at equal trained tokens (--budget-of trained).
     "sao_sync": ("configs/sao.yaml", ["system.max_staleness=0"]),
-    "sao_mask": ("configs/sao.yaml", ["system.stale.policy=mask", "system.stale.bound=4", "system.stale.drain=true"]),
+    "sao_mask": ("configs/sao.yaml", ["system.stale.policy=mask", "system.stale.slack=2", "system.stale.drain=true"]),
 }
 # Paired differences the report prints (first - second); the last line gives those marked True.
 PAIRS = [("sao", "grpo", True), ("sao", "ppo", True), ("sao", "dapo", False), ("sao", "sao_w0", False),

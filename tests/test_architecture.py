@@ -217,7 +217,8 @@ def test_the_names_check_finds_names(tmp_path):
 # rollout (the engines'), serve (the agent backend's) went up by what they took over.
 PACKAGE_LINE_BUDGETS = {
     # +20: `tiderl serve --api engine` in the CLI, the HTTP-on-Ray refusal gone (issue 30: launched servers)
-    "tiderl": 2810,  # +25: Trajectory.to_dict/from_dict write and read images as PNG data URLs (issue 31)
+    # +2: a config key whose meaning changed names what replaced it (system.stale.bound -> slack, issue 35)
+    "tiderl": 2812,  # +25: Trajectory.to_dict/from_dict write and read images as PNG data URLs (issue 31)
     # +4: Trajectory.images, +10: eval --oracle renders a visual environment with a processor (issue 31)
     # issue 29: cut 22 lines: oracle_texts and the oracle's tokenizer went to tiderl/embedded, docstrings
     "agent": 970,  # +90: images in chat assembly and the agent loop (issue 31); issue 29: cut 11 lines:
@@ -273,7 +274,7 @@ PACKAGE_LINE_BUDGETS = {
 # launched inference servers (the engine server, launch, failover and restart, the HTTP engine on Ray)
 # added 670 (16,470); issue 31's image stage (pixel inputs prepared once, ahead of the step) 43 (16,516).
 # Issue 30's LoRA with the HTTP engine (the merged weights its servers reload) 70 (16,586).
-CORE_LINE_BUDGET = 16_590
+CORE_LINE_BUDGET = 16_591
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

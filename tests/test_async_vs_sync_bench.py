@@ -27,9 +27,14 @@ def test_modes_run_at_the_concurrency_the_docstring_states():
     assert modes["sync-3B"].concurrency(b) == modes["async-s2"].concurrency(b)
     assert "system.admission=32" in modes["sync-overprov"].overrides(b)
     assert "rollout.batch_size=48" in modes["sync-3B"].overrides(b)
-    assert modes["async-s2-mask+1"].overrides(b)[-2:] == ["system.stale.policy=mask", "system.stale.bound=3"]
-    assert not any(o.startswith("system.stale.") for o in modes["async-s2"].overrides(b))
-    assert modes["async-s2-mask+2-drain"].overrides(b)[-3:] == ["system.stale.policy=mask", "system.stale.bound=4",
+    assert modes["async-s2-mask+1"].overrides(b)[-3:] == ["system.stale.policy=mask", "system.stale.slack=1",
+                                                          "system.stale.drain=false"]
+    # The drop modes spell out the former rule, whatever tiderl's defaults are.
+    assert modes["async-s2"].overrides(b)[-3:] == ["system.stale.policy=drop", "system.stale.slack=0",
+                                                   "system.stale.drain=false"]
+    assert not any(o.startswith("system.stale.") for o in modes["sync"].overrides(b))
+    assert modes["sync-overprov"].overrides(b)[-1] == "system.stale.drain=false"
+    assert modes["async-s2-mask+2-drain"].overrides(b)[-3:] == ["system.stale.policy=mask", "system.stale.slack=2",
                                                                 "system.stale.drain=true"]
 
 

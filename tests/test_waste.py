@@ -209,16 +209,20 @@ def test_mask_keeps_a_group_whose_member_is_partly_too_old():
     check_ledger(pool)
 
 
-def test_the_config_chooses_the_policy_and_bound_beside_the_code():
-    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=1", "system.stale.policy=mask",
-                                                   "system.stale.bound=2"])
+def test_the_config_chooses_the_policy_and_slack_beside_the_code():
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=1", "system.stale.policy=drop",
+                                                   "system.stale.slack=0"])
     s = PoolSettings.from_config(cfg)
-    assert (s.stale_policy, s.stale_bound) == ("mask", 2)
-    assert PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", [])).stale_policy == "drop"
-    with pytest.raises(ConfigError, match="system.stale.bound: 1 is below system.max_staleness=2"):
-        load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.bound=1"])
-    with pytest.raises(ConfigError, match="system.stale.policy: set to 'mask', but at system.max_staleness=0"):
-        load_config("configs/kg_sao_tiny.yaml", ["system.stale.policy=mask"])
+    assert (s.stale_policy, s.stale_bound) == ("drop", 1)
+    # The defaults (issue 35): mask tokens more than max_staleness + 2 versions old, drain the end.
+    s = PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2"]))
+    assert (s.stale_policy, s.stale_bound, s.run_steps) == ("mask", 4, 60)
+    with pytest.raises(ConfigError, match="system.stale.slack: is -1"):
+        load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.slack=-1"])
+    with pytest.raises(ConfigError, match="system.stale.bound was replaced by system.stale.slack.*slack=2"):
+        load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.bound=4"])
+    with pytest.raises(ConfigError, match="system.stale.policy: set to 'drop', but at system.max_staleness=0"):
+        load_config("configs/kg_sao_tiny.yaml", ["system.stale.policy=drop"])
     with pytest.raises(ConfigError, match="'trim' is not one of 'drop', 'mask'"):
         load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=1", "system.stale.policy=trim"])
 
@@ -307,10 +311,10 @@ def test_a_drained_run_ends_with_nothing_in_flight_or_buffered(group_size):
 
 
 def test_the_config_turns_the_drain_on_with_the_runs_step_count():
-    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.drain=true",
-                                                   "train.steps=7"])
-    assert PoolSettings.from_config(cfg).run_steps == 7
-    assert PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2"])).run_steps == 0
+    cfg = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "train.steps=7"])
+    assert PoolSettings.from_config(cfg).run_steps == 7  # on by default
+    off = load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.drain=false"])
+    assert PoolSettings.from_config(off).run_steps == 0
 
 
 def test_the_simulator_drains_with_the_same_rule():

@@ -237,8 +237,9 @@ class SystemConfig:
     options: Any = component_options(
         registry.BACKEND_COMPONENTS, "The chosen backend's own options (`Options` of what system.backend names; "
         "`tiderl config` lists each backend's).")
-    max_staleness: int = opt(0, "Policy versions a trained token may lag the trainer (0 = on-policy, synchronous).")
-    stale: StaleOptions = section(StaleOptions, "What trains of a trajectory with tokens older than the bound.")
+    max_staleness: int = opt(0, "Versions the engine's weights may lag the trainer when an episode starts (0 = on-policy, "
+                             "synchronous); its trained tokens may lag max_staleness + system.stale.slack.")
+    stale: StaleOptions = section(StaleOptions, "What trains of an episode with tokens older than the bound.")
     partial_rollout: str = opt("continue", "What in-flight episodes do when new weights arrive: continue on them "
                                "(per-token versions) or restart from scratch.", ("continue", "restart"))
     slots: int = opt(0, "Concurrent rollout slots at start (0 = (max_staleness+1) x batch).")

@@ -201,6 +201,8 @@ def build(cls: type, data: Any, where: str = "") -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
+            if key in getattr(cls, "replaced_keys", {}):  # a key whose meaning changed: say how
+                raise ConfigError(f"{dotted(where, key)} {cls.replaced_keys[key]}", dotted(where, key))
             raise UnknownKeyError(key, where, list(fields))
         if "components" in fields[key].metadata:
             continue  # built below, once the choice it follows is known

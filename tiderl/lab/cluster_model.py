@@ -144,6 +144,5 @@ def workload_from_config(run_cfg: Any, workload: Workload) -> Workload:
 
 def stale_policy_of(run_cfg: Any) -> tuple[str, int, bool]:
     """The run's stale policy as simulate's (policy, slack over max_staleness, drain)."""
-    s = run_cfg.system
-    slack = max(0, s.stale.bound - s.max_staleness) if s.stale.bound else 0
-    return s.stale.policy, slack, s.stale.drain
+    s = run_cfg.system.stale
+    return s.policy, s.slack, s.drain

@@ -17,8 +17,8 @@ modelled, and how:
   the new version from then on; an episode's staleness is the trainer version at training minus
   the version of its first sampled token (partial rollouts continue on new weights, tiderl's
   default `system.partial_rollout=continue`). A trajectory older than the bound (`stale_bound`,
-  0 = N: tiderl's `system.stale.bound`) is judged by tiderl's own rule (`too_stale`) under the
-  schedule's `stale_policy` (`system.stale.policy`): `drop` drops it, `mask` trains it with its
+  0 = N; tiderl's is max_staleness + `system.stale.slack`) is judged by tiderl's own rule
+  (`too_stale`) under the schedule's `stale_policy` (`system.stale.policy`): `drop` drops it, `mask` trains it with its
   tokens sampled more than the bound ago masked out (each episode records how many tokens it had
   sampled at each weight change, so the tokens per version are known). With `colocated`, the devices do one thing at a
   time, as tiderl's synchronous loop (decoding, preparation and training in one thread): once a
@@ -194,7 +194,7 @@ class Schedule:
     elastic_interval_s: float = 2.0
     steps: int = 50
     stale_policy: str = "drop"  # async: tiderl's system.stale.policy (drop | mask)
-    stale_bound: int = 0  # async: tiderl's system.stale.bound (0 = max_staleness)
+    stale_bound: int = 0  # async: tiderl's max_staleness + system.stale.slack (0 = max_staleness)
     drain: bool = False  # async: tiderl's system.stale.drain (admission drains the run's end)
 
     def label(self) -> str:

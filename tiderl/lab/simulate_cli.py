@@ -220,7 +220,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        "system.max_staleness)")
     modes.add_argument("--stale-policies", type=_policy_list,
                        help="the async modes' stale policies (tiderl's system.stale.policy), each with an optional "
-                       "+SLACK: trained tokens may be N + SLACK versions old (system.stale.bound) while admission "
+                       "+SLACK: trained tokens may be N + SLACK versions old (system.stale.slack) while admission "
                        "stays at N; /drain: admission drains the run's end (system.stale.drain). async-sN drops what is too "
                        "stale; async-sN-mask+1 masks tokens older than N + 1; e.g. drop,mask,mask+1,mask+1/drain "
                        "(default drop; with --config its system.stale)")

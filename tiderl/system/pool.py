@@ -79,7 +79,7 @@ class PoolSettings:
     resource_units: float = 1.0  # devices the run holds: goodput per resource unit divides by it
     admission: int = 0  # most unsettled trajectories; 0 = (max_staleness + 1) * batch_size
     stale_policy: str = "drop"  # or "mask" (system.stale.policy; tiderl.system.staleness)
-    stale_bound: int = 0  # versions a trained token may lag; 0 = max_staleness (system.stale.bound)
+    stale_bound: int = 0  # versions a trained token may lag; 0 = max_staleness (config: max_staleness + system.stale.slack)
     run_steps: int = 0  # with system.stale.drain: the run's step count (train.steps), else 0
 
     def initial_slots(self) -> int:
@@ -99,7 +99,7 @@ class PoolSettings:
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
                    group_size=cfg.algo.group_size, env_name=cfg.env.name,
                    resource_units=s.resource_units, admission=s.admission, stale_policy=s.stale.policy,
-                   stale_bound=s.stale.bound, run_steps=cfg.train.steps if s.stale.drain else 0)
+                   stale_bound=s.max_staleness + s.stale.slack, run_steps=cfg.train.steps if s.stale.drain else 0)
 
 
 @dataclass

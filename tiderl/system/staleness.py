@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tiderl.options import need, opt
 from tiderl.types import NO_VERSION, Trajectory
@@ -18,27 +18,29 @@ STALE_POLICIES = ("drop", "mask")
 
 @dataclass
 class StaleOptions:
-    """`system.stale`: what happens to a trajectory some of whose sampled tokens are more than
-    `bound` versions old (docs/architecture.md; measured in docs/simulate.md, "Stale policies")."""
+    """`system.stale`: what trains of an episode with sampled tokens more than `system.max_staleness
+    + slack` versions old (docs/architecture.md, "The staleness rule"; measured in docs/simulate.md
+    and docs/benchmarks.md, "Stale policies")."""
 
-    policy: str = opt("drop", "drop: the trajectory is dropped (and counted). mask: it trains, with its sampled "
-                      "tokens older than the bound masked out (loss_mask 0), so long episodes are not thrown "
-                      "away; dropped only when every sampled token is too old.", STALE_POLICIES)
-    bound: int = opt(0, "Versions a trained token may lag the trainer (0 = system.max_staleness). Above "
-                     "max_staleness, max_staleness bounds only admission: a long episode admitted at N finishes "
-                     "more than N versions later, and keeps its tokens up to this bound.")
-    drain: bool = opt(False, "Near the end of the run, start a task only if the steps left (train.steps) can "
+    replaced_keys: ClassVar[dict[str, str]] = {"bound": "was replaced by system.stale.slack, the versions beyond "
+        "system.max_staleness a trained token may lag. Fix: slack = bound - max_staleness, e.g. system.stale.slack=2"}
+
+    policy: str = opt("mask", "mask: the episode trains with its sampled tokens older than the bound masked out "
+                      "(loss_mask 0), so long episodes are not thrown away; dropped only when every sampled token is "
+                      "too old. drop: an episode with any token older than the bound is dropped (and counted).",
+                      STALE_POLICIES)
+    slack: int = opt(2, "Versions beyond system.max_staleness (which bounds admission) a trained token may lag: a long "
+                     "episode admitted at the bound keeps its tokens that much longer. drop with 0 is the former rule.")
+    drain: bool = opt(True, "Near the end of the run, start a task only if the steps left (train.steps) can "
                       "train it: the run ends without episodes in flight that no step would train (their tokens "
                       "would be waste). The last steps overlap less rollout with training.")
 
     def check(self, cfg: Any) -> None:
-        n = cfg.system.max_staleness
-        need(self.bound == 0 or self.bound >= n, "bound", f"{self.bound} is below system.max_staleness={n}",
-             f"use 0 (= max_staleness) or at least {n}, e.g. {n + 1}")
+        need(self.slack >= 0, "slack", f"is {self.slack}", "use 0 or more, e.g. 2")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         why = "at system.max_staleness=0 no trajectory mixes versions (episodes on old weights restart)"
-        unread = {} if cfg.system.max_staleness > 0 else {"policy": why, "bound": why}
+        unread = {} if cfg.system.max_staleness > 0 else {"policy": why, "slack": why}
         if cfg.system.max_staleness == 0 and not cfg.system.admission:
             unread["drain"] = "at staleness 0 without system.admission no more than a batch is ever in flight"
         return unread
