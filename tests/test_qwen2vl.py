@@ -1,9 +1,12 @@
 """Qwen2-VL in tiderl (issue 31): a tiny one built offline with a processor that needs no
 torchvision; its 3-D rotary positions (M-RoPE) computed by tiderl equal the model's own; exact
 multi-turn assembly with its images; the trainer's log-probs and values equal the model's own
-forward with pixel values; the torch engine's behaviour log-probs (prefill, KV-cache decoding,
-prefix reuse across turns with images) equal the trainer's recompute; and `tiderl train` with SAO
-on a folder holding it. The environments are those of tests/test_vlm.py and tests/test_vlm_run.py."""
+forward with pixel values; continuous batching of rows with other M-RoPE lags; and `tiderl train`
+with SAO on a folder holding it. The checks both tiny architectures share run parametrized over
+Idefics3 and Qwen2-VL beside the Idefics3 ones: the engine's behaviour log-probs equal to the
+trainer's and learning the colour shown (tests/test_vlm_train.py), exact resume at staleness 0 and
+LoRA / bf16 autocast / activation checkpointing (tests/test_vlm_run.py), DDP ranks
+(tests/test_parallel_vlm.py). The environments are those of tests/test_vlm.py and tests/test_vlm_run.py."""
 
 from __future__ import annotations
 
