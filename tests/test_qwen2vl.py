@@ -1,9 +1,12 @@
 """Qwen2-VL in tiderl (issue 31): a tiny one built offline with a processor that needs no
 torchvision; its 3-D rotary positions (M-RoPE) computed by tiderl equal the model's own; exact
 multi-turn assembly with its images; the trainer's log-probs and values equal the model's own
-forward with pixel values; the torch engine's behaviour log-probs (prefill, KV-cache decoding,
-prefix reuse across turns with images) equal the trainer's recompute; and `tiderl train` with SAO
-on a folder holding it. The environments are those of tests/test_vlm.py and tests/test_vlm_run.py."""
+forward with pixel values; continuous batching of rows with other M-RoPE lags; and `tiderl train`
+with SAO on a folder holding it. The checks both tiny architectures share run parametrized over
+Idefics3 and Qwen2-VL beside the Idefics3 ones: the engine's behaviour log-probs equal to the
+trainer's and learning the colour shown (tests/test_vlm_train.py), exact resume at staleness 0 and
+LoRA / bf16 autocast / activation checkpointing (tests/test_vlm_run.py), DDP ranks
+(tests/test_parallel_vlm.py). The environments are those of tests/test_vlm.py and tests/test_vlm_run.py."""
 
 from __future__ import annotations
 
@@ -266,35 +269,6 @@ def test_text_only_rows_train_packed_as_unpacked(qwen):
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("prefix_cache_mb", [1024.0, 0.0])
-def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_with_images(qwen, prefix_cache_mb):
-    model, processor = qwen
-    engine = TorchEngine(model, processor, seed=3, prefix_cache_mb=prefix_cache_mb)
-    tasks = [Task(f"t{i}", "q", None, {"colours": colours, "turns": 2})
-             for i, colours in enumerate((["red", "blue"], ["green", "red"], ["blue", "blue"]))]
-    trajectories = play_episodes(engine, processor, ShowEveryTurnEnv, tasks,
-                                 SamplingParams(temperature=1.0, max_new_tokens=12, seed=7), max_turns=3,
-                                 max_total_tokens=400)
-    assert all(t.num_turns == 2 and len(t.images) == 2 for t in trajectories)
-    assert (engine.stats["reused_tokens"] > 0) == (prefix_cache_mb > 0)
-    batch = collate(trajectories, 0, processor.image_processor)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
-    worst, sampled_after_an_image = 0.0, 0
-    for row, t in enumerate(trajectories):
-        sampled = torch.tensor(t.loss_mask, dtype=torch.bool)
-        behaviour = torch.tensor(t.behavior_logprobs)[sampled]
-        worst = max(worst, float((behaviour - lp[row, : len(t.tokens)][sampled]).abs().max()))
-        sampled_after_an_image += int(sampled.sum())
-    print(f"\n[qwen2vl engine] prefix_cache_mb={prefix_cache_mb}: max |engine - trainer| log-prob = {worst:.2e}")
-    assert worst < 1e-5, worst
-    assert sampled_after_an_image > 30  # several decode steps per turn, each after images
-    assert len({tok for t in trajectories for tok, m in zip(t.tokens, t.loss_mask) if m}) > 5  # it sampled
-    # Positions at token indices (no M-RoPE) would give other log-probs: the check has teeth.
-    t = trajectories[0]
-    assert float((_logprobs_at_token_indices(model, processor, t) - lp[0, :len(t.tokens)]).abs().max()) > 1e-3
-
-
 @pytest.mark.slow  # trains and evaluates through the CLI (about 30 s on 2 shared cores)
 def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
     from test_vlm_run import ColourEnv, corpus
@@ -329,71 +303,6 @@ def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
                  "log.progress=false"]) == 0
     greedy = json.loads(results.read_text())["greedy"]
     assert greedy["n"] == 6 and greedy["by_stop_reason"].get("error") is None
-
-
-@pytest.mark.slow  # two short runs and a resumed one (about 20 s on 2 shared cores)
-def test_a_qwen2vl_run_resumes_exactly_at_staleness_0(tmp_path):
-    """Resumed from step 1's checkpoint, steps 2-3 and the final weights equal the uninterrupted
-    run's bit for bit."""
-    import shutil
-
-    from support import TIMED
-    from test_vlm_run import _vlm_args, corpus
-    from tiderl.config import load_config
-    from tiderl.recipe import train
-    from tiderl.run import build_run
-
-    def rows(run_dir):
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMED)}
-                for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-    model, processor = build_tiny_qwen2vl(corpus(), seed=0)
-    model_dir = tmp_path / "model"
-    model.save_pretrained(model_dir)
-    processor.save_pretrained(model_dir)
-    exact = ["train.steps=3", "train.checkpoint_every=1", "train.reproducible=true"]
-    a = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "a", *exact)))
-    train(a)
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    b = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "b", *exact,
-                                              f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}")))
-    assert b.step == 1
-    train(b)
-    assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3]
-    assert rows(tmp_path / "a") == rows(tmp_path / "b")
-    assert any(r.get("policy/loss") for r in rows(tmp_path / "a")[1:])  # the actor trained in the compared steps
-    for k, v in a.actor.model.state_dict().items():
-        assert torch.equal(v, b.actor.model.state_dict()[k]), k
-    for k, v in a.critic.model.state_dict().items():
-        assert torch.equal(v, b.critic.model.state_dict()[k]), k
-
-
-@pytest.mark.slow  # trains a model (60 warm-start steps)
-def test_a_tiny_qwen2vl_learns_to_name_the_colour_it_is_shown(qwen):
-    """The images carry signal end to end with M-RoPE: after a short supervised warm start (the
-    answer is the colour of the square, the question the same every time), the torch engine's
-    greedy answer names the colour it is shown, for every colour."""
-    from tiderl.models.warmstart import supervised_finetune
-
-    model, processor = qwen
-    model = copy.deepcopy(model)
-    tok = processor.tokenizer
-    colours = ["red", "green", "blue"]
-    demos = []
-    for colour in colours:
-        (t,) = play_episodes(ScriptedEngine(tok, {"What colour": [f"answer: {colour}"]}), processor, SquaresEnv,
-                             [Task(colour, "q", None, {"colours": [colour]})], SamplingParams(max_new_tokens=20),
-                             max_turns=1, max_total_tokens=200)
-        assert t.reward == 1.0
-        demos.append(t)
-    losses = supervised_finetune(model, demos, 0, steps=60, batch_size=3, lr=3e-3, seed=0, log=lambda _: None,
-                                 image_processor=processor.image_processor)
-    assert losses[-1] < 0.1 * losses[0]
-    tasks = [Task(c, "q", None, {"colours": [c]}) for c in colours]
-    out = play_episodes(TorchEngine(model, processor, seed=0), processor, SquaresEnv, tasks,
-                        SamplingParams(temperature=0.0, max_new_tokens=12), max_turns=1, max_total_tokens=200)
-    assert [t.reward for t in out] == [1.0, 1.0, 1.0], [tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m])
-                                                          for t in out]
 
 
 @pytest.mark.parametrize("prefill_tokens", [4096, 24])
@@ -436,31 +345,6 @@ def test_rows_with_other_lags_decode_together_and_one_joins_a_running_batch(qwen
         with torch.no_grad():
             lp, _ = token_logprobs(model, ids, torch.ones_like(ids), pixels=pixels)
         torch.testing.assert_close(lp[0, len(request.prompt):], torch.tensor(done.logprobs), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("options", [  # (about 3 s each)
-    ["model.lora.r=4", "model.critic_lora=lora", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,qkv]"],
-    ["train.autocast=bfloat16", "train.activation_checkpointing=true"]])
-def test_a_qwen2vl_trains_with_lora_or_bf16_autocast_and_activation_checkpointing(tmp_path, options):
-    """With LoRA only adapters train, the vision tower's too when its attention's `qkv` is named
-    (the default target modules match none of its layers); otherwise the vision tower trains."""
-    from test_vlm_run import _vlm_args, corpus
-    from tiderl.config import load_config
-    from tiderl.recipe import train
-    from tiderl.run import build_run
-
-    model, processor = build_tiny_qwen2vl(corpus(), seed=0)
-    model.save_pretrained(tmp_path / "model")
-    processor.save_pretrained(tmp_path / "model")
-    run = build_run(load_config(None, _vlm_args(tmp_path / "model", tmp_path / "run", "train.steps=2", *options)))
-    before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
-    history, summary = train(run)
-    assert summary["ledger"]["trained"] == 2 * 6 and summary["ledger"]["failed"] == 0, summary["ledger"]
-    assert history[-1]["policy/loss"] != 0  # the actor trained at step 2
-    changed = {k for k, v in before.items() if not torch.equal(v, run.actor.model.state_dict()[k])}
-    assert any(".visual." in k or k.startswith("model.visual.") for k in changed), sorted(changed)[:5]
-    if "model.lora.r=4" in options:
-        assert all(".lora_" in k for k in changed), sorted(changed)[:5]
 
 
 def test_a_placeholder_token_the_model_sampled_is_text_for_positions_too(qwen):

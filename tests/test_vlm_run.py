@@ -157,10 +157,17 @@ def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started
     assert json.loads((run_dir / "system.json").read_text())["ledger"]["failed"] == 0
 
 
-def _vlm_dir(tmp_path) -> Path:
-    from tiderl.embedded.tiny_vlm import build_tiny_vlm
+# Each tiny architecture's builder (module, function) and the parameter-name part of its vision tower.
+ARCHITECTURES = {"idefics3": ("tiderl.embedded.tiny_vlm", "build_tiny_vlm", "vision_model."),
+                 "qwen2_vl": ("tiderl.embedded.tiny_qwen2vl", "build_tiny_qwen2vl", "visual.")}
 
-    model, processor = build_tiny_vlm(corpus(), seed=0)
+
+def _vlm_dir(tmp_path, architecture: str = "idefics3") -> Path:
+    """A folder holding `architecture`'s tiny model (built on this file's corpus) and its processor."""
+    import importlib
+
+    module, builder, _ = ARCHITECTURES[architecture]
+    model, processor = getattr(importlib.import_module(module), builder)(corpus(), seed=0)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     processor.save_pretrained(model_dir)
@@ -183,25 +190,27 @@ def _vlm_args(model_dir, run_dir, *more) -> list[str]:
             *more]
 
 
-@pytest.mark.slow  # three short runs of the tiny VLM (about 40 s on 2 shared cores)
-def test_a_vlm_run_resumes_exactly_and_keeps_buffered_images_across_a_checkpoint(tmp_path):
-    """Staleness 0: resumed from step 1's checkpoint, steps 2-3 and the final weights equal the
-    uninterrupted run's bit for bit (the episodes' images are redrawn from the tasks, so the
-    resumed run must see the same ones). Staleness 1 with a slow environment: a checkpoint holds
-    finished episodes not yet trained, their images pickled with them, and the resumed run trains
-    every task once."""
+def _rows(run_dir) -> list[dict]:
+    """metrics.jsonl's rows without the timings (which differ between runs)."""
+    from support import TIMED
+
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMED)}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # two short runs and a resumed one (about 20 s on 2 shared cores)
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_a_vlm_run_resumes_exactly_at_staleness_0(tmp_path, architecture):
+    """Resumed from step 1's checkpoint, steps 2-3 and the final weights equal the uninterrupted
+    run's bit for bit (the episodes' images are redrawn from the tasks, so the resumed run must see
+    the same ones)."""
     import shutil
 
-    from support import TIMED
     from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.run import build_run
 
-    def rows(run_dir):
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMED)}
-                for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-    model_dir = _vlm_dir(tmp_path)
+    model_dir = _vlm_dir(tmp_path, architecture)
     exact = ["train.steps=3", "train.checkpoint_every=1", "train.reproducible=true"]
     a = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "a", *exact)))
     train(a)
@@ -210,15 +219,21 @@ def test_a_vlm_run_resumes_exactly_and_keeps_buffered_images_across_a_checkpoint
                                               f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}")))
     assert b.step == 1
     train(b)
-    assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3]
-    assert rows(tmp_path / "a") == rows(tmp_path / "b")
-    assert any(r.get("policy/loss") for r in rows(tmp_path / "a")[1:])  # the actor trained in the compared steps
+    assert [r["step"] for r in _rows(tmp_path / "b")] == [1, 2, 3]
+    assert _rows(tmp_path / "a") == _rows(tmp_path / "b")
+    assert any(r.get("policy/loss") for r in _rows(tmp_path / "a")[1:])  # the actor trained in the compared steps
     for k, v in a.actor.model.state_dict().items():
         assert torch.equal(v, b.actor.model.state_dict()[k]), k
     for k, v in a.critic.model.state_dict().items():
         assert torch.equal(v, b.critic.model.state_dict()[k]), k
 
-    # Staleness 1: episodes take 0.3 s (the tool latency), so some finish before the step that trains them.
+
+@pytest.mark.slow  # two short runs of the tiny VLM (about 20 s on 2 shared cores)
+def test_a_vlm_run_keeps_buffered_images_across_a_checkpoint_at_staleness_1(tmp_path):
+    """Staleness 1 with a slow environment: a checkpoint holds finished episodes not yet trained,
+    their images pickled with them, and the resumed run trains every task once."""
+    model_dir = _vlm_dir(tmp_path)
+    # Episodes take 0.3 s (the tool latency), so some finish before the step that trains them.
     slow = ["system.max_staleness=1", "env.tool_latency=fixed", "env.tool_latency_s=0.3", "train.checkpoint_every=1"]
     run_dir = tmp_path / "async"
     assert main_train(_vlm_args(model_dir, run_dir, "train.steps=2", *slow)) == 0
@@ -277,29 +292,32 @@ def test_a_vlm_trains_on_ray_with_data_parallel_ranks_and_a_remote_critic(tmp_pa
         assert not ray.is_initialized()
 
 
-@pytest.mark.slow  # two short runs of the tiny VLM per option (about 10 s each on 2 shared cores)
-@pytest.mark.parametrize("option", ["model.lora.r=4", "train.autocast=bfloat16", "train.activation_checkpointing=true"])
-def test_a_vlm_trains_with_lora_bf16_autocast_and_activation_checkpointing(tmp_path, option):
+@pytest.mark.parametrize("architecture, options", [  # (about 3 s to 10 s each on 2 shared cores)
+    pytest.param("idefics3", ["model.lora.r=4", "model.critic_lora=lora"], marks=pytest.mark.slow),
+    pytest.param("idefics3", ["train.autocast=bfloat16"], marks=pytest.mark.slow),
+    pytest.param("idefics3", ["train.activation_checkpointing=true"], marks=pytest.mark.slow),
+    ("qwen2_vl", ["model.lora.r=4", "model.critic_lora=lora", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,qkv]"]),
+    ("qwen2_vl", ["train.autocast=bfloat16", "train.activation_checkpointing=true"])])
+def test_a_vlm_trains_with_lora_bf16_autocast_and_activation_checkpointing(tmp_path, architecture, options):
     """Each trainer option with a vision-language model: the run trains every episode; with LoRA
-    (policy and critic) the base stays as it was and adapters train, the vision tower's too (the
-    default target modules match its attention projections); otherwise the vision tower trains."""
+    (policy and critic) the base stays as it was and adapters train, the vision tower's too (on
+    Idefics3 the default target modules match its attention projections; Qwen2-VL's vision attention
+    is `qkv`, which has to be named); otherwise the vision tower trains."""
     from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.run import build_run
 
-    more = [option, "model.critic_lora=lora"] if "lora" in option else [option]
-    run = build_run(load_config(None, _vlm_args(_vlm_dir(tmp_path), tmp_path / "run", "train.steps=2", *more)))
+    model_dir = _vlm_dir(tmp_path, architecture)
+    run = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "run", "train.steps=2", *options)))
     before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
     history, summary = train(run)
     assert summary["ledger"]["trained"] == 2 * 6 and summary["ledger"]["failed"] == 0, summary["ledger"]
     assert history[-1]["policy/loss"] != 0  # the actor trained at step 2
     after = run.actor.model.state_dict()
     changed = {k for k, v in before.items() if not torch.equal(v, after[k])}
-    if "lora" in option:
+    assert any(ARCHITECTURES[architecture][2] in k for k in changed), sorted(changed)[:5]  # the vision tower
+    if "model.lora.r=4" in options:
         assert changed and all(".lora_" in k for k in changed), sorted(changed)[:5]
-        assert any("vision_model" in k for k in changed)
-    else:
-        assert any("vision_model" in k for k in changed)
 
 
 @pytest.mark.slow  # collects 60 episodes and fits a critic twice (about 60 s on 2 shared cores)

@@ -1,7 +1,9 @@
 """Episodes with images in the trainer and the torch engine (issue 31): the training forward with
 images equals a plain Hugging Face forward with pixel values, gradients reach the vision tower and
 the connector, image tokens carry no loss, and the engine's behaviour log-probs (prefill with image
-features, KV-cache decoding, prefix reuse across turns) equal the trainer's recompute."""
+features, KV-cache decoding, prefix reuse across turns) equal the trainer's recompute. The engine
+check and the colour-learning check run on both tiny architectures, Idefics3 and Qwen2-VL
+(tests/test_qwen2vl.py has Qwen2-VL's own checks: M-RoPE, its processor, its assembly)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from support import give_own_behaviour_logprobs
 from test_vlm import CORPUS, SquaresEnv, square
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
+from tiderl.embedded.tiny_qwen2vl import build_tiny_qwen2vl
 from tiderl.embedded.tiny_vlm import build_tiny_vlm
 from tiderl.envs.protocol import Observation, StepResult, Task
 from tiderl.models.vision import PromptImages, image_inputs
@@ -27,6 +30,8 @@ from tiderl.train.learner import Learner
 from tiderl.train.step import train_step
 
 CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
+# Each tiny architecture's builder and the worst engine - trainer log-prob difference it is held to.
+ARCHITECTURES = {"idefics3": (build_tiny_vlm, 1e-4), "qwen2_vl": (build_tiny_qwen2vl, 1e-5)}
 
 
 class ShowEveryTurnEnv(SquaresEnv):
@@ -43,6 +48,19 @@ class ShowEveryTurnEnv(SquaresEnv):
 @pytest.fixture(scope="module")
 def vlm():
     return build_tiny_vlm(CORPUS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(vlm):
+    """`tiny(architecture)`: that architecture's tiny model and processor, built once a module."""
+    built = {"idefics3": vlm}
+
+    def get(architecture: str):
+        if architecture not in built:
+            built[architecture] = ARCHITECTURES[architecture][0](CORPUS, seed=0)
+        return built[architecture]
+
+    return get
 
 
 def _hf_logprobs(model, ids: list[int], images, image_processor) -> torch.Tensor:
@@ -129,8 +147,10 @@ def test_a_train_step_on_episodes_with_images_trains_the_vision_tower_and_connec
 
 
 @pytest.mark.parametrize("prefix_cache_mb", [1024.0, 0.0])
-def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_with_images(vlm, prefix_cache_mb):
-    model, processor = vlm
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_with_images(tiny, architecture,
+                                                                                         prefix_cache_mb):
+    model, processor = tiny(architecture)
     engine = TorchEngine(model, processor, seed=3, prefix_cache_mb=prefix_cache_mb)
     tasks = [Task(f"t{i}", "q", None, {"colours": colours, "turns": 2})
              for i, colours in enumerate((["red", "blue"], ["green", "red"], ["blue", "blue"]))]
@@ -143,14 +163,22 @@ def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_wit
     batch = collate(trajectories, 0, processor.image_processor)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
-    worst = 0.0
+    worst, sampled_after_an_image = 0.0, 0
     for row, t in enumerate(trajectories):
         sampled = torch.tensor(t.loss_mask, dtype=torch.bool)
         behaviour = torch.tensor(t.behavior_logprobs)[sampled]
         worst = max(worst, float((behaviour - lp[row, : len(t.tokens)][sampled]).abs().max()))
-    print(f"\n[vlm engine] prefix_cache_mb={prefix_cache_mb}: max |engine - trainer| log-prob = {worst:.2e}")
-    assert worst < 1e-4, worst
+        sampled_after_an_image += int(sampled.sum())
+    print(f"\n[{architecture} engine] prefix_cache_mb={prefix_cache_mb}: max |engine - trainer| log-prob = {worst:.2e}")
+    assert worst < ARCHITECTURES[architecture][1], worst
+    assert sampled_after_an_image > 30  # several decode steps per turn, each after images
     assert len({tok for t in trajectories for tok, m in zip(t.tokens, t.loss_mask) if m}) > 5  # it sampled
+    if architecture == "qwen2_vl":
+        # Positions at token indices (no M-RoPE) would give other log-probs: the check has teeth.
+        from test_qwen2vl import _logprobs_at_token_indices
+
+        t = trajectories[0]
+        assert float((_logprobs_at_token_indices(model, processor, t) - lp[0, :len(t.tokens)]).abs().max()) > 1e-3
 
 
 def test_the_engine_refuses_images_without_a_processor_or_with_the_wrong_flags(vlm):
@@ -208,13 +236,15 @@ def test_a_placeholder_token_the_model_sampled_is_text_for_the_trainer_and_the_e
 
 
 @pytest.mark.slow  # trains a model (60 warm-start steps)
-def test_a_tiny_vlm_learns_to_name_the_colour_it_is_shown(vlm):
-    """The images carry signal end to end: after a short supervised warm start on demonstrations
-    (the answer is the colour of the square, the question the same text every time), the torch
-    engine's greedy answer names the colour of the square it is shown, for every colour."""
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_a_tiny_vlm_learns_to_name_the_colour_it_is_shown(tiny, architecture):
+    """The images carry signal end to end (with Qwen2-VL, through M-RoPE too): after a short
+    supervised warm start on demonstrations (the answer is the colour of the square, the question
+    the same text every time), the torch engine's greedy answer names the colour of the square it is
+    shown, for every colour."""
     from tiderl.models.warmstart import supervised_finetune
 
-    model, processor = vlm
+    model, processor = tiny(architecture)
     model = copy.deepcopy(model)
     tok = processor.tokenizer
     colours = ["red", "green", "blue"]

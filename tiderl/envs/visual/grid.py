@@ -343,3 +343,43 @@ def noisy_turns(task: Task, rate: float, rng: random.Random, max_turns: int) -> 
         if 0 <= nxt[0] < size and 0 <= nxt[1] < size and nxt not in walls:
             agent = nxt
     return turns
+
+
+def confusion_table(size: int, share: float, seed: int) -> dict[tuple[Cell, str], str]:
+    """Systematic mistakes for the warm start's demonstrations: about `share` of the (cell, right
+    move) pairs of an `size` x `size` grid, each with its one fixed wrong move (another direction
+    that stays on the grid), drawn with `seed`. A demonstration standing on such a cell whose
+    shortest path starts with that move takes the wrong one instead, at a rate
+    (`confused_turns`). Above rate 0.5 the wrong move is the demonstrations' majority there, so the
+    warm-started policy makes it under greedy decoding too: a mistake RL can fix, which uniform
+    noise (`noisy_turns`) never leaves (the right move stays the argmax everywhere)."""
+    rng = random.Random(f"visual_grid-confusions-{seed}-{size}")
+    table: dict[tuple[Cell, str], str] = {}
+    for cell in [(r, c) for r in range(size) for c in range(size)]:
+        for best in DIRECTIONS:
+            confused = rng.random() < share
+            others = [d for d, (dr, dc) in DIRECTIONS.items()
+                      if d != best and 0 <= cell[0] + dr < size and 0 <= cell[1] + dc < size]
+            wrong = rng.choice(others)  # drawn either way, so `share` does not move the other pairs' draws
+            if confused:
+                table[(cell, best)] = wrong
+    return table
+
+
+def confused_turns(task: Task, table: dict[tuple[Cell, str], str], rate: float, rng: random.Random,
+                   max_turns: int) -> list[str]:
+    """A demonstration with systematic mistakes: each turn walks the shortest path from where it
+    stands, except that on a (cell, right move) pair of `table` it takes the table's wrong move
+    with probability `rate`; at most `max_turns` turns."""
+    size, walls, agent, goal = layout_of(task)
+    turns: list[str] = []
+    while agent != goal and len(turns) < max_turns:
+        best = (shortest_moves(size, walls, agent, goal) or ["up"])[0]
+        wrong = table.get((agent, best))
+        direction = wrong if wrong is not None and rng.random() < rate else best
+        turns.append(tool_call_text("move", {"direction": direction}))
+        dr, dc = DIRECTIONS[direction]
+        nxt = (agent[0] + dr, agent[1] + dc)
+        if 0 <= nxt[0] < size and 0 <= nxt[1] < size and nxt not in walls:
+            agent = nxt
+    return turns

@@ -33,6 +33,11 @@ class GridOptions:
     fixed_goal: bool = opt(False, "Put the goal of every task at row 1, column size-2 (still shown only in the "
                            "picture): the right move then depends on where the agent is, not on two positions, "
                            "which the tiny vision-language model learns (docs/multimodal.md, the visual demo).")
+    confused_share: float = opt(0.0, "Warm start only (model.path=tiny): 0 = each demonstration makes one random "
+                                "wrong move at rate model.warmstart.relation_noise; above 0 = its mistakes are "
+                                "systematic: on this share of the (cell, right move) pairs it takes one fixed wrong "
+                                "move at that rate, so above 0.5 the warm-started policy makes it greedily too "
+                                "(docs/env_visual.md, Warm starts).")
 
     def check(self, cfg: Any) -> None:
         need(4 <= self.size <= 8, "size", f"{self.size} is outside 4..8", "use 5")
@@ -44,6 +49,7 @@ class GridOptions:
         need(self.max_path >= 0, "max_path", "must be >= 0", "use 0 (env.max_turns)")
         need(self.max_calls_per_turn >= 1, "max_calls_per_turn", "must be >= 1", "use 4")
         need(self.num_train_tasks >= 1, "num_train_tasks", "must be >= 1", "use 2000")
+        need(0 <= self.confused_share <= 1, "confused_share", f"{self.confused_share} is outside [0, 1]", "use 0 or 0.3")
         _need_something_shown(self)
 
 

@@ -97,12 +97,20 @@ class _TableFactory:
 
 def grid_demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
     """`model.warmstart.num_traces` training tasks drawn with `rng`, each with a demonstration
-    that, at rate `model.warmstart.relation_noise`, makes one move off the shortest path
-    (`grid.noisy_turns`), within `env.max_turns` turns."""
-    ws = cfg.model.warmstart
+    within `env.max_turns` turns. With `env.options.confused_share` 0, at rate
+    `model.warmstart.relation_noise` it makes one move off the shortest path (`grid.noisy_turns`);
+    above 0, its mistakes are systematic: on that share of the (cell, right move) pairs it takes
+    one fixed wrong move at rate `relation_noise` (`grid.confusion_table`, drawn with `seed`;
+    `grid.confused_turns`)."""
+    ws, share = cfg.model.warmstart, cfg.env.options.confused_share
     tasks = [rng.choice(setup.train_tasks) for _ in range(ws.num_traces)]
-    scripts = [grid.noisy_turns(t, ws.relation_noise, rng, cfg.env.max_turns) for t in tasks]
-    return tasks, scripts, {"wrong_move_rate": ws.relation_noise}
+    if share <= 0:
+        scripts = [grid.noisy_turns(t, ws.relation_noise, rng, cfg.env.max_turns) for t in tasks]
+        return tasks, scripts, {"wrong_move_rate": ws.relation_noise}
+    table = grid.confusion_table(cfg.env.options.size, share, cfg.seed)
+    scripts = [grid.confused_turns(t, table, ws.relation_noise, rng, cfg.env.max_turns) for t in tasks]
+    confusions = {f"{r},{c} {best}": wrong for ((r, c), best), wrong in sorted(table.items())}
+    return tasks, scripts, {"wrong_move_rate": ws.relation_noise, "confusions": confusions}
 
 
 def table_demonstrations(setup: Setup, cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
