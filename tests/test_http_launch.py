@@ -168,8 +168,8 @@ def test_launch_options_are_checked(tmp_path):
         load_config(None, ["rollout.engine=http", "rollout.options.server=vllm"])
     with pytest.raises(ConfigError, match="rollout.http.launch: moved to rollout.options.launch"):
         load_config(None, ["rollout.engine=http", "rollout.http.launch=2"])
-    with pytest.raises(ConfigError, match="rollout.options.weight_sync: is sglang, but launch starts"):
-        load_config(None, ["rollout.engine=http", "rollout.options.launch=1", "rollout.options.weight_sync=sglang"])
+    with pytest.raises(ConfigError, match="rollout.options.weight_sync: 'sglang' is not one of 'vllm', 'none'"):
+        load_config(None, ["rollout.engine=http", "rollout.options.weight_sync=sglang"])  # removed: never ran
     with pytest.raises(ConfigError, match="rollout.options.launch: must be >= 0"):
         load_config(None, ["rollout.engine=http", "rollout.options.launch=-1"])
 
