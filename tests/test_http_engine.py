@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
+httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
 from support import StubServer, greedy_reference, peaky_model
 from tiderl.config import ConfigError, load_config
@@ -88,8 +88,11 @@ def vllm_server(model, tokenizer, tmp_path_factory):
     folder = _write_model_dir(model, tokenizer, tmp_path_factory.mktemp("vllm_model"))
     port = _free_port()
     log_path = folder / "vllm.log"
-    command = vllm_command(VLLM_PYTHON, folder, port, served_model="tiny", max_model_len=256)
-    env = vllm_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+    # with the lab's gloo receiver (test_weights_reach_vllm_over_a_gloo_group; needs the checkout importable)
+    command = vllm_command(VLLM_PYTHON, folder, port, served_model="tiny", max_model_len=256) + [
+        "--worker-extension-cls", "tiderl.lab.vllm_collective.GlooWeightReceiver"]
+    env = dict(vllm_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -259,6 +262,41 @@ def test_update_weights_versions_outputs_and_checksum(make, backend, model, toke
     finally:  # the server is shared by the module's tests: give it back its first weights
         engine.update_weights(model.state_dict(), version=4)
     assert engine.generate(prompts[:1], params)[0].token_ids == before[0].token_ids
+
+
+def test_weights_reach_vllm_over_a_gloo_group(request, model, tokenizer, tmp_path):
+    """The collective way in the lab (tiderl.lab.vllm_collective, docs/engines.md "Weight
+    updates"): the server's worker joins a gloo group with this process through /collective_rpc
+    and receives a state dict by broadcast; then its probe matches the new weights and no longer
+    the old ones. The first weights go back the same way (the server is the module's)."""
+    if VLLM_URL:
+        pytest.skip("TIDERL_VLLM_URL: a server started elsewhere may lack the gloo worker extension")
+    from tiderl.lab.vllm_collective import GlooSender
+
+    url = request.getfixturevalue("vllm_server")
+    engine = HttpEngine(model, tokenizer, urls=[url], weights_dir=tmp_path / "weights")
+    try:
+        sender = GlooSender(url, lambda u, body, timeout: httpx.post(u, json=body, timeout=timeout).json())
+        sender.join()
+        new = peaky_model(len(tokenizer), seed=1).state_dict()
+        t0 = time.perf_counter()
+        sender.send(new)
+        seconds = time.perf_counter() - t0
+        with pytest.raises(ServerError, match="differ from the trainer's weights"):
+            engine._check_probe(url, what="against the old weights")  # the server's weights changed
+        first = {k: v.clone() for k, v in engine.reference.state_dict().items()}
+        engine.reference.load_state_dict(new)
+        engine._reference_memo = {}
+        engine._check_probe(url, what="after the gloo broadcast")  # ... to exactly the new ones
+        print(f"\n[vllm] gloo: {len(new)} tensors sent and loaded in {seconds * 1000:.0f} ms, probe diff "
+              f"{engine.last_probe_diff:.1e}", file=sys.stderr)
+        assert engine.last_probe_diff < 1e-4
+        sender.send(first)  # back to the module's model, the same way
+        engine.reference.load_state_dict(first)
+        engine._reference_memo = {}
+        engine._check_probe(url, what="with the first weights back")
+    finally:
+        engine.close()
 
 
 # ---------------------------------------------------------------------- the HTTP engine only

