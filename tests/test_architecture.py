@@ -276,8 +276,8 @@ PACKAGE_LINE_BUDGETS = {
 # added 670 (16,470); issue 31's image stage (pixel inputs prepared once, ahead of the step) 43 (16,516).
 # Issue 30's LoRA with the HTTP engine (the merged weights its servers reload) 70 (16,586); launched
 # vLLM servers run for real (the venv's Python as the command, each server its CPUs) 24; a replaced
-# config key names what replaced it (issue 35's system.stale.slack) 2 (16,618 after the merges).
-CORE_LINE_BUDGET = 16_618
+# config key names what replaced it (issue 35's system.stale.slack) 2, synchronous runs keep dropping at staleness 0 2 (16,620 after the merges).
+CORE_LINE_BUDGET = 16_620
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

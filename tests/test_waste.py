@@ -217,6 +217,10 @@ def test_the_config_chooses_the_policy_and_slack_beside_the_code():
     # The defaults (issue 35): mask tokens more than max_staleness + 2 versions old, drain the end.
     s = PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2"]))
     assert (s.stale_policy, s.stale_bound, s.run_steps) == ("mask", 4, 60)
+    # At staleness 0 the run is synchronous whatever the defaults: a trajectory with an older token
+    # (over-provisioned admission) is dropped, never trained with slack.
+    sync = PoolSettings.from_config(load_config("configs/kg_sao_tiny.yaml", ["system.admission=128"]))
+    assert (sync.stale_policy, sync.stale_bound, sync.run_steps) == ("drop", 0, 60)
     with pytest.raises(ConfigError, match="system.stale.slack: is -1"):
         load_config("configs/kg_sao_tiny.yaml", ["system.max_staleness=2", "system.stale.slack=-1"])
     with pytest.raises(ConfigError, match="system.stale.bound was replaced by system.stale.slack.*slack=2"):

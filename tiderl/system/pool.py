@@ -98,8 +98,10 @@ class PoolSettings:
                    max_slots=s.max_slots, elastic_interval_s=s.elastic_interval_s,
                    max_task_retries=s.max_task_retries, wait_timeout_s=s.wait_timeout_s,
                    group_size=cfg.algo.group_size, env_name=cfg.env.name,
-                   resource_units=s.resource_units, admission=s.admission, stale_policy=s.stale.policy,
-                   stale_bound=s.max_staleness + s.stale.slack, run_steps=cfg.train.steps if s.stale.drain else 0)
+                   resource_units=s.resource_units, admission=s.admission,  # staleness 0: no slack, drop
+                   stale_policy=s.stale.policy if s.max_staleness else "drop",
+                   stale_bound=s.max_staleness and s.max_staleness + s.stale.slack,
+                   run_steps=cfg.train.steps if s.stale.drain else 0)
 
 
 @dataclass
