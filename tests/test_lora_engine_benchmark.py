@@ -1,6 +1,6 @@
 """`benchmarks/lora_engine.py --quick` runs both engines end to end on a tiny model (a smoke test:
 no speed figure is asserted). What it can check on any model: the unmerged engine's log-probs are
-exactly the trainer's, and the last line gives both engines' figures and the speed ratio."""
+the trainer's (to float rounding, far below the merged engine's gap), and the last line gives both engines' figures and the speed ratio."""
 
 from __future__ import annotations
 
@@ -23,9 +23,16 @@ def test_lora_engine_benchmark_quick_compares_both_engines_and_prints_the_ratio_
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
-    unmerged = next(line for line in lines if line.startswith("| unmerged |"))
-    assert "| 0.00e+00 / 0.00e+00 |" in unmerged  # exactly the trainer's log-probs
-    assert sum(line.startswith("| merged |") for line in lines) == 1
-    assert re.fullmatch(r"update [0-9.e-]+: mean gap to the trainer unmerged 0\.00e\+00 vs merged [0-9.e+-]+ "
+    gaps = {}
+    for engine in ("unmerged", "merged"):
+        row = [line for line in lines if line.startswith(f"| {engine} |")]
+        assert len(row) == 1, lines
+        gaps[engine] = [float(x) for x in row[0].split("|")[3].split("/")]  # mean / max gap to the trainer
+    # The trainer's arithmetic: exactly its log-probs on an AVX-512 CPU (0 / 0); on an AVX2 one the
+    # decode and the trainer's forward take matmul kernels that sum in another order (2e-7 / 8e-5
+    # measured), still thousands of times below the merged engine's bf16 rounding.
+    assert gaps["unmerged"][0] <= 1e-5 and gaps["unmerged"][1] <= 1e-3, gaps
+    assert gaps["unmerged"][0] * 100 <= gaps["merged"][0], gaps
+    assert re.fullmatch(r"update [0-9.e-]+: mean gap to the trainer unmerged [0-9.e+-]+ vs merged [0-9.e+-]+ "
                         r"nats/token; decode tok/s unmerged [0-9.]+ vs merged [0-9.]+ \(ratio [0-9.]+x\)",
                         lines[-1]), lines[-1]

@@ -214,7 +214,9 @@ def test_asynchronous_sao_on_a_tiny_model_trains_on_mixed_versions(cache, tmp_pa
         assert math.isfinite(metrics["value/loss"])
         for t in batch:
             sampled = [v for v, m in zip(t.policy_version, t.loss_mask) if m]
-            assert version - 1 - min(sampled) <= 2  # within the staleness bound
+            # Within the per-token bound: max_staleness bounds admission, and under the default stale
+            # policy (mask) a trained token may lag `slack` versions more; older ones are masked.
+            assert version - 1 - min(sampled) <= 2 + cfg.system.stale.slack
     mixed = [t for _, _, b in seen for t in b if len(versions(t)) > 1]
     assert mixed, "no trained trajectory continued across a weight update"
     ledger = summary["ledger"]
