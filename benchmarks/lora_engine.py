@@ -139,6 +139,7 @@ def main() -> None:
         sys.exit(f"--model {args.model} is not a directory: fetch it with "
                  "`tiderl models fetch qwen2.5-coder-0.5b-instruct`, or run with --quick")
 
+    torch.manual_seed(0)  # peft draws each adapter's A from torch's global generator
     fp32_base, tokenizer, prompts = load(args)
     print(f"model: {'tiny (quick)' if args.quick else args.model}; {len(prompts)} prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens")
