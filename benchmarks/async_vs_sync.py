@@ -664,6 +664,9 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in --out/results.json and run only the missing ones")
     args = parser.parse_args()
+    if args.eval_every < 1:
+        parser.error(f"--eval-every is {args.eval_every}: it must be 1 or more (the start and the last step are "
+                     "always evaluated; --eval-every equal to --steps evaluates only those)")
     if args.quick:
         args.workloads, args.modes, args.seeds = "ln0.5", "sync,sync-overprov,async-s2,async-s2-mask+1", 1
         args.steps, args.batch, args.eval_every, args.eval_n = 4, 8, 2, 20

@@ -164,3 +164,12 @@ def test_one_tiny_asynchronous_run_reports_its_figures_and_placement(cache, tmp_
     assert len(m["env_step_own_s"]) == len(m["env_step_s"]) and 0 < sum(m["env_step_own_s"]) <= sum(m["env_step_s"])
     assert sum(c for c, _ in m["decode_steps"].values()) > 0 and len(m["steps"]) == 2
     assert row["episode_tokens"]["trained"]["n"] == 8
+
+
+def test_eval_every_below_one_is_refused_with_the_fix(monkeypatch, capsys):
+    """`--eval-every 0` once reached a modulo by zero after a run's first step."""
+    monkeypatch.setattr(sys, "argv", ["async_vs_sync.py", "--eval-every", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert "--eval-every is 0: it must be 1 or more" in capsys.readouterr().err
