@@ -1,6 +1,7 @@
 """`benchmarks/lora_engine.py --quick` runs both engines end to end on a tiny model (a smoke test:
 no speed figure is asserted). What it can check on any model: the unmerged engine's log-probs are
-the trainer's (to float rounding, far below the merged engine's gap), and the last line gives both engines' figures and the speed ratio."""
+the trainer's (to float rounding, far below the merged engine's gap), and the last line gives both
+engines' figures and the speed ratio."""
 
 from __future__ import annotations
 
