@@ -6,9 +6,9 @@ The run is repeatable (`train.reproducible` on one trainer thread), so on a give
 sees one outcome, not a draw; another CPU (AVX2 against AVX-512 kernels) sees another one. Seed 0
 gains 8.7 standard errors on both CPUs measured; seed 7, the former seed, 7.5 on one and 0.6 on the
 other. Other seeds build other warm starts and gain differently (the measured spread is in the docs);
-the seed stays fixed. What the test guards is the whole path a user trains through — the warm start, the engine's behaviour
-log-probs, the critic, GAE, the loss, the optimizer and the weight sync — of which a regression
-anywhere shows as a gain that falls below the line.
+the seed stays fixed. What the test guards is the whole path a user trains through — the warm
+start, the engine's behaviour log-probs, the critic, GAE, the loss, the optimizer and the weight
+sync — of which a regression anywhere shows as a gain that falls below the line.
 
 The model is built into this test's own cache (pytest's cache folder, or a tmp folder when the
 cache plugin is off): on a fresh clone the build (a copy-checked warm start, 300 supervised steps for
