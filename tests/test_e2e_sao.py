@@ -120,7 +120,7 @@ def test_demo_and_eval_commands(cache, tmp_path, capsys):
     for key in ("success_before", "success_after", "n_eval", "stderr_before", "stderr_after",
                 "wall_s"):
         assert key in summary, key
-    assert summary["n_eval"] == 8 and summary["steps"] == 2 and summary["wall_s"] > 0
+    assert summary["n_eval"] == 8 and summary["samples_per_task"] == 1 and summary["steps"] == 2 and summary["wall_s"] > 0
     assert f"summary: {tmp_path / 'demo' / 'summary.json'}" in out
     assert "held-out success (greedy, n=8)" in out
 

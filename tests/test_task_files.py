@@ -92,7 +92,7 @@ def test_files_replace_the_sources_tasks_and_are_found_under_the_data_root(tmp_p
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["env.name=math", "data.train_files=[mine/train.jsonl]"])
     setup = load_setup(cfg)
-    assert [t.answer for t in setup.train_tasks] == ["1072"] * 3 and setup.name == "mine/train"
+    assert [t.answer for t in setup.train_tasks] == ["1072"] * 3 and setup.name == "mine/train (held out: arithmetic)"
     assert setup.eval_tasks and all(t.meta["dataset"] == "arithmetic" for t in setup.eval_tasks)  # the source's
     both = load_setup(load_config(None, ["env.name=math", "data.train_files=[mine/train.jsonl]",
                                          f"data.eval_files=[{root / 'mine' / 'test.jsonl'}]"]))

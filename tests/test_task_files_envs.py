@@ -98,7 +98,7 @@ def test_mbpp_and_humaneval_records_train_and_evaluate_the_code_env(tmp_path):
     held_out = write_jsonl(tmp_path / "mine" / "test.jsonl", [HUMANEVAL])
     setup = load_setup(load_config(None, ["env.name=code", f"data.train_files=[{train}]",
                                           f"data.eval_files=[{held_out}]"]))
-    assert setup.name == "mine/train" and [t.task_id for t in setup.train_tasks] == ["mine/train-601", "mine/train-602"]
+    assert setup.name == "mine/train (held out: mine/test)" and [t.task_id for t in setup.train_tasks] == ["mine/train-601", "mine/train-602"]
     mbpp, humaneval = setup.train_tasks[0], setup.eval_tasks[0]
     assert mbpp.prompt.startswith("Write a function to find the larger of two numbers.\n")  # whitespace folded
     assert mbpp.meta["visible_tests"] == ["assert bigger(1, 2) == 2"] and mbpp.meta["entry_points"] == ["bigger"]
@@ -180,7 +180,7 @@ def test_metaqa_lines_and_records_are_asked_of_the_sources_graph(tmp_path, world
     assert trained.task_id == "qa/qa_train-0" and trained.answer == sorted(one.answer)
     assert trained.meta["topic"] == topic and trained.meta["exclude_topic"] is True and "path" not in trained.meta
     held = {t.task_id: t for t in setup.eval_tasks}
-    assert set(held) == {"qa/test-q1", "qa/test-1"} and setup.name == "qa/qa_train"
+    assert set(held) == {"qa/test-q1", "qa/test-1"} and setup.name == "qa/qa_train (held out: qa/test)"
     assert held["qa/test-q1"].meta == {"topic": two.meta["topic"], "path": two.meta["path"], "hops": 2,
                                        "exclude_topic": True, "file": str(records)}
     # Played in the environment: the oracle's path is rewarded; the last turn naming the wrong variable is not.

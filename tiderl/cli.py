@@ -493,14 +493,13 @@ def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
             else run_dir / "checkpoints" / "final")  # the ranks saved it at the last step
     wall = time.perf_counter() - t0
     primary = "greedy" if "greedy" in before else "sampled"
-    # Sampled tokens of every finished episode, and of the trained ones (prompt and observation
-    # tokens are not trained: docs/metrics.md, goodput).
+    # Sampled tokens of finished episodes and of trained ones (prompts, observations: not trained; docs/metrics.md)
     generated = history[-1]["system/generated_tokens"] if history else 0
     trained = history[-1]["system/trained_action_tokens"] if history else 0
     summary = {
         "success_before": before[primary]["success"],
         "success_after": after[primary]["success"],
-        "n_eval": before[primary]["n"],
+        "n_eval": before[primary]["n"], "samples_per_task": before[primary].get("samples_per_task", 1),
         "stderr_before": before[primary]["stderr"],
         "stderr_after": after[primary]["stderr"],
         "eval_mode": primary,
@@ -524,7 +523,8 @@ def cmd_demo(cfg: RunConfig, args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     gain = summary["success_after"] - summary["success_before"]
     se = (summary["stderr_before"] ** 2 + summary["stderr_after"] ** 2) ** 0.5
-    print(f"\nheld-out success ({primary}, n={summary['n_eval']}): "
+    samples = "" if summary["samples_per_task"] == 1 else f" x {summary['samples_per_task']} samples"
+    print(f"\nheld-out success ({primary}, n={summary['n_eval']}{samples}): "
           f"{summary['success_before']:.3f} ± {summary['stderr_before']:.3f} -> "
           f"{summary['success_after']:.3f} ± {summary['stderr_after']:.3f} "
           f"(gain {gain:+.3f} = {gain / se if se > 0 else float('inf'):.1f} standard errors)")

@@ -142,6 +142,14 @@ def file_split(data: Any) -> tuple[list[Path], list[Path]]:
     return train, held_out
 
 
+def files_name(train_files: list[Path], eval_files: list[Path], source: str) -> str:
+    """What a setup with task files trains on and holds out, e.g. "gsm8k/train (held out: gsm8k)"
+    for GSM8K's train file with the source's own held-out sample."""
+    def label(paths: list[Path]) -> str:
+        return ",".join(f"{p.parent.name}/{p.stem}" for p in paths) or source
+    return f"{label(train_files)} (held out: {label(eval_files)})"
+
+
 def record_field(record: dict[str, Any], names: tuple[str, ...], where: str, example: str) -> Any:
     """The value of the first of `names` that `record` holds (not None, not ""); else a ValueError
     naming the record (`where`), the fields looked for and `data.fields` (`example`: its fix)."""

@@ -16,7 +16,7 @@ from tiderl.envs.code.env import CodeEnv, tool_call_text
 from tiderl.envs.code.registration import SOURCES
 from tiderl.envs.code.sandbox import Limits, Sandbox
 from tiderl.envs.protocol import Task
-from tiderl.envs.setup import Setup, data_root, file_split, sample_tasks, task_files
+from tiderl.envs.setup import Setup, data_root, file_split, files_name, sample_tasks
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -71,8 +71,9 @@ def oracle_turns(task: Task) -> list[str]:
 def setup(cfg: "RunConfig") -> Setup:
     """Code tasks of `data.source` and a factory of `CodeEnv`s sharing one sandbox."""
     train, held_out = code_tasks(cfg)
-    name = ",".join(f"{p.parent.name}/{p.stem}" for p in task_files(cfg.data.train_files, cfg.data.data_dir))
-    out = Setup(train, held_out, CodeEnv, name or cfg.data.source, oracle=oracle_turns)
+    train_files, eval_files = file_split(cfg.data)
+    name = files_name(train_files, eval_files, cfg.data.source) if train_files else cfg.data.source
+    out = Setup(train, held_out, CodeEnv, name, oracle=oracle_turns)
     out.make_env = _CodeFactory(out, cfg)
     return out
 

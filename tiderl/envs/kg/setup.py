@@ -28,7 +28,7 @@ from tiderl.envs.kg.tasks import (
 )
 from tiderl.envs.kg.tools import ObservationLimits
 from tiderl.envs.protocol import Task
-from tiderl.envs.setup import Setup, data_root, file_split, sample_tasks
+from tiderl.envs.setup import Setup, data_root, file_split, files_name, sample_tasks
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -82,7 +82,7 @@ def _read_task_files(cfg: "RunConfig", out: Setup) -> None:
 
     if train_files:
         out.train_tasks = file_tasks(train_files, data.fields, out.store)
-        out.name = ",".join(f"{p.parent.name}/{p.stem}" for p in train_files)
+        out.name = files_name(train_files, eval_files, out.name)
     if eval_files:
         out.eval_tasks = sample_tasks(file_tasks(eval_files, data.fields, out.store), data.eval_size, data.seed)
 

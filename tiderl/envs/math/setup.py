@@ -45,7 +45,7 @@ from tiderl.envs.math.registration import SOURCES as MATH_SOURCES
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Task
 from tiderl.envs.registration import WarmStart
-from tiderl.envs.setup import Setup, data_root, file_split, sample_tasks
+from tiderl.envs.setup import Setup, data_root, file_split, files_name, sample_tasks
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -90,7 +90,7 @@ def setup(cfg: "RunConfig") -> Setup:
         train = file_tasks(train_files, data.fields)
     if eval_files:
         held_out = sample_tasks(file_tasks(eval_files, data.fields), data.eval_size, data.seed)
-    name = ",".join(f"{p.parent.name}/{p.stem}" for p in train_files) or data.source  # no warm start for files
+    name = files_name(train_files, eval_files, data.source) if train_files else data.source  # no warm start for files
     out = Setup(train, held_out, _no_env, name)
     env = cfg.env
     out.make_env = _MathFactory(out, options.calculator, options.format_penalty, options.verify_timeout_s,
