@@ -39,6 +39,13 @@ def qwen():
     return build_tiny_qwen2vl(CORPUS, seed=0)
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def any_qwen(request, qwen):
+    """The tiny Qwen2-VL, then the tiny Qwen2.5-VL (window attention in its vision tower, the same
+    image positions): the checks of positions, loading and training log-probs run on both."""
+    return qwen if request.param == "qwen2_vl" else build_tiny_qwen2vl(CORPUS, seed=0, architecture=request.param)
+
+
 def _tokens_per_image(size: tuple[int, int], patch: int = 8, merge: int = 2) -> int:
     """The formula: each side rounded to a multiple of patch * merge (16 px here; the areas stay
     within 16x16 .. 64x64), one token per merge x merge patches."""
@@ -62,13 +69,14 @@ def test_an_image_becomes_the_patches_and_tokens_of_the_formula(qwen, size):
     assert image_inputs(processor.image_processor, [square("red", size)]).keys() == {"pixel_values", "image_grid_thw"}
 
 
-def test_the_tiny_qwen2vl_round_trips_through_a_folder_without_the_network(qwen, tmp_path, monkeypatch):
+def test_the_tiny_qwen2vl_round_trips_through_a_folder_without_the_network(any_qwen, tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the tiny Qwen2-VL touched the network")
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    model, processor = build_tiny_qwen2vl(CORPUS, seed=0)
-    assert torch.equal(model.get_input_embeddings().weight, qwen[0].get_input_embeddings().weight)
+    architecture = any_qwen[0].config.model_type
+    model, processor = build_tiny_qwen2vl(CORPUS, seed=0, architecture=architecture)
+    assert torch.equal(model.get_input_embeddings().weight, any_qwen[0].get_input_embeddings().weight)
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
     # It saves under the name of transformers' Qwen2VLProcessor (which needs torchvision to load it).
@@ -82,7 +90,7 @@ def test_the_tiny_qwen2vl_round_trips_through_a_folder_without_the_network(qwen,
     assert isinstance(wrapped, ChatProcessor) and wrapped.image_token == IMAGE_PAD
     assert type(pickle.loads(pickle.dumps(wrapped)).processor) is ImageQwen2VLProcessor  # (Ray workers get it so)
     loaded = load_model(tmp_path)
-    assert type(loaded).__name__ == "Qwen2VLForConditionalGeneration"
+    assert type(loaded) is type(model) and loaded.config.model_type == architecture
     inputs = again(text=[f"<|vision_start|>{IMAGE_PAD}<|vision_end|>What colour?"], images=[[square("red")]],
                    return_tensors="pt")
     with torch.no_grad():
@@ -123,8 +131,8 @@ def _two_image_sequence(processor):
     return processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt"), images
 
 
-def test_tiderls_mrope_positions_equal_the_models_rope_index(qwen):
-    model, processor = qwen
+def test_tiderls_mrope_positions_equal_the_models_rope_index(any_qwen):
+    model, processor = any_qwen
     out, images = _two_image_sequence(processor)
     expected, delta = model.model.get_rope_index(out["input_ids"], out["mm_token_type_ids"], out["image_grid_thw"])
     ours = rope_positions(model, out["input_ids"], [image_inputs(processor.image_processor, images)])
@@ -226,8 +234,8 @@ def _scripted_episodes(processor):
     return with_images + text_only
 
 
-def test_training_logprobs_and_values_equal_the_models_own_forward_with_pixel_values(qwen):
-    model, processor = qwen
+def test_training_logprobs_and_values_equal_the_models_own_forward_with_pixel_values(any_qwen):
+    model, processor = any_qwen
     model = copy.deepcopy(model)  # (the model's own forward keeps rope deltas on it)
     trajectories = _scripted_episodes(processor)
     assert len(trajectories[0].images) == 2 and trajectories[1].images == []
@@ -269,12 +277,13 @@ def test_text_only_rows_train_packed_as_unpacked(qwen):
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow  # trains and evaluates through the CLI (about 30 s on 2 shared cores)
-def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path):
+@pytest.mark.slow  # trains and evaluates through the CLI (a few seconds)
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_tiderl_train_with_sao_on_a_qwen2vl_directory(tmp_path, architecture):
     from test_vlm_run import ColourEnv, corpus
     from tiderl.cli import main
 
-    model, processor = build_tiny_qwen2vl(corpus(), seed=0)
+    model, processor = build_tiny_qwen2vl(corpus(), seed=0, architecture=architecture)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     processor.save_pretrained(model_dir)

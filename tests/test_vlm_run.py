@@ -159,7 +159,8 @@ def test_the_embedded_model_of_a_visual_environment_is_the_tiny_vlm_warm_started
 
 # Each tiny architecture's builder (module, function) and the parameter-name part of its vision tower.
 ARCHITECTURES = {"idefics3": ("tiderl.embedded.tiny_vlm", "build_tiny_vlm", "vision_model."),
-                 "qwen2_vl": ("tiderl.embedded.tiny_qwen2vl", "build_tiny_qwen2vl", "visual.")}
+                 "qwen2_vl": ("tiderl.embedded.tiny_qwen2vl", "build_tiny_qwen2vl", "visual."),
+                 "qwen2_5_vl": ("tiderl.embedded.tiny_qwen2vl", "build_tiny_qwen2vl", "visual.")}
 
 
 def _vlm_dir(tmp_path, architecture: str = "idefics3") -> Path:
@@ -167,7 +168,8 @@ def _vlm_dir(tmp_path, architecture: str = "idefics3") -> Path:
     import importlib
 
     module, builder, _ = ARCHITECTURES[architecture]
-    model, processor = getattr(importlib.import_module(module), builder)(corpus(), seed=0)
+    size = {"architecture": architecture} if architecture.startswith("qwen") else {}
+    model, processor = getattr(importlib.import_module(module), builder)(corpus(), seed=0, **size)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     processor.save_pretrained(model_dir)
@@ -297,7 +299,9 @@ def test_a_vlm_trains_on_ray_with_data_parallel_ranks_and_a_remote_critic(tmp_pa
     pytest.param("idefics3", ["train.autocast=bfloat16"], marks=pytest.mark.slow),
     pytest.param("idefics3", ["train.activation_checkpointing=true"], marks=pytest.mark.slow),
     ("qwen2_vl", ["model.lora.r=4", "model.critic_lora=lora", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,qkv]"]),
-    ("qwen2_vl", ["train.autocast=bfloat16", "train.activation_checkpointing=true"])])
+    ("qwen2_vl", ["train.autocast=bfloat16", "train.activation_checkpointing=true"]),
+    ("qwen2_5_vl", ["model.lora.r=4", "model.critic_lora=lora", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,qkv]",
+                    "train.autocast=bfloat16", "train.activation_checkpointing=true"])])
 def test_a_vlm_trains_with_lora_bf16_autocast_and_activation_checkpointing(tmp_path, architecture, options):
     """Each trainer option with a vision-language model: the run trains every episode; with LoRA
     (policy and critic) the base stays as it was and adapters train, the vision tower's too (on

@@ -229,15 +229,15 @@ def _load_qwen2vl_processor(source: str) -> ImageQwen2VLProcessor:
 
 
 def load_processor(path: str | Path) -> Any:
-    """The multi-modal processor saved in `path` (`processor.save_pretrained`); for Qwen2-VL, an
-    `ImageQwen2VLProcessor` (no torchvision needed).
+    """The multi-modal processor saved in `path` (`processor.save_pretrained`); for Qwen2-VL and
+    Qwen2.5-VL (the same image processor), an `ImageQwen2VLProcessor` (no torchvision needed).
 
     `AutoProcessor` falls back to the bare tokenizer when the folder has no processor config (a
     model saved with only `tokenizer.save_pretrained`): that is refused here, with the fix, rather
     than found later as images that never reach the model.
     """
     config = Path(path) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen2_vl":
+    if config.is_file() and json.loads(config.read_text()).get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
         return _load_qwen2vl_processor(str(path))
     processor = AutoProcessor.from_pretrained(str(path))
     if not (hasattr(processor, "image_processor") and hasattr(processor, "tokenizer")):

@@ -120,7 +120,7 @@ def image_token_id(model: Any) -> int:
         token = getattr(config, "image_token_index", None)
     if token is None:
         raise ValueError(f"{type(model).__name__} has no image_token_id in its config: it is not a vision-language "
-                         "model tiderl can feed images to (supported: Idefics3 / SmolVLM, Qwen2-VL)")
+                         "model tiderl can feed images to (supported: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL)")
     return int(token)
 
 
@@ -204,12 +204,12 @@ def model_inputs(model: Any, input_ids: torch.Tensor,
 # text after the image resumes at that start plus the grid's larger side: positions fall behind
 # token indices after each image, and the engine's decode steps add that lag.
 
-MROPE_MODEL_TYPES = ("qwen2_vl",)
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # (their image positions agree; they differ for videos only)
 
 
 def uses_mrope(model: Any) -> bool:
-    """Whether `model` takes 3-D rotary positions for image tokens (Qwen2-VL). ValueError for a
-    model with M-RoPE of another kind (Qwen2.5-VL, ...): its positions are not computed here."""
+    """Whether `model` takes 3-D rotary positions for image tokens (Qwen2-VL, Qwen2.5-VL). ValueError
+    for a model with M-RoPE of another kind (Qwen3-VL, ...): its positions are not computed here."""
     config = _unwrap(model).config
     if getattr(config, "model_type", None) in MROPE_MODEL_TYPES:
         return True
