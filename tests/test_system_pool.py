@@ -157,7 +157,7 @@ def test_failed_workers_and_environments_are_retried_and_every_task_accounted_fo
 
 def test_waiting_for_a_batch_times_out_and_says_what_it_waited_for():
     rollout = FakeRollout(lambda tid: 30.0)
-    with pytest.raises(TimeoutError, match=r"4 ready trajectories.*In flight 4 of 4 slots"):
+    with pytest.raises(TimeoutError, match=r"4 ready trajectories.*In flight 4 of 4 slots.*raise system.wait_timeout_s"):
         run_pool(PoolSettings(batch_size=4, wait_timeout_s=0.3), rollout, FakeTrainer(), steps=1)
 
 

@@ -108,8 +108,8 @@ class ReadyBuffer:
             if left <= 0:
                 raise TimeoutError(
                     f"waited {timeout_s:.0f}s for {n} ready trajectories; {len(self._ready)} ready, "
-                    f"{self.waiting_count} being prepared or in incomplete groups. {describe()}"
-                )
+                    f"{self.waiting_count} being prepared or in incomplete groups. {describe()}. Fix: if episodes "
+                    "are slow rather than stuck (a real model decoding on a busy CPU), raise system.wait_timeout_s")
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
