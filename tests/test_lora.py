@@ -212,6 +212,35 @@ def test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints(tmp_path):
     assert load_config(None, ["model.critic_lora=lora", "model.lora.r=4"]).model.critic_lora == "lora"
 
 
+def test_a_lora_critic_over_a_model_directory_saves_its_adapters_not_the_merged_weights(tmp_path):
+    """A LoRA critic whose base is a model directory (every real model's) writes peft's adapter
+    folder in critic/backbone, not a merged copy of the base (for a 0.5B model 35 MB, not 2 GB);
+    `ValueModel.load` merges them over the base again, with the values the critic had, and says
+    what to do when the base is gone."""
+    from tiderl.models.loading import load_model
+    from tiderl.train.lora import apply_critic_lora
+
+    init_tiny_model(MODEL_CFG, seed=0).save_pretrained(tmp_path / "base")
+    critic_model = apply_critic_lora(ValueModel.from_policy(load_model(str(tmp_path / "base"))), r=4, alpha=8.0,
+                                     target_modules=TARGETS)
+    critic = Learner(critic_model, lr=1e-2)
+    cfg = AlgoConfig(**{**preset_defaults("sao"), "group_size": 3, "critic_updates": 1})
+    for _ in range(2):  # adapters that moved away from zero
+        train_step(nine_trajectories(), Learner(init_tiny_model(MODEL_CFG, seed=0), lr=1e-3), critic, None, cfg,
+                   pad_id=0, micro_batch_tokens=64, train_actor=False)
+    assert any(float(v.abs().sum()) > 0 for k, v in adapter_state(critic_model).items() if "lora_B" in k)
+    critic_model.save(tmp_path / "critic")
+    saved = {p.name for p in (tmp_path / "critic" / "backbone").iterdir()}
+    assert "adapter_config.json" in saved and "model.safetensors" not in saved, saved
+    ids, mask = torch.tensor([[5, 9, 13, 21, 34, 40, 7, 3]]), torch.ones(1, 8, dtype=torch.long)
+    with torch.no_grad():
+        torch.testing.assert_close(ValueModel.load(tmp_path / "critic")(ids, mask), critic_model(ids, mask),
+                                   atol=1e-5, rtol=0)
+    (tmp_path / "base").rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match="put the base model back"):
+        ValueModel.load(tmp_path / "critic")
+
+
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -51,7 +51,8 @@ class ValueModel(torch.nn.Module):
 
     def save(self, path: str | Path) -> None:
         """Backbone as a Hugging Face model dir, head as safetensors; a LoRA backbone also as its
-        adapters (`LORA_STATE`), and merged in backbone/."""
+        adapters (`LORA_STATE`), and in backbone/ as peft's adapter folder over its base model's
+        directory (a 0.5B critic's checkpoint: 35 MB, not 2 GB), or merged when the base has none."""
         from tiderl.train.lora import adapter_state, is_lora, merged_copy
 
         path = Path(path)
@@ -59,7 +60,8 @@ class ValueModel(torch.nn.Module):
         backbone = self.backbone
         if is_lora(backbone):
             save_file({k: v.contiguous() for k, v in adapter_state(self).items()}, str(path / LORA_STATE))
-            backbone = merged_copy(backbone)
+            base = backbone.peft_config["default"].base_model_name_or_path
+            backbone = backbone if base and (Path(base) / "config.json").is_file() else merged_copy(backbone)
         backbone.save_pretrained(path / "backbone")
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
                   str(path / "value_head.safetensors"))
@@ -74,8 +76,17 @@ class ValueModel(torch.nn.Module):
                 "algo.value_init at a directory written by ValueModel.save or a checkpoint's critic/."
             )
         try:
-            config = AutoConfig.from_pretrained(path / "backbone")
-            backbone = AutoModel.from_pretrained(path / "backbone", config=config, dtype=dtype)
+            adapters = path / "backbone" / "adapter_config.json"
+            base = json.loads(adapters.read_text())["base_model_name_or_path"] if adapters.is_file() else None
+            if base is not None and not (Path(base) / "config.json").is_file():
+                raise FileNotFoundError(f"{path}'s critic is LoRA adapters over {base}, which is gone. Fix: put the "
+                                        f"base model back there, or set base_model_name_or_path in {adapters}")
+            config = AutoConfig.from_pretrained(base or path / "backbone")
+            backbone = AutoModel.from_pretrained(base or path / "backbone", config=config, dtype=dtype)
+            if base is not None:
+                from peft import PeftModel
+
+                backbone = PeftModel.from_pretrained(backbone, path / "backbone").merge_and_unload()
             head = torch.nn.Linear(config.get_text_config(decoder=True).hidden_size, 1, dtype=torch.float32)  # see from_policy
             head.load_state_dict(load_file(str(path / "value_head.safetensors")))
         except Exception as err:
