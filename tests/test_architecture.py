@@ -253,7 +253,8 @@ PACKAGE_LINE_BUDGETS = {
     # +30: batches, log-probs, values and preparations with images (issue 31); +25: issue 30: LoRA on
     # DDP/FSDP2 ranks (published_state), LoRA sharded checkpoint export; issue 29: cut 37 lines: the
     # step's order to docs/algorithms.md, one gather for full_state_dict and published_state
-    "train": 1903,  # +1: LoRA with the HTTP engine (issue 30); +3: value pretraining with images (issue 31); +16: the image stage, ImagePixels (issue 31)
+    # +11: a LoRA critic checkpoints its adapters over the base directory, not the merged backbone (issue 33)
+    "train": 1914,  # +1: LoRA with the HTTP engine (issue 30); +3: value pretraining with images (issue 31); +16: the image stage, ImagePixels (issue 31)
 }
 # The whole core outside tiderl/envs/, tiderl/lab/ and tiderl/embedded/. The target is 14,000 lines
 # (issue 29); the honest cuts found so far (dead code, test-only helpers moved to the tests, benchmark helpers moved
@@ -277,7 +278,8 @@ PACKAGE_LINE_BUDGETS = {
 # Issue 30's LoRA with the HTTP engine (the merged weights its servers reload) 70 (16,586); launched
 # vLLM servers run for real (the venv's Python as the command, each server its CPUs) 24; a replaced
 # config key names what replaced it (issue 35's system.stale.slack) 2, synchronous runs keep dropping at staleness 0 2 (16,620 after the merges).
-CORE_LINE_BUDGET = 16_620
+# A LoRA critic's checkpoint of adapters over its base directory (1.9 GB -> 35 MB a step for a 0.5B model) 11.
+CORE_LINE_BUDGET = 16_631
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:
