@@ -214,7 +214,7 @@ def test_a_lora_critic_trains_its_adapters_and_head_and_checkpoints(tmp_path):
 
 def test_a_lora_critic_over_a_model_directory_saves_its_adapters_not_the_merged_weights(tmp_path):
     """A LoRA critic whose base is a model directory (every real model's) writes peft's adapter
-    folder in critic/backbone, not a merged copy of the base (for a 0.5B model 35 MB, not 2 GB);
+    folder in critic/backbone, not a merged copy of the base (for a 0.5B model 68 MB, not 1.9 GB);
     `ValueModel.load` merges them over the base again, with the values the critic had, and says
     what to do when the base is gone."""
     from tiderl.models.loading import load_model

@@ -52,7 +52,7 @@ class ValueModel(torch.nn.Module):
     def save(self, path: str | Path) -> None:
         """Backbone as a Hugging Face model dir, head as safetensors; a LoRA backbone also as its
         adapters (`LORA_STATE`), and in backbone/ as peft's adapter folder over its base model's
-        directory (a 0.5B critic's checkpoint: 35 MB, not 2 GB), or merged when the base has none."""
+        directory (a 0.5B critic's checkpoint: 68 MB, not 1.9 GB), or merged when the base has none."""
         from tiderl.train.lora import adapter_state, is_lora, merged_copy
 
         path = Path(path)
