@@ -143,11 +143,11 @@ def file_split(data: Any) -> tuple[list[Path], list[Path]]:
 
 
 def files_name(train_files: list[Path], eval_files: list[Path], source: str) -> str:
-    """What a setup with task files trains on and holds out, e.g. "gsm8k/train (held out: gsm8k)"
-    for GSM8K's train file with the source's own held-out sample."""
+    """What a setup with training files trains on and holds out, e.g. "gsm8k/train (held out: gsm8k)"
+    for GSM8K's train file with the source's own held-out sample; `source` without training files."""
     def label(paths: list[Path]) -> str:
         return ",".join(f"{p.parent.name}/{p.stem}" for p in paths) or source
-    return f"{label(train_files)} (held out: {label(eval_files)})"
+    return f"{label(train_files)} (held out: {label(eval_files)})" if train_files else source
 
 
 def record_field(record: dict[str, Any], names: tuple[str, ...], where: str, example: str) -> Any:

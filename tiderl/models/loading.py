@@ -22,6 +22,8 @@ from transformers import (
     Qwen2VLProcessor,
 )
 
+from tiderl.models.vision import MROPE_MODEL_TYPES  # (the Qwen2-VL family: its image processor too)
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -237,7 +239,7 @@ def load_processor(path: str | Path) -> Any:
     than found later as images that never reach the model.
     """
     config = Path(path) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
+    if config.is_file() and json.loads(config.read_text()).get("model_type") in MROPE_MODEL_TYPES:
         return _load_qwen2vl_processor(str(path))
     processor = AutoProcessor.from_pretrained(str(path))
     if not (hasattr(processor, "image_processor") and hasattr(processor, "tokenizer")):

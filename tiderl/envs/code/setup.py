@@ -72,7 +72,7 @@ def setup(cfg: "RunConfig") -> Setup:
     """Code tasks of `data.source` and a factory of `CodeEnv`s sharing one sandbox."""
     train, held_out = code_tasks(cfg)
     train_files, eval_files = file_split(cfg.data)
-    name = files_name(train_files, eval_files, cfg.data.source) if train_files else cfg.data.source
+    name = files_name(train_files, eval_files, cfg.data.source)
     out = Setup(train, held_out, CodeEnv, name, oracle=oracle_turns)
     out.make_env = _CodeFactory(out, cfg)
     return out

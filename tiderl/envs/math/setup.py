@@ -90,7 +90,7 @@ def setup(cfg: "RunConfig") -> Setup:
         train = file_tasks(train_files, data.fields)
     if eval_files:
         held_out = sample_tasks(file_tasks(eval_files, data.fields), data.eval_size, data.seed)
-    name = files_name(train_files, eval_files, data.source) if train_files else data.source  # no warm start for files
+    name = files_name(train_files, eval_files, data.source)  # no warm start for files
     out = Setup(train, held_out, _no_env, name)
     env = cfg.env
     out.make_env = _MathFactory(out, options.calculator, options.format_penalty, options.verify_timeout_s,
