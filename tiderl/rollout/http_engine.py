@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 PROBE_TEXT = "Probe: the quick brown fox jumps over the lazy dog, 0123456789 times."
 PROBE_PROMPT_TOKENS = 16
 PROBE_NEW_TOKENS = 8
+# How weights reach the servers (rollout.options.weight_sync; docs/engines.md, "Weight updates").
+WEIGHT_SYNCS = ("vllm", "collective", "adapters", "none")
 # The temperature of the start-up check that the server reports processed log-probs.
 PROBE_TEMPERATURE = 0.5
 
@@ -59,6 +61,7 @@ class ServerView:
     version: int
     checksum: float
     down: list[int]
+    model: str = ""  # the name requests give, when it changes (weight_sync=adapters: the adapter's)
 
 
 class Handle:
@@ -130,8 +133,11 @@ class HttpEngine:
 
         if not urls and not launch:
             raise ValueError("rollout.options.urls is empty: give the base URL of at least one server")
-        if weight_sync not in ("vllm", "none"):
-            raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use vllm or none")
+        if weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"rollout.options.weight_sync={weight_sync!r}: use one of {', '.join(WEIGHT_SYNCS)}")
+        if weight_sync == "adapters" and not getattr(model, "peft_config", None):
+            raise ValueError("rollout.options.weight_sync=adapters sends LoRA adapters, and the policy has none: set "
+                             "model.lora.r > 0, or use weight_sync=vllm")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         self.tokenizer = tokenizer
@@ -147,6 +153,7 @@ class HttpEngine:
         # trainer's arithmetic), and the servers get the merged weights, so the probe checks the merge.
         self._lora: dict[str, tuple[float, str, str]] = {}
         if getattr(model, "peft_config", None):
+            self._peft_config = copy.deepcopy(model.peft_config["default"])  # for adapter folders
             owned, self._lora, self._adapters = lora.unmerged_plain(model, copy_model)
         else:
             owned = copy.deepcopy(model) if copy_model else model
@@ -160,6 +167,7 @@ class HttpEngine:
         self._folder: Path | None = None  # the weights the servers hold, as a folder they read
         self._reference_memo: dict[tuple[Any, ...], list[float]] = {}  # reference_logprobs' last answer
         self._closing = False
+        self._senders: dict[int, Any] = {}  # weight_sync=collective: a gloo group per server, by index
         self.events: list[dict[str, Any]] = []  # servers lost, restarted, failed to come back
         self.retried = 0  # requests retried on another server after theirs was lost
         # Held by a weight update from the reload to the probe, and by a restarted server's
@@ -200,6 +208,13 @@ class HttpEngine:
         self._run(setup())
         try:
             self.served_model = served_model or self._run(self._served_model())
+            if owner and weight_sync == "collective":
+                for index in range(len(self.urls)):
+                    self._join(index)
+            if owner and weight_sync == "adapters":  # the servers serve the base: load the first adapters
+                self._folder = self._write_adapters(0)
+                self._run(self._reload_all(self._folder), timeout=self.sync_timeout_s + 5)
+                self.served_model = _adapter_name(self._folder)
             for url in self.urls if owner else ():
                 self._check_probe(url, what="at start-up")
                 self._check_processed_logprobs(url)
@@ -213,14 +228,15 @@ class HttpEngine:
 
     @classmethod
     def from_config(cls, cfg: RunConfig, model: Any, tokenizer: Any, *, seed: int, copy_model: bool = True,
-                    owner: bool = True, urls: list[str] | None = None) -> HttpEngine:
+                    owner: bool = True, urls: list[str] | None = None, served_model: str = "") -> HttpEngine:
         """The engine `cfg.rollout.options` describes (`tiderl.rollout.make_engine` calls this): each
-        option is the keyword of the same name. `owner=False` with the owner's `urls`: an engine
-        that only sends requests (it launches nothing)."""
+        option is the keyword of the same name. `owner=False` with the owner's `urls` and
+        `served_model`: an engine that only sends requests (it launches nothing)."""
         h = cfg.rollout.options
         options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights"}
         if not owner:
-            options.update(urls=urls or h.urls, launch=0, served_model=h.served_model or ("tiderl" if h.launch else ""))
+            options.update(urls=urls or h.urls, launch=0,
+                           served_model=served_model or h.served_model or ("tiderl" if h.launch else ""))
         return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
                    copy_model=copy_model and owner, owner=owner, **options)
 
@@ -232,13 +248,14 @@ class HttpEngine:
         from tiderl.rollout.launch import ServerLauncher
 
         base = save_model_dir(self.reference, tokenizer, self.weights_dir / "base")
-        if self._lora:  # save_model_dir wrote the base alone: the servers start from the merged policy
+        if self._lora and self.weight_sync != "adapters":  # the servers start from the merged policy
             for stale in base.glob("model*.safetensors*"):
                 stale.unlink()
             self._write_state(base)
         self._folder = base.resolve()
         self.launcher = ServerLauncher(count, kind, base, self.weights_dir.parent / "servers", served_model,
-                                       timeout_s, executable)
+                                       timeout_s, executable, self.weight_sync,
+                                       lora_rank=self._peft_config.r if self.weight_sync == "adapters" else 0)
         seconds = self.launcher.start()
         self.events.append({"event": "launched", "servers": count, "seconds": round(seconds, 3)})
         logger.info("launched %d %s servers in %.1f s: %s", count, kind, seconds, self.launcher.urls)
@@ -373,7 +390,11 @@ class HttpEngine:
                 self.launcher.stop()
                 return
             with self._sync_lock:
-                if self._folder.name != "base":  # it started from the first weights: catch up
+                if self.weight_sync == "collective":  # a new group, and the current weights if they moved on
+                    self._join(index)
+                    if self.version:
+                        self._senders[index].send(self.served_state())
+                elif self._folder.name != "base":  # it started from the base or the first weights: catch up
                     self._run(self._reload(url, self._folder), timeout=self.sync_timeout_s + 5)
                 version = self.version
                 self._check_probe(url, what=f"after its restart at version {version}", during_update=True)
@@ -517,9 +538,14 @@ class HttpEngine:
         if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
             raise ServerError(f"{url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 so that "
                               "tiderl can reload weights (or set rollout.options.weight_sync=none)")
+        if response.status_code == 404 and path == "/v1/load_lora_adapter":
+            raise ServerError(f"{url}{path} does not exist: start vLLM with --enable-lora --max-lora-rank R and "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for weight_sync=adapters (or use weight_sync=vllm)")
         if response.status_code >= 400:
             raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else None
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text or None  # vLLM's adapter endpoints answer in plain text
 
     async def _served_model(self) -> str:
         """The one model the first server lists (an ambiguous list needs rollout.options.served_model)."""
@@ -547,7 +573,7 @@ class HttpEngine:
             return self._follow(state_dict, version)
         if self.weight_sync == "none":
             raise RuntimeError("rollout.options.weight_sync=none: the server's weights are fixed, so the engine "
-                               "cannot follow training; use weight_sync=vllm to train")
+                               "cannot follow training; use weight_sync=vllm (or adapters) to train")
         if self._lora:
             check_update(self._adapters, state_dict, version, self.version,
                          send="the policy's LoRA adapters, tiderl.train.lora.policy_state(model), of the same "
@@ -566,15 +592,24 @@ class HttpEngine:
                 else:
                     self.reference.load_state_dict(state_dict, strict=True)
                 self._reference_memo = {}
-                folder = self._write_weights(version)
-                t_write = time.perf_counter()
-                reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
+                adapters = self.weight_sync == "adapters"
+                if self.weight_sync == "collective":
+                    folder, t_write = self._folder, time.perf_counter()
+                    reloaded = self._send_all(self.served_state())
+                else:
+                    folder = self._write_adapters(version) if adapters else self._write_weights(version)
+                    t_write = time.perf_counter()
+                    reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
                 t_reloaded = time.perf_counter()
+                replaced, self.served_model = self.served_model, _adapter_name(folder) if adapters else self.served_model
                 self._probe_all(reloaded, version)
                 self.version = version
                 self._folder = folder
                 self._checksum = weights_checksum(state_dict)
-                self._remove_older(folder)
+                if adapters:
+                    self._run(self._unload_all(replaced, reloaded), timeout=self.sync_timeout_s + 5)
+                if folder is not None:
+                    self._remove_older(folder)
         finally:
             self._loop.call_soon_threadsafe(self._open.set)
         self.last_sync = {"drain_s": t_drained - t0, "write_s": t_write - t_drained,
@@ -588,7 +623,7 @@ class HttpEngine:
 
     def view(self) -> ServerView:
         """The servers' state for the engines that only send requests (`owner=False`)."""
-        return ServerView(self.version, self._checksum, sorted(self._down))
+        return ServerView(self.version, self._checksum, sorted(self._down), self.served_model)
 
     def _follow(self, view: Any, version: int) -> None:
         """owner=False: take the owner's `ServerView` of `version` and admit requests again."""
@@ -604,6 +639,7 @@ class HttpEngine:
             self._affinity.clear()
             self._up_again.set()
             self.version, self._checksum = version, view.checksum
+            self.served_model = view.model or self.served_model
             self._open.set()
 
         self._run(adopt())
@@ -627,6 +663,11 @@ class HttpEngine:
         """The weights the servers load: the reference's, with a LoRA policy's adapters merged
         (`tiderl.rollout.lora.merged_state`, W + (alpha / r) B A)."""
         return lora.merged_state(self.reference, self._lora) if self._lora else self.reference.state_dict()
+
+    def _write_adapters(self, version: int) -> Path:
+        """The policy's adapters as a folder in peft's layout (weight_sync=adapters)."""
+        return lora.write_adapter_folder(self.weights_dir / f"v{version:08d}-{time.time_ns()}", self._adapters,
+                                         self._peft_config)
 
     def _write_weights(self, version: int) -> Path:
         """The new weights (`served_state`) as an HF directory the server reads (`_write_state`)."""
@@ -667,6 +708,54 @@ class HttpEngine:
             raise ServerError(f"a weight update waited {self.sync_timeout_s} s for {self._in_flight} requests in "
                               "flight to finish: raise rollout.options.sync_timeout_s or lower max_new_tokens") from exc
 
+    def _join(self, index: int) -> None:
+        """weight_sync=collective: open a gloo group with server `index` (`tiderl.collective`)."""
+        import httpx
+
+        from tiderl.collective import GlooSender
+
+        def post(url: str, body: dict[str, Any], timeout: float) -> Any:
+            try:
+                response = httpx.post(url, json=body, timeout=timeout)
+            except httpx.TransportError as exc:
+                raise ServerLost(f"{url}: cannot reach the server ({exc!r})") from exc
+            if response.status_code >= 400:
+                raise ServerError(f"{url} answered {response.status_code}: {response.text[:500]}" + (
+                    "; start vLLM with --worker-extension-cls tiderl.collective.GlooWeightReceiver and the checkout on "
+                    "its PYTHONPATH for weight_sync=collective" * (response.status_code in (400, 404, 500))))
+            return response.json()
+
+        sender = GlooSender(self.urls[index], post)
+        sender.join()
+        self._senders[index] = sender
+
+    def _send_all(self, state: dict[str, torch.Tensor]) -> list[int]:
+        """weight_sync=collective: broadcast `state` to every server that is up, each over its own
+        group, at once; the indices of those that loaded it (a lost launched server is left to its
+        restart, any other failure raises)."""
+        up = [i for i in range(len(self.urls)) if i not in self._down]
+
+        def send(index: int) -> BaseException | None:
+            try:
+                self._senders[index].send(state)
+            except Exception as exc:  # noqa: BLE001 - sorted out below
+                return exc
+            return None
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(up)), thread_name_prefix="tiderl-send") as pool:
+            failures = list(pool.map(send, up))
+        done = []
+        for index, failure in zip(up, failures):
+            if isinstance(failure, ServerLost) and self._failover:
+                self._loop.call_soon_threadsafe(self._lost, index, failure)
+            elif failure is not None:
+                raise failure
+            else:
+                done.append(index)
+        if not done:
+            raise ServerError(f"no server took the weights: every server is down ({self.urls})")
+        return done
+
     async def _reload_all(self, folder: Path) -> list[int]:
         """Reload every server that is up; the indices of those that did. A launched server lost
         meanwhile is left to its restart (which loads the newest weights); any other failure raises."""
@@ -703,11 +792,24 @@ class HttpEngine:
                                     f"after loading version {version}")
 
     async def _reload(self, url: str, folder: Path) -> None:
-        """Make the server at `url` load the weights in `folder`."""
+        """Make the server at `url` load the weights (or with weight_sync=adapters, the adapters) in `folder`."""
         timeout = self.sync_timeout_s
-        await self._post(url, "/collective_rpc", {"method": "reload_weights", "timeout": timeout,
-                                                  "kwargs": {"weights_path": str(folder)}}, timeout=timeout)
+        if self.weight_sync == "adapters":
+            await self._post(url, "/v1/load_lora_adapter", {"lora_name": _adapter_name(folder),
+                                                            "lora_path": str(folder)}, timeout=timeout)
+        else:
+            await self._post(url, "/collective_rpc", {"method": "reload_weights", "timeout": timeout,
+                                                      "kwargs": {"weights_path": str(folder)}}, timeout=timeout)
         await self._post(url, "/reset_prefix_cache", {}, timeout=timeout)
+
+    async def _unload_all(self, name: str, indices: list[int]) -> None:
+        """Unload the replaced adapter `name` from the servers `indices` (a failure only logged:
+        nothing names it any more, it only holds memory)."""
+        answers = await asyncio.gather(*(self._post(self.urls[i], "/v1/unload_lora_adapter", {"lora_name": name})
+                                         for i in indices), return_exceptions=True)
+        for index, answer in zip(indices, answers):
+            if isinstance(answer, BaseException):
+                logger.warning("%s kept the replaced adapter %s: %s", self.urls[index], name, answer)
 
     # ------------------------------------------------------------------ the probe
 
@@ -767,3 +869,8 @@ class HttpEngine:
         if processed_diff > self.probe_tolerance:
             raise ServerError(f"{url}: its log-probs at temperature {PROBE_TEMPERATURE} differ from the trainer's "
                               f"by up to {processed_diff:.3g} (rollout.options.probe_tolerance={self.probe_tolerance})")
+
+
+def _adapter_name(folder: Path) -> str:
+    """The name the servers know the adapters in `folder` by (one folder per version)."""
+    return f"tiderl-lora-{folder.name}"

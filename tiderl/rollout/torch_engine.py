@@ -18,6 +18,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from transformers.cache_utils import DynamicLayer
 
 from tiderl.models.vision import PromptImages, embed_inputs, image_inputs, rope_positions, split_processor
+from tiderl.rollout import low_rank
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_uniform,
                                  token_decoder)
 from tiderl.rollout.fast_decode import DecodeStep, copy_into
@@ -701,6 +702,29 @@ class TorchEngine:
                     if target not in copied:
                         copy_into(own[k], state_dict[k])
                         copied.add(target)
+            self.version = version
+            self._fingerprint = None
+            self._drop_kept_caches()
+
+    def load_adapters(self, layers: dict[str, tuple[float, torch.Tensor, torch.Tensor]], version: int) -> None:
+        """LoRA adapters beside the weights, unmerged (`tiderl.rollout.low_rank`), as `version`:
+        `layers` maps a linear layer's name to (scaling, A `[r, in]`, B `[out, r]`). The first call
+        attaches them (and rebuilds the fast decode step, which stacks them); later ones copy new
+        values into the same layers, which they must name exactly. Kept prefix caches are dropped."""
+        modules = dict(self.model.named_modules())
+        held = {name for name, module in modules.items() if low_rank.term_of(module) is not None}
+        if version < self.version or any(name not in modules for name in layers) or held and held != set(layers):
+            raise ValueError(f"adapters for {sorted(layers)[:3]}... at version {version}: this engine (version "
+                             f"{self.version}) has the layers {sorted(modules)[:3]}... and holds adapters on "
+                             f"{sorted(held)[:3]}...; send adapters for the same layers, at no lower version")
+        with self._lock:
+            for name, (scaling, a, b) in layers.items():
+                if held:
+                    low_rank.set_adapters(modules[name], a, b)
+                else:
+                    low_rank.attach(modules[name], a.to(self.device), b.to(self.device), scaling)
+            if not held and self._fast is not None:
+                self._fast = DecodeStep.of(self.model)
             self.version = version
             self._fingerprint = None
             self._drop_kept_caches()

@@ -4,7 +4,10 @@ HTTP engine uses (docs/engines.md, "The engine server"), so that `rollout.engine
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` (token-id prompts, per-token
 log-probs, token ids back), `POST /collective_rpc` with method `reload_weights` (a folder with
-`model.safetensors` holding every key of the model), `POST /reset_prefix_cache`. The standard
+`model.safetensors` holding every key of the model) or the collective way's `tiderl_join` and
+`tiderl_receive` (`tiderl.collective`), `POST /reset_prefix_cache`, and
+`POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (LoRA adapters applied unmerged; unlike
+vLLM it holds one at a time, the last loaded, which requests then name). The standard
 library's threading HTTP server: one thread per request, and the torch engine batches the
 requests that wait together (one thread decodes for all of them).
 """
@@ -41,7 +44,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._answer(200, {"status": "ok", "version": server.engine.version})
         if self.path == "/v1/models":
-            return self._answer(200, {"object": "list", "data": [{"id": server.served_model, "object": "model"}]})
+            names = [server.served_model] + [server.adapter] * bool(server.adapter)
+            return self._answer(200, {"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
         return self._answer(404, {"detail": f"no route GET {self.path}"})
 
     def do_POST(self) -> None:  # noqa: N802
@@ -54,6 +58,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._answer(200, server.collective_rpc(body))
             if self.path == "/reset_prefix_cache":
                 return self._answer(200, {"success": True})
+            if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                return self._answer(200, server.lora_adapter(body, load=self.path == "/v1/load_lora_adapter"))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
             return self._answer(400, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
         return self._answer(404, {"detail": f"no route POST {self.path}"})
@@ -68,6 +74,8 @@ class EngineServer:
         self.engine = engine
         self.served_model = served_model
         self.reloads = 0
+        self.adapter = ""  # the LoRA adapter loaded last, which requests name ('' = none)
+        self._replaced: set[str] = set()  # adapters loaded before it
         self.httpd = ThreadingHTTPServer((host, port), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.owner = self  # type: ignore[attr-defined]
@@ -79,8 +87,9 @@ class EngineServer:
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a list of token ids (this server takes token ids, not text)")
-        if body.get("model", self.served_model) != self.served_model:
-            raise ValueError(f"model {body.get('model')!r} is not served here; this server serves {self.served_model!r}")
+        serving = self.adapter or self.served_model
+        if body.get("model", serving) != serving:
+            raise ValueError(f"model {body.get('model')!r} is not served here; this server serves {serving!r}")
         params = SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                                 max_new_tokens=int(body.get("max_tokens", 16)), stop=list(body.get("stop") or []),
                                 stop_token_ids=list(body.get("stop_token_ids") or []), seed=body.get("seed"))
@@ -93,17 +102,51 @@ class EngineServer:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids)}}
 
     def collective_rpc(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`reload_weights` from `kwargs.weights_path` (the only method this server runs)."""
-        from safetensors.torch import load_file
+        """`reload_weights` from `kwargs.weights_path`, or the collective way's `tiderl_join` (a
+        gloo group with the sender, `kwargs` its address and ranks) and `tiderl_receive` (the
+        state dict `kwargs.spec` lists, by broadcast; `tiderl.collective`)."""
+        from tiderl import collective
 
-        if body.get("method") != "reload_weights":
-            raise ValueError(f"collective_rpc method {body.get('method')!r}: this server runs reload_weights only")
-        file = Path(body["kwargs"]["weights_path"]) / "model.safetensors"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} does not exist (reload_weights needs a folder with model.safetensors)")
-        self.engine.update_weights(load_file(str(file)), self.engine.version + 1)
+        method, kwargs = body.get("method"), body.get("kwargs") or {}
+        if method == "tiderl_join":
+            self._group = collective.join_group(**kwargs)
+            return {"results": ["joined"]}
+        if method == "tiderl_receive":
+            if getattr(self, "_group", None) is None:
+                raise ValueError("tiderl_receive before tiderl_join: join the sender's group first")
+            state = dict(collective.receive_state(self._group, kwargs["spec"]))
+        elif method == "reload_weights":
+            from safetensors.torch import load_file
+
+            file = Path(kwargs["weights_path"]) / "model.safetensors"
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} does not exist (reload_weights needs a folder with model.safetensors)")
+            state = load_file(str(file))
+        else:
+            raise ValueError(f"collective_rpc method {method!r}: this server runs reload_weights, tiderl_join "
+                             "and tiderl_receive")
+        self.engine.update_weights(state, self.engine.version + 1)
         self.reloads += 1
-        return {"results": [None]}
+        return {"results": [len(state)]}
+
+    def lora_adapter(self, body: dict[str, Any], load: bool) -> str:
+        """Load the adapter folder `lora_path` as `lora_name` (requests name it from now on), or
+        unload `lora_name`: one that a later load replaced (the one in use stays)."""
+        from tiderl.rollout.lora import read_adapter_folder
+
+        name = str(body["lora_name"])
+        if not load:
+            if name == self.adapter:
+                raise ValueError(f"adapter {name!r} is in use: this server holds one at a time (load the next first)")
+            if name not in self._replaced:
+                raise ValueError(f"adapter {name!r} is not loaded")
+            self._replaced.discard(name)
+            return f"Success: LoRA adapter '{name}' removed successfully."
+        self.engine.load_adapters(read_adapter_folder(body["lora_path"]), self.engine.version + 1)
+        self._replaced |= {self.adapter} - {""}
+        self.adapter = name
+        self.reloads += 1
+        return f"Success: LoRA adapter '{name}' added successfully."
 
     def start(self) -> EngineServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},

@@ -130,6 +130,7 @@ class WorkerBundle:
     tokenizer: Any
     setup: Setup  # its make_env builds environments in the worker (backends are not shipped)
     server_urls: list[str] | None = None  # rollout.engine=http: the servers the driver's engine owns
+    server_model: str = ""  # and the name requests give them (weight_sync=adapters: the first adapters')
 
 
 class RolloutWorker:
@@ -151,7 +152,7 @@ class RolloutWorker:
         torch.manual_seed(seed)
         if cfg.rollout.engine == "http":  # the driver's engine owns the servers: this one only sends requests
             self.engine: Any = HttpEngine.from_config(cfg, bundle.model, bundle.tokenizer, seed=seed, owner=False,
-                                                      urls=bundle.server_urls)
+                                                      urls=bundle.server_urls, served_model=bundle.server_model)
         else:
             self.engine = make_engine(cfg, bundle.model, bundle.tokenizer, seed=seed)
         # The bundle's model already holds the weights of `bundle.version`.
@@ -396,7 +397,8 @@ class RayRollout:
             self._latest = _Weights(self._start_version, None,
                                     asyncio.ensure_future(asyncio.to_thread(weights_checksum, policy_state(model))))
         self._bundle_ref = ray.put(WorkerBundle(self.cfg, model, self._start_version, self._tokenizer, self._setup,
-                                                self.servers.urls if self.servers is not None else None))
+                                                self.servers.urls if self.servers is not None else None,
+                                                self.servers.served_model if self.servers is not None else ""))
         self._model = None  # the object store has it now; the trainer keeps its own
         pool = [self._spawn() for _ in range(self.num_workers)]
         try:
