@@ -600,6 +600,48 @@ SMALL_KG_RUN = ["env.options.num_films=40", "env.options.num_people=40", "data.e
                 "log.tensorboard=false", "system.wait_timeout_s=300"]
 
 
+# -- launched inference servers (test_http_launch, test_collective_sync, test_lora_adapters_sync, ...) --
+
+
+def wait_for_event(engine, kind: str, timeout_s: float = 90.0) -> dict:
+    """The latest `kind` event of an HTTP engine's launched servers (or a `restart_failed`, which
+    ends the wait too), waiting up to `timeout_s` for one."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        found = [e for e in engine.events if e["event"] in (kind, "restart_failed")]
+        if found:
+            return found[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"no {kind!r} event within {timeout_s} s: {engine.events}")
+
+
+@contextmanager
+def two_steps_on_launched_servers(cache, folder: Path, overrides: list[str], loads: int):
+    """Two steps of the small KG run through `tiderl train`'s path with `rollout.engine=http` and
+    2 launched servers, plus `overrides`; checks the steps, the ledger, and that each server took
+    `loads` weight loads and passes the probe at the end; yields (run, summary), then closes the
+    engine (and its servers)."""
+    import httpx
+
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    run = build_run(load_config("configs/kg_sao_tiny.yaml", SMALL_KG_RUN + [
+        "train.steps=2", "rollout.engine=http", "rollout.options.launch=2", f"model.cache_dir={cache}",
+        f"run_dir={folder / 'run'}"] + overrides))
+    try:
+        history, summary = train(run)
+        assert [h["policy_version"] for h in history] == [1, 2]
+        assert summary["ledger"]["trained"] == 8 and summary["ledger"]["failed"] == 0
+        for url in run.engine.urls:
+            assert httpx.get(url + "/health").json()["version"] == loads
+            run.engine._check_probe(url, what="after the run")
+        yield run, summary
+    finally:
+        run.engine.close()
+
+
 # -- the learning tests (test_learning, test_learning_fast) ------------------------------------
 
 

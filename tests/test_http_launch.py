@@ -26,7 +26,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
-from support import SMALL_KG_RUN, greedy_reference, peaky_model
+from support import SMALL_KG_RUN, greedy_reference, peaky_model, wait_for_event
 from tiderl.config import ConfigError, load_config
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.http_engine import HttpEngine, ServerView
@@ -214,16 +214,6 @@ def _kill_when_busy(engine: HttpEngine, index: int, killed: threading.Event, don
         time.sleep(0.002)
 
 
-def _wait_for_event(engine: HttpEngine, kind: str, timeout_s: float = 90.0) -> dict:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        found = [e for e in engine.events if e["event"] in (kind, "restart_failed")]
-        if found:
-            return found[-1]
-        time.sleep(0.1)
-    raise AssertionError(f"no {kind!r} event within {timeout_s} s: {engine.events}")
-
-
 def _balanced(ledger: dict) -> bool:
     settled = sum(ledger[k] for k in ("trained", "dropped_stale", "failed", "retried", "restarted", "filtered",
                                       "requeued", "lost"))
@@ -255,7 +245,7 @@ def test_two_launched_servers_train_and_one_killed_mid_run_comes_back(cache, tmp
         lost = [e for e in engine.events if e["event"] == "lost"]
         assert [e["server"] for e in lost] == [0], engine.events
         assert engine.retried >= 1  # its requests went to server 1
-        back = _wait_for_event(engine, "restarted")
+        back = wait_for_event(engine, "restarted")
         assert back["event"] == "restarted", back
         assert back["probe_max_abs_diff"] <= engine.probe_tolerance
         # Both servers now serve the trained weights: the probe against the trainer's, and the
@@ -306,7 +296,7 @@ def test_the_http_engine_on_the_ray_backend_with_launched_servers(ray_cluster, c
         assert sum(s["episodes"] for s in stats) >= 8  # the episodes ran in the workers
         assert sum(s["requests_retried"] for s in stats) >= 1, stats  # on server 1, in the workers
         assert [e["server"] for e in engine.events if e["event"] == "lost"] == [0], engine.events
-        back = _wait_for_event(engine, "restarted")
+        back = wait_for_event(engine, "restarted")
         assert back["event"] == "restarted", back
         # Server 1 was reloaded once per version, not once per worker (its version counts reloads).
         assert httpx.get(engine.urls[1] + "/health").json()["version"] == 2

