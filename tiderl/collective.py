@@ -60,13 +60,27 @@ class GlooWeightReceiver:
         return len(weights)
 
 
+def address_towards(url: str) -> str:
+    """This machine's address on the route to the server at `url` (the one it can reach this
+    process's store at): 127.0.0.1 for a local server, the outward interface's for a server on
+    another node. Gloo itself picks its interface from the hostname; `GLOO_SOCKET_IFNAME` names
+    another."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent: this only chooses the route
+        return probe.getsockname()[0]
+
+
 class GlooSender:
     """The trainer's end of a gloo group with the server at `url` (rank 0; the server's one
     worker is rank 1). `post(url, body, timeout)` sends a JSON POST and returns the answer, raising
     what the caller wants to see when the server cannot be reached."""
 
-    def __init__(self, url: str, post: Any, host: str = "127.0.0.1", port: int = 0):
-        self.url, self.post, self.host = url, post, host
+    def __init__(self, url: str, post: Any, host: str = "", port: int = 0):
+        self.url, self.post, self.host = url, post, host or address_towards(url)
         if not port:
             from tiderl.rollout.launch import free_port
 
