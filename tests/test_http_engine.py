@@ -276,7 +276,7 @@ def test_weights_reach_vllm_over_a_gloo_group(request, model, tokenizer, tmp_pat
     url = request.getfixturevalue("vllm_server")
     engine = HttpEngine(model, tokenizer, urls=[url], weights_dir=tmp_path / "weights")
     try:
-        sender = GlooSender(url, lambda u, body, timeout: httpx.post(u, json=body, timeout=timeout).json())
+        sender = GlooSender(url, lambda path, body, timeout: httpx.post(url + path, json=body, timeout=timeout).json())
         sender.join()
         new = peaky_model(len(tokenizer), seed=1).state_dict()
         t0 = time.perf_counter()

@@ -76,7 +76,7 @@ def address_towards(url: str) -> str:
 
 class GlooSender:
     """The trainer's end of a gloo group with the server at `url` (rank 0; the server's one
-    worker is rank 1). `post(url, body, timeout)` sends a JSON POST and returns the answer, raising
+    worker is rank 1). `post(path, body, timeout)` sends a JSON POST to that server and returns the answer, raising
     what the caller wants to see when the server cannot be reached."""
 
     def __init__(self, url: str, post: Any, host: str = "", port: int = 0):
@@ -96,7 +96,7 @@ class GlooSender:
 
         def call() -> None:
             try:
-                answers["answer"] = self.post(self.url + "/collective_rpc", {"method": method, "kwargs": kwargs},
+                answers["answer"] = self.post("/collective_rpc", {"method": method, "kwargs": kwargs},
                                               TIMEOUT.total_seconds())
             except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
                 answers["error"] = exc
@@ -131,4 +131,4 @@ class GlooSender:
                 self.group.broadcast(tensor, 0).wait()
 
         self._with_rpc("tiderl_receive", {"spec": spec}, broadcast)
-        self.post(self.url + "/reset_prefix_cache", {}, TIMEOUT.total_seconds())
+        self.post("/reset_prefix_cache", {}, TIMEOUT.total_seconds())

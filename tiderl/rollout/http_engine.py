@@ -606,7 +606,9 @@ class HttpEngine:
                     t_write = time.perf_counter()
                     reloaded = self._run(self._reload_all(folder), timeout=self.sync_timeout_s + 5)
                 t_reloaded = time.perf_counter()
-                replaced, self.served_model = self.served_model, _adapter_name(folder) if adapters else self.served_model
+                replaced = self.served_model
+                if adapters:  # requests (the probe first) name the new adapters
+                    self.served_model = _adapter_name(folder)
                 self._probe_all(reloaded, version)
                 self.version = version
                 self._folder = folder
@@ -714,24 +716,19 @@ class HttpEngine:
                               "flight to finish: raise rollout.options.sync_timeout_s or lower max_new_tokens") from exc
 
     def _join(self, index: int) -> None:
-        """weight_sync=collective: open a gloo group with server `index` (`tiderl.collective`)."""
-        import httpx
-
+        """weight_sync=collective: open a gloo group with server `index` (`tiderl.collective`); its
+        requests go through `_post` on the engine's loop (called from other threads)."""
         from tiderl.collective import GlooSender
 
-        def post(url: str, body: dict[str, Any], timeout: float) -> Any:
-            try:
-                response = httpx.post(url, json=body, timeout=timeout)
-            except httpx.TransportError as exc:
-                raise ServerLost(f"{url}: cannot reach the server ({exc!r})") from exc
-            if response.status_code >= 400:
-                raise ServerError(f"{url} answered {response.status_code}: {response.text[:500]}" + (
-                    "; start vLLM with --worker-extension-cls tiderl.collective.GlooWeightReceiver and the checkout on "
-                    "its PYTHONPATH for weight_sync=collective" * (response.status_code in (400, 404, 500))))
-            return response.json()
-
-        sender = GlooSender(self.urls[index], post)
-        sender.join()
+        url = self.urls[index]
+        sender = GlooSender(url, lambda path, body, timeout: self._run(self._post(url, path, body, timeout=timeout)))
+        try:
+            sender.join()
+        except ServerLost:
+            raise
+        except ServerError as exc:
+            raise ServerError(f"{exc}; for weight_sync=collective start vLLM with --worker-extension-cls "
+                              "tiderl.collective.GlooWeightReceiver and the checkout on its PYTHONPATH") from exc
         self._senders[index] = sender
 
     def _send_all(self, state: dict[str, torch.Tensor]) -> list[int]:
