@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.parse
 from contextlib import contextmanager
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -155,12 +156,25 @@ class _SparqlHandler(BaseHTTPRequestHandler):
         pass
 
 
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer for test stubs that stays silent when a client hangs up first.
+
+    Tests time requests out on purpose (a slow judge, a delayed completion); the handler then
+    writes to a closed socket some time later, and the default handle_error would print that
+    traceback into whichever test is running by then (and into its captured stderr).
+    (support, test_model_rewards, test_reward_scoring)"""
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @contextmanager
 def sparql_server(ntriples: str) -> Iterator[tuple[str, list[str]]]:
     """A SPARQL 1.1 protocol server on loopback answering from a pyoxigraph store loaded with
     `ntriples`, at http://127.0.0.1:<free port>/sparql; yields (url, HTTP methods seen).
     (test_kg_backends, test_kg_agentbench, test_eval_cli)"""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SparqlHandler)
+    server = QuietHTTPServer(("127.0.0.1", 0), _SparqlHandler)
     server.store = OxigraphClient.from_rdf(ntriples, "nt").store
     server.methods = []
     # A short poll interval: shutdown() waits up to one interval.
@@ -483,7 +497,7 @@ class StubServer:
         self.requests: list[dict] = []
         self.reloads = 0
         self.delay_s = 0.0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
+        self.httpd = QuietHTTPServer(("127.0.0.1", 0), _StubHandler)
         self.httpd.stub = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -543,8 +557,6 @@ def parity_model_dir(folder: Path) -> Path:
 def local_ray_cluster(module_name: str) -> Iterator[None]:
     """A 2-CPU local Ray cluster for a test module's fixture (`yield from`); the module's own test
     classes travel by value, as Ray's workers cannot import a test module by name."""
-    import sys
-
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[module_name])

@@ -6,13 +6,13 @@ A generative judge is asked over HTTP, here a local stub of an OpenAI-compatible
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
 from transformers import Qwen2ForSequenceClassification
 
-from support import CORPUS, rollout, small_config
+from support import CORPUS, QuietHTTPServer, rollout, small_config
 from tiderl.config import ConfigError, load_config
 from tiderl.embedded.tiny import tiny_qwen2_config, train_tokenizer
 from tiderl.rewards import judge
@@ -174,7 +174,7 @@ class _JudgeStub(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def judge_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeStub)
+    server = QuietHTTPServer(("127.0.0.1", 0), _JudgeStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()

@@ -8,10 +8,11 @@ import asyncio
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from support import QuietHTTPServer
 from tiderl.config import ConfigError, dump_yaml, load_config
 from tiderl.rewards.judge import PART as JUDGE, Judge, JudgeOptions
 from tiderl.rewards.model import ModelRewards
@@ -157,7 +158,7 @@ class _KeyedJudge(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def keyed_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _KeyedJudge)
+    server = QuietHTTPServer(("127.0.0.1", 0), _KeyedJudge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
