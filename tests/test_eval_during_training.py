@@ -1,4 +1,4 @@
-"""Held-out evaluation during training (`eval.every`, `eval.n`, `train.keep_best`): what it logs,
+"""Held-out evaluation during training (`eval.every`, `eval.before`, `eval.n`, `train.keep_best`): what it logs,
 that it evaluates the weights of the step just taken, that it leaves training as it was, that a
 resumed run logs the same, and which configs are refused.
 
@@ -162,11 +162,44 @@ def test_a_lagging_engine_gets_the_trainers_weights_before_it_evaluates(model, t
     assert evaluated == now() and evaluated != published, (evaluated, published)
 
 
+@pytest.mark.slow
+def test_eval_before_logs_the_starting_weights_at_step_0_and_leaves_training_as_it_was(model, tmp_path):
+    """eval.before=true: a row for step 0 holds eval/* of the untrained weights (equal to evaluating
+    a freshly built run), training's rows equal those of a run without it, and a resumed run does
+    not evaluate its starting point again."""
+    plain = build_run(load_config(None, overrides(model, tmp_path / "plain", "train.steps=2")))
+    train(plain)
+    more = ("train.steps=2", "eval.before=true", f"eval.n={EVAL_N}", "train.checkpoint_every=1")
+    run = build_run(load_config(None, overrides(model, tmp_path / "before", *more)))
+    train(run)
+    fresh = build_run(load_config(None, overrides(model, tmp_path / "fresh", "train.steps=2")))
+    expected = held_out_metrics(evaluate_modes(fresh.cfg, fresh.engine, fresh.tokenizer, fresh.make_env,
+                                               fresh.setup.eval_tasks[:EVAL_N]))
+    logged = rows(tmp_path / "before")
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert {k: v for k, v in logged[0].items() if k.startswith("eval/")} == expected
+    assert set(logged[0]) == {"step", "time/eval_s", *expected}
+    # Samples, rewards, values and losses are equal bit for bit; the engine's own log-probs after an
+    # evaluation at step 0 are not (step 2's dis/ratio_mean 1 + 4.0e-8 against 1 + 4.5e-8: the
+    # engine decoded differently shaped batches first; not traced further), so dis/* is compared
+    # to 1e-6.
+    for x, y in zip(rows(tmp_path / "plain"), logged[1:]):
+        x, y = training_part(x), training_part(y)
+        assert {k: v for k, v in x.items() if not k.startswith("dis/")} == {k: v for k, v in y.items() if not k.startswith("dis/")}
+        assert {k: v for k, v in y.items() if k.startswith("dis/")} == pytest.approx(
+            {k: v for k, v in x.items() if k.startswith("dis/")}, rel=1e-6, abs=1e-9)
+    resumed = build_run(load_config(None, overrides(model, tmp_path / "before", *more, "train.steps=3",
+                                                    f"train.resume={tmp_path / 'before' / 'checkpoints' / 'step_2'}")))
+    train(resumed)
+    assert [r["step"] for r in rows(tmp_path / "before")] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("more, field", [
     (["train.keep_best=true"], "train.keep_best"),
     (["eval.n=5"], "eval.n"),
     (["eval.every=2", "eval.greedy=false", "eval.sampled=false"], "eval.every"),
     (["eval.every=-1"], "eval.every/eval.n"),
+    (["eval.before=true", "eval.greedy=false", "eval.sampled=false"], "eval.before"),
 ])
 def test_eval_settings_that_would_do_nothing_are_refused(more, field):
     with pytest.raises(ConfigError) as error:

@@ -223,6 +223,8 @@ class EvalConfig:
     pass_k: int = opt(1, "Also report pass@k from k samples per task (1 = off).")
     every: int = opt(0, "During training, evaluate the trained weights on held-out tasks every N steps and at the "
                      "last step, in the modes above (0 = off): eval/* in metrics.jsonl (docs/metrics.md).")
+    before: bool = opt(False, "Also evaluate the starting weights once before the first step (not on resume), in "
+                       "the modes above: eval/* at step 0 in metrics.jsonl, the figure the run's are compared with.")
     n: int = opt(0, "Held-out tasks per evaluation during training: the first n of the setup's (0 = all of them, "
                  "at most data.eval_size).")
 
@@ -427,7 +429,8 @@ def _ignored_keys(cfg: RunConfig) -> dict[str, str]:
          "env.tool_latency=none adds no latency"),
         (("env.tool_latency_spread",), e.tool_latency in ("uniform", "lognormal"),
          f"env.tool_latency={e.tool_latency} has no spread"),
-        (("eval.n", "train.keep_best"), cfg.eval.every > 0, "eval.every=0 evaluates nothing during training"),
+        (("eval.n",), cfg.eval.every > 0 or cfg.eval.before, "eval.every=0 and eval.before=false evaluate nothing during training"),
+        (("train.keep_best",), cfg.eval.every > 0, "eval.every=0 evaluates nothing during training"),
     ]
     return {key: why for keys, used, why in rules if not used for key in keys}
 
@@ -557,7 +560,8 @@ def validate(cfg: RunConfig) -> None:
     need(sysc.wait_timeout_s > 0, "system.wait_timeout_s", "must be > 0", "use 600")
     need(cfg.eval.pass_k >= 1, "eval.pass_k", "must be >= 1", "use 1 (off) or e.g. 4")
     need(cfg.eval.every >= 0 and cfg.eval.n >= 0, "eval.every/eval.n", "must be >= 0", "use 0 (off / all tasks)")
-    need(not cfg.eval.every or cfg.eval.greedy or cfg.eval.sampled or cfg.eval.pass_k > 1, "eval.every",
+    need(not (cfg.eval.every or cfg.eval.before) or cfg.eval.greedy or cfg.eval.sampled or cfg.eval.pass_k > 1,
+         "eval.every" if cfg.eval.every else "eval.before",
          "asks for evaluations with every mode off", "set eval.greedy=true or eval.sampled=true")
     need(e.max_items >= 1, "env.max_items", "must be >= 1", "use 100")
     need(e.max_observation_chars >= 100, "env.max_observation_chars", "must be >= 100", "use 4000")

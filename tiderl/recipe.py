@@ -11,9 +11,8 @@ behind `tiderl serve`) and decides where the loop waits: at `system.max_stalenes
 (synchronous, on-policy) `next_batch` waits until every trajectory of the batch was sampled by the
 weights the step trains; larger bounds let rollout run ahead by that many versions.
 
-Checkpoints (`run_dir/checkpoints/step_N`, every `train.checkpoint_every` steps or
-`train.checkpoint_every_s` seconds) hold everything a resume needs (docs/architecture.md,
-"Checkpoints and resume"); `train.resume=auto` continues from the latest complete one.
+Checkpoints (`run_dir/checkpoints/step_N`, every `train.checkpoint_every` steps or `train.checkpoint_every_s`
+seconds) hold all a resume needs (docs/architecture.md); `train.resume=auto` continues from the latest one.
 """
 
 from __future__ import annotations
@@ -95,10 +94,11 @@ def train(run: Run, steps: int | None = None, observer: Observer | None = None,
     run.trainer = learner = _learner(run, preparations)  # data-parallel ranks write their checkpoint shards
     trainer = TrainerThread(run, learner, threads.trainer)
     logger = MetricsLogger(run_dir, steps, cfg.log.tensorboard, cfg.log.progress, cfg.log.trackers, cfg)
-    after_step = _after_step(run, logger, Checkpoints(run), observer, stop)
+    after_step = _after_step(run, logger, held_out := HeldOut(run), Checkpoints(run), observer, stop)
     if run.setup.on_step is not None:  # a drifting world starts at the run's step (env.options.drift)
         run.setup.on_step(run.step)
     try:
+        held_out.before_training(logger)  # eval.before: the starting weights' figure, as step 0
         with pinned_thread(threads.plan.rollout):  # the event loop: episode bookkeeping, tool calls
             history = asyncio.run(loop(pool, trainer, steps, after_step))
     finally:
@@ -124,11 +124,11 @@ def _learner(run: Run, preparations: list[Any]) -> Any:
     return RayParallelTrainer(run, preparations)
 
 
-def _after_step(run: Run, logger: MetricsLogger, checkpoints: Checkpoints, observer: Observer | None,
-                stop: Callable[[dict[str, float]], bool] | None) -> AfterStep:
+def _after_step(run: Run, logger: MetricsLogger, held_out: HeldOut, checkpoints: Checkpoints,
+                observer: Observer | None, stop: Callable[[dict[str, float]], bool] | None) -> AfterStep:
     """What follows every step: the world's clock, held-out evaluation and checkpoints when due (the
     trainer is idle between steps), metrics, transcripts, the observer, and whether to stop early."""
-    cfg, run_dir, held_out = run.cfg, Path(run.cfg.run_dir), HeldOut(run)
+    cfg, run_dir = run.cfg, Path(run.cfg.run_dir)
 
     def after_step(version: int, metrics: dict[str, float], batch: list[Trajectory]) -> bool:
         metrics.update(rollout_metrics(batch))

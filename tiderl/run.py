@@ -390,9 +390,18 @@ class HeldOut:
         self.run, self.every, self.tasks = run, run.cfg.eval.every, run.setup.eval_tasks[:run.cfg.eval.n or None]
 
     def __call__(self, version: int) -> dict[str, float]:
-        run, cfg = self.run, self.run.cfg
-        if not self.every or (version % self.every and version < cfg.train.steps):
+        if not self.every or (version % self.every and version < self.run.cfg.train.steps):
             return {}
+        return self.evaluate(version)
+
+    def before_training(self, logger: Any) -> None:
+        """`eval.before`: log the starting weights' evaluation as step 0 (a new run, not a resume)."""
+        if self.run.cfg.eval.before and self.run.step == 0:
+            logger.log(0, self.evaluate(0), advance=False)
+
+    def evaluate(self, version: int) -> dict[str, float]:
+        """Evaluate the trainer's weights of `version` now (eval.before: the starting ones, 0)."""
+        run, cfg = self.run, self.run.cfg
         if run.engine.version != version:
             getattr(run.trainer, "pull_actor", lambda: None)()  # data-parallel ranks hold the weights
             sync_weights(run)

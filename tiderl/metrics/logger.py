@@ -39,7 +39,7 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
         self._trackers = open_trackers(list(trackers), self.run_dir, config) if trackers else []
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], advance: bool = True) -> None:  # advance: the bar moves
         # JSON-safe scalars: tensors and numpy numbers become Python numbers.
         record = {"step": step, **{k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
@@ -53,7 +53,7 @@ class MetricsLogger:
             shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PROGRESS_KEYS
                      if isinstance(record.get(k), (int, float))}
             self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(1)
+            self._bar.update(int(advance))
 
     def close(self) -> None:
         for tracker in self._trackers:
