@@ -157,9 +157,12 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
     t = cfg.train
     learner = dict(weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), grad_clip=t.grad_clip)
     critic = None
+    # A LoRA policy's base never changes: a LoRA critic and the KL reference hold its weights, not
+    # copies (one copy in memory, not three). Data-parallel ranks build models of their own.
+    shared = cfg.model.lora.r > 0 and cfg.train.parallel == "none"
     if needs_critic(cfg.algo):
-        critic_model = (ValueModel.load(cfg.algo.value_init) if cfg.algo.value_init
-                        else ValueModel.from_policy(policy)).to(cfg.model.device)
+        critic_model = (ValueModel.load(cfg.algo.value_init) if cfg.algo.value_init else ValueModel.from_policy(
+            policy, share_weights=shared and cfg.model.critic_lora == "lora")).to(cfg.model.device)
         if cfg.algo.freeze_critic_attention:
             freeze_matching(critic_model, cfg.algo.critic_freeze_pattern)
         if cfg.model.critic_lora == "lora":  # adapters on the backbone (base frozen), the head trains fully
@@ -167,7 +170,8 @@ def build_run(cfg: RunConfig, setup: Setup | None = None) -> Run:
 
             apply_critic_lora(critic_model, cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules)
         critic = Learner(critic_model, cfg.algo.critic_lr, **learner)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if needs_ref(cfg.algo) else None
+    ref = copy.deepcopy(policy, {id(p): p for p in policy.parameters()} if shared else {}).eval().requires_grad_(False) \
+        if needs_ref(cfg.algo) else None
     if cfg.model.lora.r > 0:  # LoRA: only adapters train and sync; critic and reference stay full models
         from tiderl.train.lora import apply_lora
 

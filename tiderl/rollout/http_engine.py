@@ -157,7 +157,7 @@ class HttpEngine:
         self._lora: dict[str, tuple[float, str, str]] = {}
         if getattr(model, "peft_config", None):
             self._peft_config = copy.deepcopy(model.peft_config["default"])  # for adapter folders
-            owned, self._lora, self._adapters = lora.unmerged_plain(model, copy_model)
+            owned, self._lora, self._adapters = lora.unmerged_plain(model, copy_model, share_frozen=True)
         else:
             owned = copy.deepcopy(model) if copy_model else model
         self.reference = owned.to(self.device).eval().requires_grad_(False)

@@ -69,14 +69,17 @@ def adapted_layers(model: Any) -> dict[str, tuple[float, str, str]]:
     return layers
 
 
-def unmerged_plain(model: Any, copy_model: bool = True) -> tuple[Any, dict[str, tuple[float, str, str]],
-                                                                 dict[str, torch.Tensor]]:
+def unmerged_plain(model: Any, copy_model: bool = True, share_frozen: bool = False
+                   ) -> tuple[Any, dict[str, tuple[float, str, str]], dict[str, torch.Tensor]]:
     """(the base model of the peft model `model` without its adapters, each adapted layer given
     them back as an unmerged `low_rank` term; `adapted_layers(model)`; copies of the adapters).
-    A deep copy unless `copy_model=False` hands `model` over (the trainer keeps training it)."""
+    A deep copy unless `copy_model=False` hands `model` over (the trainer keeps training it);
+    `share_frozen`: the copy's frozen weights (the base, which LoRA never changes) are `model`'s
+    own tensors, not copies, for a caller that only reads them (the HTTP engine's probe)."""
     layers = adapted_layers(model)
     adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
-    plain_model = (copy.deepcopy(model) if copy_model else model).unload()
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad} if share_frozen else {}
+    plain_model = (copy.deepcopy(model, shared) if copy_model else model).unload()
     modules = dict(plain_model.named_modules())
     for plain, (scaling, key_a, key_b) in layers.items():
         low_rank.attach(modules[plain], adapters[key_a], adapters[key_b], scaling)

@@ -37,13 +37,16 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 
     @classmethod
-    def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
+    def from_policy(cls, policy: PreTrainedModel, share_weights: bool = False) -> ValueModel:
         """A critic initialised from the policy's weights; the head starts at zero (V = 0).
+        `share_weights`: the backbone's parameters are the policy's own tensors, not copies (for
+        a LoRA policy and a LoRA critic, whose base weights both stay frozen).
 
         The head is float32 whatever the backbone's dtype: it is a few thousand weights, and
         in bfloat16 a bias near 0.05 cannot take a step below its 2.4e-4 spacing, so at a
         critic learning rate of 1e-4 or less the values would stop moving."""
-        backbone = copy.deepcopy(getattr(policy, policy.base_model_prefix))
+        inner = getattr(policy, policy.base_model_prefix)
+        backbone = copy.deepcopy(inner, {id(p): p for p in inner.parameters()} if share_weights else {})
         head = torch.nn.Linear(policy.config.get_text_config(decoder=True).hidden_size, 1, dtype=torch.float32)
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
