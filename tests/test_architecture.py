@@ -221,7 +221,7 @@ PACKAGE_LINE_BUDGETS = {
     # +120: issue 30: tiderl/collective.py, the collective weight sync (from the lab's prototype: a gloo group
     # into each server; top level so that a vLLM server imports it with torch alone)
     # +14: the collective sync's store on the address towards a server on another node (issue 30)
-    "tiderl": 2959,  # +25: Trajectory.to_dict/from_dict write and read images as PNG data URLs (issue 31); +13 eval.before; +4 build_run shares a LoRA base
+    "tiderl": 2963,  # +25: Trajectory.to_dict/from_dict write and read images as PNG data URLs (issue 31); +13 eval.before; +4 build_run shares a LoRA base
     # +4: Trajectory.images, +10: eval --oracle renders a visual environment with a processor (issue 31)
     # issue 29: cut 22 lines: oracle_texts and the oracle's tokenizer went to tiderl/embedded, docstrings
     "agent": 967,  # +90: images in chat assembly and the agent loop (issue 31); issue 29: cut 11 lines:
