@@ -541,6 +541,17 @@ TIMED = ("time/", "throughput/", "step_s", "system/trainer_idle_frac", "system/r
          "system/prep_overlap_frac")
 
 
+def length_reward_overrides(model: Path, run_dir: Path, *more: str) -> list[str]:
+    """A tiny synchronous, reproducible SAO run on `resume_env:LengthReward` with the parity model
+    at `model`: 4 trajectories a step, one torch thread; `more` adds or overrides keys.
+    (test_eval_during_training, test_lora_shared_base)"""
+    return ["env.name=resume_env:LengthReward", "data.source=parity", f"model.path={model}", f"run_dir={run_dir}",
+            "algo.name=sao", "algo.critic_warmup_steps=1", "algo.actor_lr=3e-3", "algo.critic_lr=1e-3",
+            "rollout.batch_size=4", "env.max_turns=2", "env.max_total_tokens=200", "rollout.max_new_tokens=24",
+            "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false",
+            "system.trainer_threads=1", "system.decode_threads=1", "train.reproducible=true", *more]
+
+
 def parity_model_dir(folder: Path) -> Path:
     """An untrained one-layer Qwen2 (seed 0) with a tokenizer trained on tests/user_env.py's
     corpus, saved as a Hugging Face directory under `folder`."""

@@ -24,7 +24,7 @@ from tiderl.run import HeldOut, build_run
 from tiderl.train.checkpoint import MARKER
 from tiderl.train.lora import policy_state
 
-from support import TIMED, parity_model_dir
+from support import TIMED, length_reward_overrides, parity_model_dir
 
 EVAL_N = 12
 
@@ -34,13 +34,7 @@ def model(tmp_path_factory):
     return parity_model_dir(tmp_path_factory.mktemp("length"))
 
 
-def overrides(model, run_dir, *more):
-    """A tiny synchronous, reproducible SAO run: 4 trajectories a step, one torch thread."""
-    return ["env.name=resume_env:LengthReward", "data.source=parity", f"model.path={model}", f"run_dir={run_dir}",
-            "algo.name=sao", "algo.critic_warmup_steps=1", "algo.actor_lr=3e-3", "algo.critic_lr=1e-3",
-            "rollout.batch_size=4", "env.max_turns=2", "env.max_total_tokens=200", "rollout.max_new_tokens=24",
-            "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false",
-            "system.trainer_threads=1", "system.decode_threads=1", "train.reproducible=true", *more]
+overrides = length_reward_overrides  # a tiny synchronous, reproducible SAO run (tests/support.py)
 
 
 def rows(run_dir):

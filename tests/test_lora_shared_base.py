@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import parity_model_dir
+from support import length_reward_overrides, parity_model_dir
 from tiderl.config import load_config
 from tiderl.models.loading import load_model
 from tiderl.run import build_run
@@ -25,12 +25,8 @@ def model(tmp_path_factory):
 
 
 def overrides(model, run_dir, *more):
-    return ["env.name=resume_env:LengthReward", "data.source=parity", f"model.path={model}", f"run_dir={run_dir}",
-            "algo.name=sao", "algo.critic_warmup_steps=0", "algo.actor_lr=3e-3", "algo.critic_lr=1e-3",
-            "rollout.batch_size=4", "env.max_turns=2", "env.max_total_tokens=200", "rollout.max_new_tokens=24",
-            "train.micro_batch_tokens=2048", "log.progress=false", "log.tensorboard=false",
-            "system.trainer_threads=1", "system.decode_threads=1", "train.reproducible=true",
-            "model.lora.r=4", *more]
+    """support's tiny LengthReward SAO run with a LoRA policy and no critic warm-up."""
+    return length_reward_overrides(model, run_dir, "algo.critic_warmup_steps=0", "model.lora.r=4", *more)
 
 
 def frozen(module: torch.nn.Module) -> set[int]:
