@@ -64,6 +64,19 @@ class ChatProcessor:
         return self.processor.save_pretrained(path, **kwargs)
 
 
+def check_images(prompt: list[int], images: PromptImages | None, processor: Any) -> None:
+    """ValueError, before an engine spends anything on it, for a request whose images it cannot
+    show: no `processor`, or not one `forced` flag per prompt token."""
+    if images is None or not images.images:
+        return
+    if processor is None:
+        raise ValueError("a request shows images but the engine was given a tokenizer: pass the vision-language "
+                         "model's processor as the engine's tokenizer")
+    if len(images.forced) != len(prompt):
+        raise ValueError(f"PromptImages.forced has {len(images.forced)} flags for a prompt of {len(prompt)} tokens: "
+                         "give one per prompt token")
+
+
 def split_processor(tokenizer_or_processor: Any) -> tuple[Any, Any | None]:
     """(tokenizer, processor) of a Hugging Face tokenizer (processor None) or of a multi-modal
     processor (one with `image_processor` and `tokenizer`)."""
@@ -151,6 +164,51 @@ def _placeholders(ids: torch.Tensor, token: int, row_pixels: dict[str, torch.Ten
         where[len(forced):] = False
         where[: len(forced)] &= forced
     return where
+
+
+# --- Placeholders a server expands itself (the HTTP engine with images; docs/multimodal.md) ---------
+# tiderl's prompts hold each image's placeholder already expanded (the processor's tokens, which the
+# trainer sees); a server such as vLLM takes one placeholder token per image and expands it again.
+
+def placeholder_expansion(processor: Any, image: Any) -> list[int]:
+    """The tokens `processor` expands one placeholder of `image` into (its size sets their count)."""
+    placeholder = getattr(processor, "image_token", IMAGE_PLACEHOLDER)
+    return [int(t) for t in processor(text=[placeholder], images=[[image]], add_special_tokens=False)["input_ids"][0]]
+
+
+def collapse_images(prompt: list[int], forced: list[int], expansions: list[list[int]], placeholder: int) -> list[int]:
+    """`prompt` with each image's expansion (in order, forced tokens only) replaced by the one
+    `placeholder` token: the prompt a server that expands placeholders itself takes. ValueError
+    when an expansion is missing or a placeholder token the model wrote itself is left (a server
+    would take it for an image)."""
+    out: list[int] = []
+    i, found = 0, 0
+    while i < len(prompt):
+        span = expansions[found] if found < len(expansions) else None
+        if span and prompt[i:i + len(span)] == span and all(forced[i:i + len(span)]):
+            out.append(placeholder)
+            i, found = i + len(span), found + 1
+            continue
+        if prompt[i] == placeholder:
+            raise ValueError(f"token {i} of the prompt is the image placeholder but shows no image (the model wrote it): "
+                             "a server that expands placeholders would take it for one; use rollout.engine=torch")
+        out.append(prompt[i])
+        i += 1
+    if found != len(expansions):
+        raise ValueError(f"found {found} of {len(expansions)} images' tokens in the prompt: the prompt and its images "
+                         "do not match (were they expanded by this model's processor?)")
+    return out
+
+
+def expand_images(prompt: list[int], expansions: list[list[int]], placeholder: int) -> list[int]:
+    """The inverse of `collapse_images`: each `placeholder` token replaced by its image's
+    expansion, in order. ValueError when the counts differ."""
+    count = prompt.count(placeholder)
+    if count != len(expansions):
+        raise ValueError(f"the prompt holds {count} image placeholder tokens for {len(expansions)} images: "
+                         "send one placeholder token per image")
+    images = iter(expansions)
+    return [t for token in prompt for t in (next(images) if token == placeholder else [token])]
 
 
 def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, torch.Tensor] | None] | None) -> torch.Tensor:

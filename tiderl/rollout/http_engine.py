@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiderl.models.vision import (PromptImages, check_images, collapse_images, model_inputs, placeholder_expansion,
+                                  split_processor)
 from tiderl.rollout import lora
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_seed,
                                  token_decoder)
 from tiderl.rollout.options import HttpEngineOptions
 from tiderl.rollout.weights import weights_checksum
+from tiderl.types import image_to_data_url
 
 if TYPE_CHECKING:
     from tiderl.config import RunConfig
@@ -41,6 +44,8 @@ PROBE_NEW_TOKENS = 8
 WEIGHT_SYNCS = ("vllm", "collective", "adapters", "none")
 # The temperature of the start-up check that the server reports processed log-probs.
 PROBE_TEMPERATURE = 0.5
+# Where a prompt with images goes: token ids in, with the images beside them (vLLM's scale-out route).
+GENERATE_PATH = "/inference/v1/generate"
 
 
 class ServerError(RuntimeError):
@@ -144,6 +149,10 @@ class HttpEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
         self.tokenizer = tokenizer
+        # A vision-language model's processor: episodes with images go to /inference/v1/generate.
+        self._text_tokenizer, self._processor = split_processor(tokenizer)
+        self._placeholder = -1 if self._processor is None else int(self._text_tokenizer.convert_tokens_to_ids(
+            getattr(self._processor, "image_token", None) or "<image>"))
         self.seed = seed
         self.weight_sync = weight_sync
         self.weights_dir = Path(weights_dir)
@@ -189,7 +198,7 @@ class HttpEngine:
         # Requests submitted and not yet finished (continuous interface), guarded by `_done`.
         self._pending = 0
         self._done = threading.Condition()
-        self._decode = token_decoder(tokenizer)
+        self._decode = token_decoder(self._text_tokenizer)
         # The engine's event loop, on its own thread: callers may be threads of any kind,
         # including one that runs another event loop (synchronous training decodes inline).
         self._loop = asyncio.new_event_loop()
@@ -222,6 +231,8 @@ class HttpEngine:
             for url in self.urls if owner else ():
                 self._check_probe(url, what="at start-up")
                 self._check_processed_logprobs(url)
+                if self._processor is not None:
+                    self._check_probe(url, what="with an image at start-up", image=True)
             if self.launcher is not None:
                 self._watchdog = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
         except BaseException:
@@ -292,17 +303,23 @@ class HttpEngine:
     # ------------------------------------------------------------------ the batch interface
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 sessions: list[Hashable | None] | None = None) -> list[Completion]:
+                 sessions: list[Hashable | None] | None = None,
+                 images: list[PromptImages | None] | None = None) -> list[Completion]:
         """Sample one completion per prompt, in prompt order, all requests concurrently.
-        `sessions[i]` (optional) keeps prompt i's episode on one server (its prefix cache)."""
+        `sessions[i]` (optional) keeps prompt i's episode on one server (its prefix cache);
+        `images[i]` (optional): the images prompt i shows."""
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts: give one per prompt (or None)")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} PromptImages for {len(prompts)} prompts: give one per prompt (None for none)")
         for i, prompt in enumerate(prompts):
             check_request(prompt, params, i, self._vocab_size, self._max_positions)
+            check_images(prompt, images[i] if images else None, self._processor)
 
         async def all_of() -> list[Completion]:
             return list(await asyncio.gather(*(
-                self._complete(list(p), params, sessions[i] if sessions else None) for i, p in enumerate(prompts))))
+                self._complete(list(p), params, sessions[i] if sessions else None, images=images[i] if images else None)
+                for i, p in enumerate(prompts))))
 
         return self._run(all_of()) if prompts else []
 
@@ -313,15 +330,17 @@ class HttpEngine:
         return True
 
     def submit(self, prompt: list[int], params: SamplingParams, session: Hashable | None = None,
-               on_done: OnDone | None = None) -> Handle:
+               on_done: OnDone | None = None, images: PromptImages | None = None) -> Handle:
         """Send one request now (any thread). `on_done(result)` is called, from the engine's
-        thread, with the Completion or the exception that ended it (not when cancelled).
-        Raises ValueError at once for a bad request."""
+        thread, with the Completion or the exception that ended it (not when cancelled);
+        `images`: the images the prompt shows. Raises ValueError at once for a bad request."""
         check_request(prompt, params, 0, self._vocab_size, self._max_positions)
+        check_images(prompt, images, self._processor)
         handle = Handle()
         with self._done:
             self._pending += 1
-        handle.future = asyncio.run_coroutine_threadsafe(self._complete(list(prompt), params, session), self._loop)
+        handle.future = asyncio.run_coroutine_threadsafe(self._complete(list(prompt), params, session, images=images),
+                                                         self._loop)
 
         def finished(future: concurrent.futures.Future[Completion]) -> None:
             with self._done:
@@ -445,8 +464,28 @@ class HttpEngine:
             body["include_stop_str_in_output"] = True
         return body
 
+    def generate_body(self, prompt: list[int], params: SamplingParams, seed: int,
+                      images: PromptImages) -> dict[str, Any]:
+        """The JSON of one `/inference/v1/generate` request, for a prompt with images: each image's
+        tokens collapsed into one placeholder token (the server expands it again, and answers with
+        the prompt it expanded: `parse_generated` checks it is `prompt`), the images as PNG data
+        URLs (docs/multimodal.md, "The HTTP engine")."""
+        expansions = [placeholder_expansion(self._processor, image) for image in images.images]
+        sampling: dict[str, Any] = {
+            "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "logprobs": 0, "ignore_eos": True, "skip_special_tokens": False,
+            "stop_token_ids": list(params.stop_token_ids)}
+        if self.seed_requests:
+            sampling["seed"] = seed
+        if params.stop:
+            sampling.update(stop=list(params.stop), include_stop_str_in_output=True)
+        return {"model": getattr(self, "served_model", ""), "return_token_ids": True, "sampling_params": sampling,
+                "token_ids": collapse_images(prompt, images.forced, expansions, self._placeholder),
+                "content_parts": [{"type": "image_url", "url": image_to_data_url(image)} for image in images.images]}
+
     async def _complete(self, prompt: list[int], params: SamplingParams, session: Hashable | None,
-                        url: str | None = None, during_update: bool = False) -> Completion:
+                        url: str | None = None, during_update: bool = False,
+                        images: PromptImages | None = None) -> Completion:
         """One completion; admitted only while no weight update runs (unless it is the update's
         own probe), so that all its tokens carry one version."""
         if not during_update:
@@ -460,15 +499,18 @@ class HttpEngine:
             # length, so a turn's draw does not depend on the order requests reach the engine.
             seed = (self.seed * 1_000_003 + next(self._serials)) % 2**62 if params.seed is None \
                 else stream_seed(params.seed, len(prompt))
-            body = self.request_body(prompt, params, seed)
+            if images is not None and images.images:
+                path, body = GENERATE_PATH, self.generate_body(prompt, params, seed, images)
+            else:
+                path, body = "/v1/completions", self.request_body(prompt, params, seed)
             async with self._slots:
                 if url is not None:  # a probe of this very server
-                    return self.parse_completion(await self._post(url, "/v1/completions", body), params, version)
+                    return self.parse_completion(await self._post(url, path, body), params, version, prompt)
                 while True:
                     index = await self._server_for(session)
                     self._load[index] += 1
                     try:
-                        data = await self._post(self.urls[index], "/v1/completions", body)
+                        data = await self._post(self.urls[index], path, body)
                         break
                     except ServerLost as exc:
                         if not self._failover:
@@ -477,18 +519,30 @@ class HttpEngine:
                         self.retried += 1  # the same request (and version) on another server
                     finally:
                         self._load[index] -= 1
-            return self.parse_completion(data, params, version)
+            return self.parse_completion(data, params, version, prompt)
         finally:
             if not during_update:
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self._idle.set()
 
-    def parse_completion(self, data: dict[str, Any], params: SamplingParams, version: int) -> Completion:
-        """A `Completion` from one `/v1/completions` response (docs/engines.md, "Requests")."""
+    def parse_completion(self, data: dict[str, Any], params: SamplingParams, version: int,
+                         prompt: list[int] | None = None) -> Completion:
+        """A `Completion` from one `/v1/completions` or `/inference/v1/generate` response
+        (docs/engines.md, "Requests"); for the latter, ServerError unless the server expanded
+        the images into `prompt`'s tokens."""
+        if "prompt_token_ids" in data and prompt is not None and data["prompt_token_ids"] != prompt:
+            theirs = data["prompt_token_ids"]
+            at = next((i for i, (a, b) in enumerate(zip(theirs, prompt)) if a != b), min(len(theirs), len(prompt)))
+            raise ServerError(f"the server expanded the prompt's images into other tokens than the trainer's processor "
+                              f"({len(theirs)} tokens against {len(prompt)}, first difference at {at}): serve the "
+                              "model with the processor saved beside it")
         try:
             choice = data["choices"][0]
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            if "token_logprobs" in choice["logprobs"]:
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            else:  # /inference/v1/generate's
+                logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
             token_ids = choice.get("token_ids")
             if token_ids is None:  # servers that spell the ids into the tokens instead
                 token_ids = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
@@ -543,6 +597,10 @@ class HttpEngine:
         if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
             raise ServerError(f"{url}{path} does not exist: start vLLM with VLLM_SERVER_DEV_MODE=1 so that "
                               "tiderl can reload weights (or set rollout.options.weight_sync=none)")
+        if response.status_code in (403, 404) and path == GENERATE_PATH:
+            raise ServerError(f"{url}{path} is {'disabled' if response.status_code == 403 else 'missing'}: episodes "
+                              "with images need it; start vLLM (0.32 or newer) with --enable-scale-out "
+                              "(rollout.options.launch does)")
         if response.status_code == 404 and path == "/v1/load_lora_adapter":
             raise ServerError(f"{url}{path} does not exist: start vLLM with --enable-lora --max-lora-rank R and "
                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for weight_sync=adapters (or use weight_sync=vllm)")
@@ -777,12 +835,18 @@ class HttpEngine:
 
     def _probe_all(self, indices: list[int], version: int) -> None:
         """Probe the servers `indices` at once after loading `version` (ServerError when one serves
-        other weights); a launched server lost meanwhile is routed around instead."""
-        prompt, params = self.probe_prompt(), SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS)
+        other weights); a launched server lost meanwhile is routed around instead. A vision-language
+        model's probe shows the probe image (whose features the servers computed afresh: their
+        encoder caches are emptied first), so it checks the vision tower's weights too."""
+        prompt, images = self.image_probe() if self._processor is not None else (self.probe_prompt(), None)
+        params = SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS)
 
         async def ask_all() -> list[Any]:
-            return await asyncio.gather(*(self._complete(prompt, params, None, url=self.urls[i], during_update=True)
-                                          for i in indices), return_exceptions=True)
+            if images is not None:  # features of images computed with the old weights must not be reused
+                await asyncio.gather(*(self._post(self.urls[i], "/reset_encoder_cache", {}) for i in indices),
+                                     return_exceptions=True)
+            return await asyncio.gather(*(self._complete(prompt, params, None, url=self.urls[i], during_update=True,
+                                                         images=images) for i in indices), return_exceptions=True)
 
         for index, answer in zip(indices, self._run(ask_all(), timeout=self.sync_timeout_s + 5)):
             if isinstance(answer, ServerLost) and self._failover:
@@ -790,7 +854,8 @@ class HttpEngine:
             elif isinstance(answer, BaseException):
                 raise answer
             else:
-                self._compare_probe(self.urls[index], answer, self.reference_logprobs(prompt, answer.token_ids),
+                self._compare_probe(self.urls[index], answer,
+                                    self.reference_logprobs(prompt, answer.token_ids, 1.0, images),
                                     f"after loading version {version}")
 
     async def _reload(self, url: str, folder: Path) -> None:
@@ -817,36 +882,57 @@ class HttpEngine:
 
     def probe_prompt(self) -> list[int]:
         """The fixed probe prompt: the first tokens of PROBE_TEXT (ids within the vocabulary)."""
-        ids = [i for i in self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False) if 0 <= i < self._vocab_size]
+        ids = [i for i in self._text_tokenizer.encode(PROBE_TEXT, add_special_tokens=False) if 0 <= i < self._vocab_size]
         if len(ids) < 4:  # a tokenizer that cannot spell the text: any fixed ids do
             ids = [(7 * k + 3) % self._vocab_size for k in range(PROBE_PROMPT_TOKENS)]
         return ids[:PROBE_PROMPT_TOKENS]
 
-    def reference_logprobs(self, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
-        """Log-probs of `tokens` after `prompt` under the reference model at `temperature` (one
-        full forward pass, no cache; remembered until the reference changes, so N servers that
-        answer a probe alike cost one pass)."""
-        key = (tuple(prompt), tuple(tokens), temperature)
+    def image_probe(self) -> tuple[list[int], PromptImages]:
+        """The image probe's prompt and image: the probe prompt's first half, one fixed picture (a
+        64 px gradient with a square) expanded by the model's processor, its second half."""
+        from PIL import Image
+
+        picture = Image.new("RGB", (64, 64))
+        picture.putdata([(4 * x, 4 * y, 255 * (16 <= x < 32 and 16 <= y < 32)) for y in range(64) for x in range(64)])
+        text = self.probe_prompt()
+        prompt = text[:len(text) // 2] + placeholder_expansion(self._processor, picture) + text[len(text) // 2:]
+        return prompt, PromptImages([picture], [1] * len(prompt))
+
+    def reference_logprobs(self, prompt: list[int], tokens: list[int], temperature: float = 1.0,
+                           images: PromptImages | None = None) -> list[float]:
+        """Log-probs of `tokens` after `prompt` (showing `images`) under the reference model at
+        `temperature` (one full forward pass, no cache; remembered until the reference changes,
+        so N servers that answer a probe alike cost one pass)."""
+        key = (tuple(prompt), tuple(tokens), temperature, images is not None)
         if key not in self._reference_memo:
             sequence = torch.tensor([prompt + tokens], device=self.device)
+            pixels = None
+            if images is not None:
+                from tiderl.models.vision import image_inputs
+
+                pixels = [{**image_inputs(self._processor.image_processor, images.images),
+                           "forced": torch.tensor(images.forced + [0] * len(tokens), dtype=torch.bool)}]
             with torch.no_grad():
-                logits = self.reference(input_ids=sequence).logits[0, len(prompt) - 1: -1].float()
+                logits = self.reference(**model_inputs(self.reference, sequence, pixels)).logits
+            logits = logits[0, len(prompt) - 1: -1].float()
             logprobs = torch.log_softmax(logits / temperature, dim=-1)
             self._reference_memo = {key: logprobs.gather(-1, torch.tensor(tokens, device=self.device)[:, None])
                                     .squeeze(-1).tolist()}
         return self._reference_memo[key]
 
-    def _probe(self, url: str, params: SamplingParams, during_update: bool = False) -> tuple[Completion, list[float]]:
-        prompt = self.probe_prompt()
-        completion = self._run(self._complete(prompt, params, None, url=url, during_update=during_update),
-                               timeout=self.sync_timeout_s + 5)
-        expected = self.reference_logprobs(prompt, completion.token_ids, params.temperature or 1.0)
+    def _probe(self, url: str, params: SamplingParams, during_update: bool = False,
+               image: bool = False) -> tuple[Completion, list[float]]:
+        prompt, images = self.image_probe() if image else (self.probe_prompt(), None)
+        request = self._complete(prompt, params, None, url=url, during_update=during_update, images=images)
+        completion = self._run(request, timeout=self.sync_timeout_s + 5)
+        expected = self.reference_logprobs(prompt, completion.token_ids, params.temperature or 1.0, images)
         return completion, expected
 
-    def _check_probe(self, url: str, what: str, during_update: bool = False) -> None:
-        """Raise ServerError unless the server's greedy probe log-probs match the reference's."""
+    def _check_probe(self, url: str, what: str, during_update: bool = False, image: bool = False) -> None:
+        """Raise ServerError unless the server's greedy probe log-probs (with the probe image:
+        `probe_images`) match the reference's."""
         completion, expected = self._probe(url, SamplingParams(temperature=0.0, max_new_tokens=PROBE_NEW_TOKENS),
-                                           during_update)
+                                           during_update, image)
         self._compare_probe(url, completion, expected, what)
 
     def _compare_probe(self, url: str, completion: Completion, expected: list[float], what: str) -> None:

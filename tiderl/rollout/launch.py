@@ -64,7 +64,8 @@ def server_command(kind: str, model_dir: Path, port: int, served_model: str, exe
         else:
             head = [executable, "serve", str(model_dir)]
         head += ["--host", host, "--port", str(port), "--served-model-name", served_model,
-                 "--dtype", "float32", "--logprobs-mode", "processed_logprobs"]
+                 "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
+                 "--enable-scale-out"]  # /inference/v1/generate: the HTTP engine's route for prompts with images
         if weight_sync == "collective":
             head += ["--worker-extension-cls", "tiderl.collective.GlooWeightReceiver"]
         if weight_sync == "adapters":

@@ -17,7 +17,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from tiderl.models.vision import PromptImages, embed_inputs, image_inputs, rope_positions, split_processor
+from tiderl.models.vision import PromptImages, check_images, embed_inputs, image_inputs, rope_positions, split_processor
 from tiderl.rollout import low_rank
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_uniform,
                                  token_decoder)
@@ -114,8 +114,9 @@ class TorchEngine:
         self.model = (copy.deepcopy(model) if copy_model else model).to(self.device).eval().requires_grad_(False)
         if not copy_model and self.device.type == "cpu":
             _own_memory(self.model)
-        tokenizer, processor = split_processor(tokenizer)
+        tokenizer, self.processor = split_processor(tokenizer)  # (the processor: None for a text model)
         self.tokenizer = tokenizer
+        processor = self.processor
         self._image_processor = processor.image_processor if processor is not None else None
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
@@ -185,7 +186,7 @@ class TorchEngine:
             raise ValueError(f"{len(images)} PromptImages for {len(prompts)} prompts: give one per prompt (None for none)")
         for i, prompt in enumerate(prompts):
             check_request(prompt, params, i, self._vocab_size, self._max_positions)
-            self._check_images(prompt, images[i] if images else None)
+            check_images(prompt, images[i] if images else None, self.processor)
         if not prompts:
             return []
         finished = threading.Event()
@@ -232,21 +233,11 @@ class TorchEngine:
         images the prompt shows.
         """
         check_request(prompt, params, 0, self._vocab_size, self._max_positions)
-        self._check_images(prompt, images)
+        check_images(prompt, images, self.processor)
         request = Request(list(prompt), params, session, on_done, images=images)
         with self._inbox_lock:
             self._inbox.append(request)
         return request
-
-    def _check_images(self, prompt: list[int], images: PromptImages | None) -> None:
-        if images is None or not images.images:
-            return
-        if self._image_processor is None:
-            raise ValueError("a request shows images but the engine was given a tokenizer: pass the vision-language "
-                             "model's processor as the engine's tokenizer")
-        if len(images.forced) != len(prompt):
-            raise ValueError(f"PromptImages.forced has {len(images.forced)} flags for a prompt of {len(prompt)} tokens: "
-                             "give one per prompt token")
 
     def pending(self) -> int:
         """Requests waiting to join or decoding now."""

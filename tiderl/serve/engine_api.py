@@ -3,9 +3,11 @@ HTTP engine uses (docs/engines.md, "The engine server"), so that `rollout.engine
 `rollout.options.launch` starts servers, on a machine without vLLM.
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` (token-id prompts, per-token
-log-probs, token ids back), `POST /collective_rpc` with method `reload_weights` (a folder with
-`model.safetensors` holding every key of the model) or the collective way's `tiderl_join` and
-`tiderl_receive` (`tiderl.collective`), `POST /reset_prefix_cache`, and
+log-probs, token ids back), `POST /inference/v1/generate` (the same with images: one placeholder
+token per image, the images as base64 data URLs in `content_parts`), `POST /collective_rpc` with
+method `reload_weights` (a folder with `model.safetensors` holding every key of the model) or the
+collective way's `tiderl_join` and `tiderl_receive` (`tiderl.collective`), `POST
+/reset_prefix_cache` and `/reset_encoder_cache` (nothing is kept across updates), and
 `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (LoRA adapters applied unmerged; unlike
 vLLM it holds one at a time, the last loaded, which requests then name). The standard
 library's threading HTTP server: one thread per request, and the torch engine batches the
@@ -54,15 +56,25 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
             if self.path == "/v1/completions":
                 return self._answer(200, server.complete(body))
+            if self.path == "/inference/v1/generate":
+                return self._answer(200, server.generate_tokens(body))
             if self.path == "/collective_rpc":
                 return self._answer(200, server.collective_rpc(body))
-            if self.path == "/reset_prefix_cache":
+            if self.path in ("/reset_prefix_cache", "/reset_encoder_cache"):
                 return self._answer(200, {"success": True})
             if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 return self._answer(200, server.lora_adapter(body, load=self.path == "/v1/load_lora_adapter"))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
             return self._answer(400, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
         return self._answer(404, {"detail": f"no route POST {self.path}"})
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    # The HTTP engine opens up to rollout.engine_batch_size connections at once; the standard
+    # library's backlog of 5 overflowed beside a busy decoding thread (the kernel's "SYN flooding"),
+    # and the engine took the refused connections for a lost server.
+    request_queue_size = 1024
+    daemon_threads = True
 
 
 class EngineServer:
@@ -76,8 +88,7 @@ class EngineServer:
         self.reloads = 0
         self.adapter = ""  # the LoRA adapter loaded last, which requests name ('' = none)
         self._replaced: set[str] = set()  # adapters loaded before it
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), _Handler)
         self.httpd.owner = self  # type: ignore[attr-defined]
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
         self._thread: threading.Thread | None = None
@@ -100,6 +111,34 @@ class EngineServer:
                   "finish_reason": completion.finish_reason}
         return {"object": "text_completion", "model": self.served_model, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids)}}
+
+    def generate_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The `/inference/v1/generate` answer for `body`, as vLLM's: token ids with one placeholder
+        token per image in `content_parts` (base64 data URLs), expanded here by the model's
+        processor; `prompt_token_ids` in the answer is the expanded prompt."""
+        from tiderl.models.vision import PromptImages, expand_images, placeholder_expansion
+        from tiderl.serve.images import decode_data_url
+
+        ids, sampling = body.get("token_ids"), body.get("sampling_params") or {}
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise ValueError("token_ids must be a non-empty list of token ids")
+        images = [decode_data_url(part.get("url")) for part in body.get("content_parts") or []]
+        tokenizer, processor = self.engine.tokenizer, getattr(self.engine, "processor", None)
+        if images and processor is None:
+            raise ValueError("content_parts hold images but this server's model is not a vision-language model")
+        shown = None
+        if images:
+            placeholder = tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", None) or "<image>")
+            ids = expand_images(ids, [placeholder_expansion(processor, image) for image in images], placeholder)
+            shown = [PromptImages(images, [1] * len(ids))]
+        params = SamplingParams(temperature=float(sampling.get("temperature", 1.0)), top_p=float(sampling.get("top_p", 1.0)),
+                                max_new_tokens=int(sampling.get("max_tokens", 16)), stop=list(sampling.get("stop") or []),
+                                stop_token_ids=list(sampling.get("stop_token_ids") or []), seed=sampling.get("seed"))
+        (completion,) = self.engine.generate([ids], params, **({"images": shown} if shown else {}))
+        content = [{"token_id": t, "logprob": lp} for t, lp in zip(completion.token_ids, completion.logprobs)]
+        return {"model": self.served_model, "prompt_token_ids": ids,
+                "choices": [{"index": 0, "token_ids": completion.token_ids, "logprobs": {"content": content},
+                             "finish_reason": completion.finish_reason}]}
 
     def collective_rpc(self, body: dict[str, Any]) -> dict[str, Any]:
         """`reload_weights` from `kwargs.weights_path`, or the collective way's `tiderl_join` (a
