@@ -350,3 +350,38 @@ def test_pretrain_value_on_episodes_with_images_reads_the_images(tmp_path):
     report = json.loads((out / "pretrain_report.json").read_text())
     assert report["after"]["mse"] < report["before"]["mse"]
     assert report["after"]["explained_variance"] > 0.3, report
+
+
+@pytest.mark.slow  # (about 10 s locally, 25 s with the Ray cluster's start, on 2 shared cores)
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_vlm_trains_through_a_launched_http_server(tmp_path, backend):
+    """rollout.engine=http with a vision-language model: a launched tiderl engine server samples
+    the episodes with images (`/inference/v1/generate`; tests/test_http_images.py checks the
+    route); on Ray the rollout workers send to the driver's server. Every episode trains, the
+    ratios against the server's log-probs are 1, no server was lost."""
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    cluster = None
+    if backend == "ray":
+        pytest.importorskip("ray")
+        from support import local_ray_cluster
+
+        cluster = local_ray_cluster(__name__)
+        next(cluster)
+    try:
+        run = build_run(load_config(None, _vlm_args(_vlm_dir(tmp_path), tmp_path / "run", "train.steps=2",
+                                                    "algo.critic_warmup_steps=0", "rollout.engine=http",
+                                                    "rollout.options.launch=1", f"system.backend={backend}",
+                                                    "system.wait_timeout_s=300")))
+        shown = ColourEnv.shown
+        history, summary = train(run)
+        events = list(run.engine.events)
+    finally:
+        if cluster is not None:
+            next(cluster, None)
+    assert summary["ledger"]["trained"] == 2 * 6 and summary["ledger"]["failed"] == 0, summary["ledger"]
+    assert backend == "ray" or ColourEnv.shown - shown >= 12  # (on Ray the workers' own processes count theirs)
+    assert all(abs(h["dis/ratio_max"] - 1) < 1e-4 and abs(h["dis/ratio_min"] - 1) < 1e-4 for h in history), history
+    assert [e["event"] for e in events] == ["launched"], events
