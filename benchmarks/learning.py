@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import statistics
@@ -87,18 +88,18 @@ SKIP_KEYS = ("nonfinite/skipped_step", "skipped_no_signal", "skipped_no_action_t
 
 
 def task_overrides(task_config: str | None) -> list[str]:
-    """Move the presets onto another task: its data, env, model shape and warm-start."""
+    """Move the presets onto another task: its environment (name, options, turns, budget, prompt),
+    data source, answer length, model shape and warm-start; the presets keep their algorithms."""
     if task_config is None:
         return []
     base = load_config(task_config)
-    keys = {"data.source": base.data.source, "env.options.hops": base.env.options.hops,
-            "env.options.num_train_tasks": base.env.options.num_train_tasks,
-            "env.max_total_tokens": base.env.max_total_tokens,
+    keys = {"env.name": base.env.name, "env.options": dataclasses.asdict(base.env.options),
+            "env.max_turns": base.env.max_turns, "env.max_total_tokens": base.env.max_total_tokens,
+            "env.system_prompt": base.env.system_prompt, "data.source": base.data.source,
             "rollout.max_new_tokens": base.rollout.max_new_tokens,
-            "model.tiny.vocab_size": base.model.tiny.vocab_size,
-            "model.warmstart.num_traces": base.model.warmstart.num_traces,
-            "model.warmstart.steps": base.model.warmstart.steps}
-    return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in keys.items()]
+            "model.tiny": dataclasses.asdict(base.model.tiny), "model.warmstart": dataclasses.asdict(base.model.warmstart)}
+    # (JSON is YAML: quoted text stays text, and a whole mapping replaces the preset's, no key of it left)
+    return [f"{k}={json.dumps(v) if isinstance(v, (str, list, dict)) else v}" for k, v in keys.items()]
 
 
 def run_one(mode: str, seed: int, args: argparse.Namespace, model_path: str, out: Path) -> dict[str, Any]:
