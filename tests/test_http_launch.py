@@ -141,6 +141,12 @@ def test_the_commands_a_launch_runs(tmp_path, monkeypatch):
     for vllm in (python, program):
         assert vllm[vllm.index("--logprobs-mode") + 1] == "processed_logprobs"  # the log-probs the HTTP engine checks
         assert vllm[vllm.index("--served-model-name") + 1] == "tiderl"
+        assert "--enable-scale-out" in vllm  # /inference/v1/generate: prompts with images
+    # the servers' dtype (rollout.options.server_dtype), fp32 unless said
+    for kind in ("tiderl", "vllm"):
+        assert server_command(kind, tmp_path, 8123, "tiderl")[-20:].count("float32") == 1
+        bf16 = server_command(kind, tmp_path, 8123, "tiderl", dtype="bfloat16")
+        assert bf16[bf16.index("--dtype") + 1] == "bfloat16"
     assert server_env("vllm")["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc and /reset_prefix_cache
     assert "--worker-extension-cls" not in python and "--enable-lora" not in python and "PYTHONPATH" not in server_env("vllm")
     # what each weight sync needs of vLLM: the gloo receiver importable from the checkout, runtime LoRA loading
@@ -161,6 +167,22 @@ def test_the_commands_a_launch_runs(tmp_path, monkeypatch):
     assert server_env("vllm", 1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     with pytest.raises(ValueError, match="rollout.options.server='sglang'"):
         server_command("sglang", tmp_path, 8123, "tiderl")
+
+
+def test_a_bfloat16_server_is_the_mismatch_the_probe_sees(model, tokenizer, tmp_path):
+    """rollout.options.server_dtype=bfloat16: the launched server computes in bf16 against the fp32
+    reference, so the probe differs by more than fp32's ~1e-6 and the default tolerance refuses
+    it with the fix; a tolerance for bf16 takes it."""
+    with pytest.raises(Exception, match="lower-precision dtype: then raise the tolerance"):
+        HttpEngine(model, tokenizer, urls=[], launch=1, server_dtype="bfloat16", weights_dir=tmp_path / "a",
+                   probe_tolerance=1e-4)
+    engine = HttpEngine(model, tokenizer, urls=[], launch=1, server_dtype="bfloat16", weights_dir=tmp_path / "b",
+                        probe_tolerance=0.5)
+    try:
+        assert 1e-4 < engine.last_probe_diff < 0.5, engine.last_probe_diff
+        assert "bfloat16" in engine.launcher.servers[0].log_path.read_text()
+    finally:
+        engine.close()
 
 
 def _script(folder: Path, body: str) -> str:

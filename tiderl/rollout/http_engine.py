@@ -130,6 +130,7 @@ class HttpEngine:
         copy_model: bool = True,
         launch: int = 0,
         server: str = "tiderl",
+        server_dtype: str = "float32",
         launch_timeout_s: float = 300.0,
         server_executable: str = "",
         launch_on: str = "local",
@@ -188,7 +189,8 @@ class HttpEngine:
         if launch:
             served_model = served_model or "tiderl"
             urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model,
-                                {"on": launch_on, "resources": server_resources, "ray_address": ray_address})
+                                {"on": launch_on, "resources": server_resources, "ray_address": ray_address,
+                                 "dtype": server_dtype})
         self.urls = [u.rstrip("/") for u in urls]
         self.owner = owner
         self._failover = bool(launch) or not owner  # lost servers are routed around (and restarted)

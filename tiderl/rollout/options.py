@@ -59,6 +59,9 @@ class HttpEngineOptions:
                       "to the current weights, its requests retried on the others (docs/engines.md).")
     server: str = opt("tiderl", "What launch starts: tiderl (`tiderl serve --api engine`, the torch engine; no "
                       "GPU or vLLM needed) or vllm (`vllm serve`).", ("tiderl", "vllm"))
+    server_dtype: str = opt("float32", "launch: what the servers compute in. bfloat16 against the fp32 trainer is the "
+                            "engine/trainer mismatch of most deployments (the DIS ratio sees it): raise "
+                            "probe_tolerance with it (about 0.1).", ("float32", "bfloat16"))
     launch_timeout_s: float = opt(300.0, "Longest wait for a launched server to answer /health (seconds).")
     server_executable: str = opt("", "launch: the program that starts a server ('' = this Python for tiderl, "
                                  "`vllm` on PATH for vllm).")
@@ -88,5 +91,6 @@ class HttpEngineOptions:
             local = {"server_resources": "rollout.options.launch_on=local: the servers are local processes"}
             return {"urls": "rollout.options.launch starts the servers (their URLs are chosen then)",
                     **(local if self.launch_on == "local" else {})}
-        return dict.fromkeys(("server", "launch_timeout_s", "server_executable", "launch_on", "server_resources"),
+        return dict.fromkeys(("server", "server_dtype", "launch_timeout_s", "server_executable", "launch_on",
+                              "server_resources"),
                              "rollout.options.launch=0: no server is launched")
