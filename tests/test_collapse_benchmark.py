@@ -1,0 +1,33 @@
+"""benchmarks/collapse.py: the overrides after its options reach every run's config (how its runs
+take rollouts from a bf16 server, the engine/trainer mismatch issue 33 calls for)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # (it imports its neighbour `common`)
+    spec = importlib.util.spec_from_file_location("collapse_bench", ROOT / "benchmarks" / "collapse.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_run_takes_the_command_lines_overrides(tmp_path):
+    bench = _module()
+    bf16 = ["rollout.engine=http", "rollout.options.launch=1", "rollout.options.server=vllm",
+            "rollout.options.server_dtype=bfloat16", "rollout.options.probe_tolerance=0.5"]
+    args = argparse.Namespace(steps=250, eval_n=100, override=bf16)
+    for algo, staleness in bench.MODES:
+        cfg = bench.run_config(algo, staleness, 3, args, "tiny", tmp_path)
+        assert (cfg.algo.name, cfg.system.max_staleness, cfg.seed) == (algo, staleness, 3)
+        assert cfg.rollout.engine == "http" and cfg.rollout.options.server_dtype == "bfloat16"
+        assert cfg.rollout.options.probe_tolerance == 0.5 and cfg.rollout.options.server == "vllm"
+    plain = bench.run_config("sao", 8, 0, argparse.Namespace(steps=250, eval_n=100, override=[]), "tiny", tmp_path)
+    assert plain.rollout.engine == "torch"
