@@ -87,11 +87,11 @@ def _episodes_against_the_trainer(engine, model, processor) -> float:
 
 
 @pytest.fixture
-def served(vlm):
+def served(vlm, tmp_path):
     """An HTTP engine on tiderl's engine server holding a copy of the tiny model."""
     model, processor = vlm
     server = EngineServer(TorchEngine(copy.deepcopy(model), processor, seed=0)).start()
-    engine = HttpEngine(model, processor, urls=[server.url], seed=0)
+    engine = HttpEngine(model, processor, urls=[server.url], seed=0, weights_dir=tmp_path / "weights")
     yield engine, server
     engine.close()
     server.close()
@@ -138,10 +138,10 @@ def test_a_server_that_expands_differently_is_an_error_naming_it(vlm, served):
     assert engine.parse_completion(data, SamplingParams(max_new_tokens=1), 0, prompt=[1, 2, 3, 4]).token_ids == [5]
 
 
-def test_images_without_a_processor_are_refused_before_anything_is_sent(vlm, served):
+def test_images_without_a_processor_are_refused_before_anything_is_sent(vlm, served, tmp_path):
     model, processor = vlm
     engine, server = served
-    text_only = HttpEngine(model, processor.tokenizer, urls=[server.url], seed=0)
+    text_only = HttpEngine(model, processor.tokenizer, urls=[server.url], seed=0, weights_dir=tmp_path / "w")
     try:
         with pytest.raises(ValueError, match="processor"):
             text_only.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), images=[PromptImages([square("red")], [1] * 3)])
