@@ -717,3 +717,27 @@ def assert_training_learns(config: str, cache_dir: Path, run_dir: Path, split_ke
           f"total {end - t0:.0f} s")
     assert gain > min_gain_se * se, (f"held-out success {before['success']:.3f} -> {after['success']:.3f}: a gain of "
                                      f"{gain:+.3f}, not above {min_gain_se} standard errors ({min_gain_se * se:.3f})")
+
+
+def load_benchmark(name: str):
+    """The module of `benchmarks/<name>.py` (its neighbour `common` importable, as when run)."""
+    import importlib.util
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def worst_behaviour_gap(trajectories: list[Trajectory], trainer_logprobs: torch.Tensor) -> tuple[float, int]:
+    """(largest |behaviour - trainer| log-prob over the sampled tokens, how many were sampled):
+    row i of `trainer_logprobs` is trajectory i's recompute."""
+    worst, sampled = 0.0, 0
+    for row, t in enumerate(trajectories):
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        gap = torch.tensor(t.behavior_logprobs)[mask] - trainer_logprobs[row, :len(t.tokens)][mask]
+        worst, sampled = max(worst, float(gap.abs().max())), sampled + int(mask.sum())
+    return worst, sampled

@@ -4,19 +4,12 @@ take rollouts from a bf16 server, the engine/trainer mismatch issue 33 calls for
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import load_benchmark
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # (it imports its neighbour `common`)
-    spec = importlib.util.spec_from_file_location("collapse_bench", ROOT / "benchmarks" / "collapse.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("collapse")
 
 
 def test_every_run_takes_the_command_lines_overrides(tmp_path):

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 
+from support import worst_behaviour_gap
 from test_vlm import CORPUS, square
 from test_vlm_train import ShowEveryTurnEnv
 from tiderl.agent.loop import play_episodes
@@ -77,13 +78,18 @@ def _episodes_against_the_trainer(engine, model, processor) -> float:
     batch = collate(trajectories, 0, processor.image_processor)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
-    worst, sampled = 0.0, 0
-    for row, t in enumerate(trajectories):
-        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        worst = max(worst, float((torch.tensor(t.behavior_logprobs)[mask] - lp[row, :len(t.tokens)][mask]).abs().max()))
-        sampled += int(mask.sum())
+    worst, sampled = worst_behaviour_gap(trajectories, lp)
     assert sampled > 30
     return worst
+
+
+def _moved(model):
+    """A copy of `model` with every weight moved a little (the next version's weights)."""
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return moved
 
 
 @pytest.fixture
@@ -102,10 +108,7 @@ def test_episodes_with_images_on_the_engine_server_equal_the_trainer_before_and_
     engine, server = served
     assert engine.last_probe_diff < 1e-4  # the start-up probe with an image
     assert _episodes_against_the_trainer(engine, model, processor) < 1e-4
-    moved = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    moved = _moved(model)
     engine.update_weights(moved.state_dict(), 1)
     worst = _episodes_against_the_trainer(engine, moved, processor)
     print(f"\n[{model.config.model_type} on tiderl's engine server] max |engine - trainer| = {worst:.2e}")
@@ -163,10 +166,7 @@ def test_a_launched_vllm_server_takes_images(vlm, tmp_path):
     try:
         assert engine.last_probe_diff < 1e-3
         before = _episodes_against_the_trainer(engine, model, processor)
-        moved = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in moved.parameters():
-                p.add_(0.02 * torch.randn_like(p))
+        moved = _moved(model)
         engine.update_weights(moved.state_dict(), 1)
         after = _episodes_against_the_trainer(engine, moved, processor)
     finally:

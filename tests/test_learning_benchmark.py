@@ -5,23 +5,15 @@ SAO and GRPO compare on that task and not on a mixture of it and the presets' kn
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from support import load_benchmark
 from tiderl.config import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # (it imports its neighbour `common`)
-    spec = importlib.util.spec_from_file_location("learning_bench", ROOT / "benchmarks" / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("learning")
 
 
 @pytest.mark.parametrize("task", ["configs/math_place_sao_tiny.yaml", "configs/metaqa_sao_tiny.yaml"])

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from support import give_own_behaviour_logprobs
+from support import give_own_behaviour_logprobs, worst_behaviour_gap
 from test_vlm import CORPUS, SquaresEnv, square
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
@@ -165,12 +165,7 @@ def test_engine_behaviour_logprobs_equal_the_trainers_recompute_on_two_turns_wit
     batch = collate(trajectories, 0, processor.image_processor)
     with torch.no_grad():
         lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, pixels=batch.pixels)
-    worst, sampled_after_an_image = 0.0, 0
-    for row, t in enumerate(trajectories):
-        sampled = torch.tensor(t.loss_mask, dtype=torch.bool)
-        behaviour = torch.tensor(t.behavior_logprobs)[sampled]
-        worst = max(worst, float((behaviour - lp[row, : len(t.tokens)][sampled]).abs().max()))
-        sampled_after_an_image += int(sampled.sum())
+    worst, sampled_after_an_image = worst_behaviour_gap(trajectories, lp)
     print(f"\n[{architecture} engine] prefix_cache_mb={prefix_cache_mb}: max |engine - trainer| log-prob = {worst:.2e}")
     assert worst < ARCHITECTURES[architecture][1], worst
     assert sampled_after_an_image > 30  # several decode steps per turn, each after images
