@@ -385,3 +385,26 @@ def test_a_vlm_trains_through_a_launched_http_server(tmp_path, backend):
     assert backend == "ray" or ColourEnv.shown - shown >= 12  # (on Ray the workers' own processes count theirs)
     assert all(abs(h["dis/ratio_max"] - 1) < 1e-4 and abs(h["dis/ratio_min"] - 1) < 1e-4 for h in history), history
     assert [e["event"] for e in events] == ["launched"], events
+
+
+@pytest.mark.slow  # (about 15 s on 2 shared cores)
+def test_the_vlm_recipe_trains_a_qwen2_5_vl_folder_on_the_visual_grid(tmp_path):
+    """configs/qwen2.5-vl_visual_sao.yaml as a user runs it, with a tiny Qwen2.5-VL folder in place of
+    the real checkpoint (none is in the registries): two SAO steps with LoRA on policy and critic,
+    every episode trained, the first update's ratios 1, the base left as loaded."""
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    model_dir = _vlm_dir(tmp_path, "qwen2_5_vl")
+    run = build_run(load_config("configs/qwen2.5-vl_visual_sao.yaml", [
+        f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "train.steps=3", "algo.critic_warmup_steps=1",
+        "rollout.batch_size=4", "rollout.max_new_tokens=16", "env.max_turns=2", "eval.every=0",
+        "log.progress=false", "log.tensorboard=false", "train.checkpoint_every=0"]))
+    base = {k: v.clone() for k, v in run.actor.model.state_dict().items() if "lora_" not in k}
+    history, summary = train(run)
+    assert summary["ledger"]["trained"] == 3 * 4 and summary["ledger"]["failed"] == 0, summary["ledger"]
+    assert abs(history[1]["dis/ratio_max"] - 1) < 1e-4 and abs(history[1]["dis/ratio_min"] - 1) < 1e-4
+    after = run.actor.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # LoRA: the base is frozen
+    assert any("visual" in k for k in after if "lora_" in k)  # the vision tower's MLP has adapters
