@@ -20,8 +20,7 @@ from tiderl.agent.loop import play_episodes
 from tiderl.embedded.tiny_qwen2vl import build_tiny_qwen2vl
 from tiderl.embedded.tiny_vlm import build_tiny_vlm
 from tiderl.envs.protocol import Task
-from tiderl.models.vision import (PromptImages, collapse_images, expand_images, placeholder_expansion,
-                                  split_processor)
+from tiderl.models.vision import PromptImages, collapse_images, expand_images, placeholder_expansion, placeholder_id
 from tiderl.rollout.base import SamplingParams
 from tiderl.rollout.http_engine import HttpEngine, ServerError
 from tiderl.rollout.launch import vllm_executable
@@ -42,18 +41,13 @@ def vlm(request):
     return BUILDERS[request.param](CORPUS, seed=0, **SIZES)
 
 
-def _placeholder_id(processor) -> int:
-    tokenizer, _ = split_processor(processor)
-    return tokenizer.convert_tokens_to_ids(processor.image_token)
-
-
 def test_collapse_and_expand_are_inverse_and_refuse_what_a_server_would_misread(vlm):
     _, processor = vlm
     images = [square("red"), square("blue")]
     text = f"a {processor.image_token} b {processor.image_token} c"
     prompt = list(processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
     expansions = [placeholder_expansion(processor, image) for image in images]
-    placeholder = _placeholder_id(processor)
+    placeholder = placeholder_id(processor)
     collapsed = collapse_images(prompt, [1] * len(prompt), expansions, placeholder)
     assert collapsed.count(placeholder) == 2 and len(collapsed) == len(prompt) - sum(map(len, expansions)) + 2
     assert expand_images(collapsed, expansions, placeholder) == prompt

@@ -170,6 +170,11 @@ def _placeholders(ids: torch.Tensor, token: int, row_pixels: dict[str, torch.Ten
 # tiderl's prompts hold each image's placeholder already expanded (the processor's tokens, which the
 # trainer sees); a server such as vLLM takes one placeholder token per image and expands it again.
 
+def placeholder_id(processor: Any) -> int:
+    """The id of `processor`'s image placeholder token (one per image in a prompt a server expands)."""
+    return int(processor.tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", None) or IMAGE_PLACEHOLDER))
+
+
 def placeholder_expansion(processor: Any, image: Any) -> list[int]:
     """The tokens `processor` expands one placeholder of `image` into (its size sets their count)."""
     placeholder = getattr(processor, "image_token", IMAGE_PLACEHOLDER)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiderl.models.vision import (PromptImages, check_images, collapse_images, model_inputs, placeholder_expansion,
-                                  split_processor)
+                                  placeholder_id, split_processor)
 from tiderl.rollout import lora
 from tiderl.rollout.base import (Completion, OnDone, SamplingParams, check_request, check_update, stream_seed,
                                  token_decoder)
@@ -152,8 +152,7 @@ class HttpEngine:
         self.tokenizer = tokenizer
         # A vision-language model's processor: episodes with images go to /inference/v1/generate.
         self._text_tokenizer, self._processor = split_processor(tokenizer)
-        self._placeholder = -1 if self._processor is None else int(self._text_tokenizer.convert_tokens_to_ids(
-            getattr(self._processor, "image_token", None) or "<image>"))
+        self._placeholder = -1 if self._processor is None else placeholder_id(self._processor)
         self.seed = seed
         self.weight_sync = weight_sync
         self.weights_dir = Path(weights_dir)
@@ -470,7 +469,7 @@ class HttpEngine:
                       images: PromptImages) -> dict[str, Any]:
         """The JSON of one `/inference/v1/generate` request, for a prompt with images: each image's
         tokens collapsed into one placeholder token (the server expands it again, and answers with
-        the prompt it expanded: `parse_generated` checks it is `prompt`), the images as PNG data
+        the prompt it expanded: `parse_completion` checks it is `prompt`), the images as PNG data
         URLs (docs/multimodal.md, "The HTTP engine")."""
         expansions = [placeholder_expansion(self._processor, image) for image in images.images]
         sampling: dict[str, Any] = {

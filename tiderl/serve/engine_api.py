@@ -116,20 +116,20 @@ class EngineServer:
         """The `/inference/v1/generate` answer for `body`, as vLLM's: token ids with one placeholder
         token per image in `content_parts` (base64 data URLs), expanded here by the model's
         processor; `prompt_token_ids` in the answer is the expanded prompt."""
-        from tiderl.models.vision import PromptImages, expand_images, placeholder_expansion
+        from tiderl.models.vision import PromptImages, expand_images, placeholder_expansion, placeholder_id
         from tiderl.serve.images import decode_data_url
 
         ids, sampling = body.get("token_ids"), body.get("sampling_params") or {}
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError("token_ids must be a non-empty list of token ids")
         images = [decode_data_url(part.get("url")) for part in body.get("content_parts") or []]
-        tokenizer, processor = self.engine.tokenizer, getattr(self.engine, "processor", None)
+        processor = getattr(self.engine, "processor", None)
         if images and processor is None:
             raise ValueError("content_parts hold images but this server's model is not a vision-language model")
         shown = None
         if images:
-            placeholder = tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", None) or "<image>")
-            ids = expand_images(ids, [placeholder_expansion(processor, image) for image in images], placeholder)
+            expansions = [placeholder_expansion(processor, image) for image in images]
+            ids = expand_images(ids, expansions, placeholder_id(processor))
             shown = [PromptImages(images, [1] * len(ids))]
         params = SamplingParams(temperature=float(sampling.get("temperature", 1.0)), top_p=float(sampling.get("top_p", 1.0)),
                                 max_new_tokens=int(sampling.get("max_tokens", 16)), stop=list(sampling.get("stop") or []),
