@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-learning test-fast test-shuffled db-servers vllm clean
+.PHONY: setup demo test test-learning test-fast test-shuffled test-gpu db-servers vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ test-shuffled: setup
 	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
 	echo "test order: shuffled with seed $$seed (replay: make test-shuffled SEED=$$seed)"; \
 	$(PY) -m pytest -q -m "not slow" --random-order-bucket=module --random-order-seed=$$seed tests
+
+# The GPU tests (tests/test_gpu.py; CI has no GPU and skips them) with what each measured printed, then
+# the 0.5B-shape GPU smoke benchmark (docs/scale.md, "GPUs"). On a CUDA machine, where the pinned torch
+# from PyPI is a CUDA build.
+test-gpu: setup
+	$(PY) -m pytest -q -s tests/test_gpu.py
+	$(PY) benchmarks/gpu_smoke.py
 
 # PostgreSQL and MariaDB from the distribution's packages (Debian/Ubuntu: apt-get; as root or with
 # sudo), for tests/test_db_server.py, which starts throwaway servers from them and skips without them

@@ -331,6 +331,24 @@ def test_bad_model_files_and_devices_are_named(parity_model, tmp_path):
             build_run(load_config(None, overrides(parity_model, tmp_path / "c", "model.device=cuda")))
 
 
+def test_models_load_without_hugging_face_hub_kernels(parity_model):
+    """transformers 5 loads a model with hub kernels on; on a GPU `model.train()` then downloads
+    kernels mid-run (and fails offline). Importing tiderl turns them off unless the user set
+    USE_HUB_KERNELS (a fresh process, since this one imported tiderl long ago)."""
+    code = ("import os, sys; from transformers import AutoModelForCausalLM\n"
+            "before = AutoModelForCausalLM.from_pretrained(sys.argv[1]).use_kernels\n"
+            "import tiderl; from tiderl.models.loading import load_model\n"
+            "print(before, load_model(sys.argv[1]).use_kernels, os.environ['USE_HUB_KERNELS'])")
+    env = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}
+    out = subprocess.run([sys.executable, "-c", code, str(parity_model)], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    # out[0]: transformers' own default (True in 5.x with `kernels` installed); tiderl's is off.
+    assert out[1:] == ["False", "0"], out
+    chosen = subprocess.run([sys.executable, "-c", "import os, tiderl; print(os.environ['USE_HUB_KERNELS'])"],
+                            env={**env, "USE_HUB_KERNELS": "1"}, capture_output=True, text=True, check=True)
+    assert chosen.stdout.strip() == "1"  # a user's own setting stays
+
+
 def test_config_and_command_line_errors(parity_model, tmp_path, capsys):
     with pytest.raises(ConfigError, match="train.checkpoint_every"):
         load_config(None, ["train.checkpoint_every=-1"])

@@ -147,6 +147,10 @@ def test_the_commands_a_launch_runs(tmp_path, monkeypatch):
         assert server_command(kind, tmp_path, 8123, "tiderl")[-20:].count("float32") == 1
         bf16 = server_command(kind, tmp_path, 8123, "tiderl", dtype="bfloat16")
         assert bf16[bf16.index("--dtype") + 1] == "bfloat16"
+    # tiderl's server computes on the run's model.device (a GPU run's servers on the GPU); vLLM on its build's
+    assert ours[ours.index("--device") + 1] == "cpu"
+    gpu = server_command("tiderl", tmp_path, 8123, "tiderl", device="cuda")
+    assert gpu[gpu.index("--device") + 1] == "cuda" and "--device" not in python
     assert server_env("vllm")["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc and /reset_prefix_cache
     assert "--worker-extension-cls" not in python and "--enable-lora" not in python and "PYTHONPATH" not in server_env("vllm")
     # what each weight sync needs of vLLM: the gloo receiver importable from the checkout, runtime LoRA loading

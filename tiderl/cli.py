@@ -121,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument("--model", help="--api engine: the model directory to serve")
     se.add_argument("--served-model-name", default="tiderl", help="--api engine: the name /v1/models lists")
     se.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--api engine: weights' dtype")
+    se.add_argument("--device", default="cpu", help="--api engine: torch device to serve on (cpu, cuda, cuda:1)")
     se.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)  # launched: exit with the run
     ex = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face model dir "
                         "(consolidates sharded checkpoints, merges LoRA adapters)")
@@ -169,23 +170,11 @@ def _shortcut_overrides(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [override.replace("{}", value) for override in flag.overrides]
     env, data = getattr(args, "env", None), getattr(args, "data", None)
-    if data and not env:
-        env = _environment_of_source()[data]
-    if env:
-        out.append(f"env.name={env}")
-    if data:
-        out.append(f"data.source={data}")
-    if getattr(args, "split", None):
-        out.append(f"data.split={args.split}")
-    if getattr(args, "pass_k", None) is not None:
-        out.append(f"eval.pass_k={args.pass_k}")
-    if getattr(args, "cache_dir", None):
-        out.append(f"model.cache_dir={args.cache_dir}")
-    if getattr(args, "model", None):
-        # The model to evaluate is model.path, so the config checks the model actually used
-        # (not the embedded tiny one's limits).
-        out.append(f"model.path={args.model}")
-    return out
+    # --model is model.path, so the config checks the limits of the model evaluated, not the tiny one's.
+    given = {"env.name": env or (_environment_of_source()[data] if data else None), "data.source": data,
+             "data.split": getattr(args, "split", None), "eval.pass_k": getattr(args, "pass_k", None),
+             "model.cache_dir": getattr(args, "cache_dir", None), "model.path": getattr(args, "model", None)}
+    return out + [f"{key}={value}" for key, value in given.items() if value not in (None, "")]
 
 
 def _load(args: argparse.Namespace) -> RunConfig:
@@ -289,7 +278,7 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
     from tiderl.serve.engine_api import serve_engine
 
     serve_engine(args.model, args.host, args.port, args.served_model_name, dtype=args.dtype,
-                 parent_pid=args.parent_pid)
+                 device=args.device, parent_pid=args.parent_pid)
     return 0
 
 

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from tiderl.train.parallel import init_rank
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, fn: Any, args: tuple[Any, ...], errors: Any) -> None:
+def _rank_main(rank: int, world_size: int, init_method: str, device: str, fn: Any, args: tuple[Any, ...],
+               errors: Any) -> None:
     try:
         torch.set_num_threads(1)
-        init_rank(rank, world_size, init_method)
+        init_rank(rank, world_size, init_method, f"cuda:{rank}" if device == "cuda" else device)
         fn(rank, world_size, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which raises it
         errors.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -28,16 +29,17 @@ def _rank_main(rank: int, world_size: int, init_method: str, fn: Any, args: tupl
             dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 300.0) -> None:
+def spawn_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 300.0, device: str = "cpu") -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes (multiprocessing spawn)
-    that form a gloo process group on this machine; raise if any rank fails or the ranks take
-    longer than `timeout_s`. `fn` must be importable by name (a module-level function)."""
+    that form a process group on this machine (gloo; NCCL when `device` is 'cuda', one GPU a rank);
+    raise if any rank fails or the ranks take longer than `timeout_s`. `fn` must be importable by
+    name (a module-level function)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, f"tcp://127.0.0.1:{port}", fn, args, errors))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, f"tcp://127.0.0.1:{port}", device, fn, args, errors))
              for r in range(world_size)]
     for p in procs:
         p.start()

