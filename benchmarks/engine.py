@@ -26,6 +26,7 @@ cancel drift on a shared machine; the load average is printed before each run.
 
     .venv/bin/python benchmarks/engine.py            # 16 episodes, 3 repeats, tiny and medium
     .venv/bin/python benchmarks/engine.py --quick    # 4 episodes, 1 repeat, tiny (a smoke test)
+    python benchmarks/engine.py --device cuda --models medium,0.5b --episodes 64   # on a GPU
 
 Weight sync: the seconds to hand a model's weights to the engine and check them, with the former
 check (a float64 sum of every element and its square, on both sides) against the fingerprint
@@ -66,6 +67,9 @@ MODELS = {
                    intermediate_size=2048, vocab_size=8192),
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2048, vocab_size=32000),
+    # Qwen2.5-0.5B's shape and vocabulary (random weights): for a GPU (--device cuda).
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936),
 }
 PAD_ID = 0
 
@@ -93,12 +97,12 @@ def make_scripts(n: int, seed: int, vocab: int, quick: bool) -> list[Script]:
     return scripts
 
 
-def build_model(name: str) -> Qwen2ForCausalLM:
+def build_model(name: str, device: str = "cpu") -> Qwen2ForCausalLM:
     config = Qwen2Config(**MODELS[name], max_position_embeddings=4096, pad_token_id=PAD_ID, eos_token_id=2,
                          bos_token_id=1, tie_word_embeddings=True)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    return Qwen2ForCausalLM(config).to(device).eval().requires_grad_(False)
 
 
 class _Tokenizer:
@@ -138,6 +142,7 @@ def run_hf(model, scripts: list[Script]) -> int:
             ids[row, width - len(conversations[i]):] = torch.tensor(conversations[i])
             mask[row, width - len(conversations[i]):] = 1
         budget = max(scripts[i].turn_tokens[turn] for i in active)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, min_new_tokens=budget,
                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID)
         for row, i in enumerate(active):
@@ -177,11 +182,12 @@ def run_client(engine, scripts: list[Script], threads: int) -> int:
     return asyncio.run(main())
 
 
-def measure(model_name: str, episodes: int, repeats: int, threads: int, quick: bool) -> dict[str, list[float]]:
-    model = build_model(model_name)
+def measure(model_name: str, episodes: int, repeats: int, threads: int, quick: bool,
+            device: str = "cpu") -> dict[str, list[float]]:
+    model = build_model(model_name, device)
     scripts = make_scripts(episodes, seed=0, vocab=MODELS[model_name]["vocab_size"], quick=quick)
     expected = sum(sum(s.turn_tokens) for s in scripts)
-    engine = TorchEngine(model, _Tokenizer(), max_batch_size=64)
+    engine = TorchEngine(model, _Tokenizer(), device=device, max_batch_size=64)
     runners = {
         "hf": lambda: run_hf(model, scripts),
         "engine-before": lambda: run_client(RequestLevel(engine), scripts, threads),
@@ -214,11 +220,11 @@ def full_sum_checksum(state_dict) -> float:
     return total
 
 
-def measure_sync(model_name: str, repeats: int) -> tuple[float, float, int]:
+def measure_sync(model_name: str, repeats: int, device: str = "cpu") -> tuple[float, float, int]:
     """Seconds per verified weight sync, former check and fingerprint (best of `repeats`), and the
     parameter count."""
-    model = build_model(model_name)
-    engine = TorchEngine(model, _Tokenizer())
+    model = build_model(model_name, device)
+    engine = TorchEngine(model, _Tokenizer(), device=device)
     params = sum(p.numel() for p in model.parameters())
     times: dict[str, list[float]] = {"full-sum": [], "fingerprint": []}
     for version in range(1, repeats + 1):
@@ -241,7 +247,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 episodes, 1 repeat, tiny model only")
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
+    parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium, 0.5b")
+    parser.add_argument("--device", default="cpu", help="torch device of the model and every engine (cuda on a GPU)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every engine (default 1: on a shared machine a torch thread team stalls on a core another process holds; use the core count on an idle one)")
     args = parser.parse_args()
@@ -253,13 +260,13 @@ def main() -> None:
           f"{os.cpu_count()} cores, load {os.getloadavg()}", flush=True)
     ratios = []
     for name in args.models.split(","):
-        rates = measure(name, args.episodes, args.repeats, threads, args.quick)
+        rates = measure(name, args.episodes, args.repeats, threads, args.quick, args.device)
         for mode, values in rates.items():
             spread = statistics.stdev(values) if len(values) > 1 else 0.0
             print(f"{name:6s} {mode:13s} {statistics.mean(values):8.1f} +- {spread:6.1f} tok/s")
         hf, before, after = (statistics.mean(rates[m]) for m in ("hf", "engine-before", "engine"))
         ratios.append(f"{name}: engine/hf {after / hf:.2f}x, engine/engine-before {after / before:.2f}x")
-    old, new, params = measure_sync("tiny" if args.quick else "100m", 1 if args.quick else 3)
+    old, new, params = measure_sync("tiny" if args.quick else "100m", 1 if args.quick else 3, args.device)
     ratios.append(f"weight sync {params / 1e6:.1f}M: {old:.3f} s -> {new:.3f} s")
     print("; ".join(ratios))
 
