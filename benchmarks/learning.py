@@ -323,7 +323,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    base = load_config(MODES["sao"][0], task_overrides(args.config) + ["log.progress=false"])
+    # The overrides too: one that changes the task (env.options.hops) must warm-start the shared
+    # model on that task; the build key leaves out those that do not (tool latency, the algorithm).
+    base = load_config(MODES["sao"][0], task_overrides(args.config) + ["log.progress=false"] + args.override)
     from tiderl.envs.setup import load_setup
 
     model_path = resolve_model_path(base, load_setup(base))  # built once, shared by every run
