@@ -179,6 +179,51 @@ def test_ddp_and_fsdp2_on_an_nccl_rank_equal_one_cpu_process(tmp_path):
             assert worst < 1e-4, (mode, case, worst)
 
 
+ANSWER_TOOL = {"type": "function", "function": {
+    "name": "answer", "description": "Give the colour.",
+    "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}}}
+
+
+class SquareEnv:
+    """One turn: a red or blue square; reward 1 when the `answer` tool names its colour, else a
+    partial reward that varies with what the model wrote (an untrained model never answers)."""
+
+    @classmethod
+    def setup(cls, cfg):
+        from tiderl.envs.protocol import Task
+        from tiderl.envs.setup import Setup
+
+        tasks = [Task(f"s{i}", "What colour is the square?", ("red", "blue")[i % 2]) for i in range(16)]
+        return Setup(train_tasks=tasks[:12], eval_tasks=tasks[12:], make_env=cls, name="squares")
+
+    def system_prompt(self) -> str:
+        return "Name the colour of the square with the answer tool."
+
+    def tool_schemas(self) -> list[dict]:
+        return [ANSWER_TOOL]
+
+    def reset(self, task):
+        from PIL import Image
+
+        from tiderl.envs.protocol import Observation
+
+        self.task = task
+        return Observation(task.prompt, [Image.new("RGB", (40, 40), {"red": (255, 0, 0), "blue": (0, 0, 255)}[
+            task.answer])])
+
+    def step(self, action):
+        from tiderl.envs.protocol import StepResult
+
+        right = any(str(call.arguments.get("colour", "")) == self.task.answer for call in action.tool_calls)
+        return StepResult([], reward=1.0 if right else (len(action.text) % 7) / 10, done=True,
+                          info={"success": float(right)})
+
+    def finish(self, reason: str):
+        from tiderl.envs.protocol import StepResult
+
+        return StepResult([], reward=0.0, done=True, info={"success": 0.0})
+
+
 def test_a_tiny_vlm_trains_on_cuda_with_images(tmp_path):
     """A vision-language model (tiny Idefics3) on cuda: the engine's prefill with image features
     scores as the trainer does, and SAO trains the vision tower on the GPU."""
@@ -194,7 +239,7 @@ def test_a_tiny_vlm_trains_on_cuda_with_images(tmp_path):
     model.save_pretrained(model_dir)
     processor.save_pretrained(model_dir)
     run = build_run(load_config(None, [
-        "env.name=test_vlm_run:ColourEnv", "data.source=colours", f"model.path={model_dir}",
+        "env.name=test_gpu:SquareEnv", "data.source=squares", f"model.path={model_dir}",
         f"run_dir={tmp_path / 'run'}", "model.device=cuda", "algo.name=sao", "algo.critic_warmup_steps=0",
         "rollout.batch_size=6", "env.max_turns=1", "env.max_total_tokens=300", "rollout.max_new_tokens=24",
         "train.micro_batch_tokens=2048", "train.steps=2", "log.progress=false", "log.tensorboard=false"]))
