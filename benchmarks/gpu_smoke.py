@@ -17,7 +17,9 @@ name (H100/H200 989 TFLOP/s dense bf16, A100 312) or `--peak-tflops`.
     .venv/bin/python benchmarks/gpu_smoke.py --quick         # 2 steps of 16 episodes
     .venv/bin/python benchmarks/gpu_smoke.py --device cpu --shape tiny --quick   # the code path on CPU
 
-Last line: seconds per step, trained tokens/s, generated tokens/s, trainer MFU.
+Last line: seconds per step, trained tokens/s, generated tokens/s, trainer MFU, weight sync seconds.
+`--staleness 2` runs it asynchronously (the pool decodes the next batches while the trainer steps;
+generated tokens/s is then per second of the whole step, not of a decode phase).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main() -> int:
     parser.add_argument("--shape", default="0.5b", choices=tuple(SHAPES))
     parser.add_argument("--steps", type=int, default=0, help="measured steps (default 3, quick 1), after 1 warm-up")
     parser.add_argument("--batch", type=int, default=0, help="episodes per step (default 64, quick 16)")
+    parser.add_argument("--staleness", type=int, default=0, help="system.max_staleness (default 0: synchronous)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak bf16 TFLOP/s of the device")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -88,7 +91,7 @@ def main() -> int:
         f"run_dir={work / 'run'}", f"model.path={model_dir}", f"model.device={args.device}",
         "train.autocast=bfloat16", f"rollout.batch_size={batch}", f"rollout.engine_batch_size={batch}",
         f"train.steps={steps + 1}", "algo.critic_warmup_steps=0", "train.micro_batch_tokens=16384",
-        "algo.actor_lr=1e-6", "algo.critic_lr=5e-6"])
+        "algo.actor_lr=1e-6", "algo.critic_lr=5e-6", f"system.max_staleness={args.staleness}"])
     run = build_run(cfg)
     n_actor = count_parameters(run.actor.model)
     n_critic = count_parameters(run.critic.model) if run.critic is not None else 0
@@ -97,6 +100,7 @@ def main() -> int:
 
     def observer(version: int, metrics: dict[str, float], trajectories) -> None:
         rows.append({"step_s": metrics["step_s"], "train_s": metrics["time/train_s"],
+                     "sync_s": metrics.get("time/sync_s", float("nan")),
                      "tokens": float(sum(len(t.tokens) for t in trajectories)),
                      "generated": float(sum(t.num_action_tokens for t in trajectories))})
 
@@ -108,16 +112,17 @@ def main() -> int:
     train_s = statistics.mean(r["train_s"] for r in measured)
     tokens = statistics.mean(r["tokens"] for r in measured)
     generated = statistics.mean(r["generated"] for r in measured)
+    sync_s = statistics.mean(r["sync_s"] for r in measured)
     peak = peak_tflops(args.device, args.peak_tflops)
     mfu = flops_per_token * tokens / train_s / (peak * 1e12) if peak else float("nan")
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
     print(f"gpu_smoke: {device_name}, {args.shape}: actor {n_actor / 1e6:.2f}M + critic {n_critic / 1e6:.2f}M "
-          f"parameters, {batch} episodes/step, {len(measured)} measured steps after 1 warm-up ({wall:.0f}s in all); "
+          f"parameters, {batch} episodes/step, staleness {args.staleness}, {len(measured)} measured steps after 1 warm-up ({wall:.0f}s in all); "
           f"peak GPU memory {memory:.1f} GiB; peak {peak or float('nan'):g} TFLOP/s")
     print(f"step {step_s:.2f}s (trainer {train_s:.2f}s), trained {tokens / step_s:.0f} tok/s "
-          f"(trainer alone {tokens / train_s:.0f} tok/s), generated {generated / max(step_s - train_s, 1e-9):.0f} tok/s, "
-          f"trainer MFU {100 * mfu:.1f}%")
+          f"(trainer alone {tokens / train_s:.0f} tok/s), generated {generated / (step_s if args.staleness else max(step_s - train_s, 1e-9)):.0f} tok/s, "
+          f"trainer MFU {100 * mfu:.1f}%, weight sync {sync_s:.3f}s")
     return 0
 
 
