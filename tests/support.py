@@ -552,6 +552,27 @@ def length_reward_overrides(model: Path, run_dir: Path, *more: str) -> list[str]
             "system.trainer_threads=1", "system.decode_threads=1", "train.reproducible=true", *more]
 
 
+def train_then_resume(make_args, folder: Path, steps: int = 3):
+    """(a, b): run `a` trains `steps` steps with a checkpoint after each, reproducibly; run `b`, in a
+    copy of a's run dir, resumes from step 1's checkpoint and trains to `steps`. `make_args(run_dir,
+    *more)` gives a run's overrides. (test_vlm_run, test_gpu)"""
+    import shutil
+
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import build_run
+
+    exact = [f"train.steps={steps}", "train.checkpoint_every=1", "train.reproducible=true"]
+    a = build_run(load_config(None, make_args(folder / "a", *exact)))
+    train(a)
+    shutil.copytree(folder / "a", folder / "b")
+    b = build_run(load_config(None, make_args(folder / "b", *exact,
+                                              f"train.resume={folder / 'b' / 'checkpoints' / 'step_1'}")))
+    assert b.step == 1
+    train(b)
+    return a, b
+
+
 def parity_model_dir(folder: Path) -> Path:
     """An untrained one-layer Qwen2 (seed 0) with a tokenizer trained on tests/user_env.py's
     corpus, saved as a Hugging Face directory under `folder`."""

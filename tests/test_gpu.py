@@ -10,12 +10,11 @@ the same fp32 code; on a GPU the decode step and the trainer's forward use diffe
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from support import TIMED, parity_model_dir, rollout, worst_behaviour_gap
+from support import TIMED, parity_model_dir, rollout, train_then_resume, worst_behaviour_gap
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason=f"no CUDA device (torch {torch.__version__}): the GPU tests need one")]
@@ -82,18 +81,8 @@ def test_a_cuda_run_resumes_from_its_checkpoint(parity_model, tmp_path):
     """Resumed from step 1's checkpoint (weights, optimizers, RNG streams on the GPU too), the
     run's steps 2-3 repeat the uninterrupted run's. CUDA kernels may sum in another order from
     run to run, so this reports how far apart they are and asserts closeness, not bit equality."""
-    from tiderl.config import load_config
-    from tiderl.recipe import train
-    from tiderl.run import build_run
-
-    exact = ["train.steps=3", "train.checkpoint_every=1", "train.reproducible=true"]
-    a = build_run(load_config(None, _args(parity_model, tmp_path / "a", *exact)))
-    train(a)
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    b = build_run(load_config(None, _args(parity_model, tmp_path / "b", *exact,
-                                          f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}")))
-    assert b.step == 1 and next(b.actor.model.parameters()).is_cuda
-    train(b)
+    a, b = train_then_resume(lambda run_dir, *more: _args(parity_model, run_dir, *more), tmp_path)
+    assert next(b.actor.model.parameters()).is_cuda
     ra, rb = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert [r["step"] for r in rb] == [1, 2, 3]
     same_metrics = ra == rb

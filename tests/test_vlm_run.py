@@ -206,21 +206,10 @@ def test_a_vlm_run_resumes_exactly_at_staleness_0(tmp_path, architecture):
     """Resumed from step 1's checkpoint, steps 2-3 and the final weights equal the uninterrupted
     run's bit for bit (the episodes' images are redrawn from the tasks, so the resumed run must see
     the same ones)."""
-    import shutil
-
-    from tiderl.config import load_config
-    from tiderl.recipe import train
-    from tiderl.run import build_run
+    from support import train_then_resume
 
     model_dir = _vlm_dir(tmp_path, architecture)
-    exact = ["train.steps=3", "train.checkpoint_every=1", "train.reproducible=true"]
-    a = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "a", *exact)))
-    train(a)
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    b = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "b", *exact,
-                                              f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}")))
-    assert b.step == 1
-    train(b)
+    a, b = train_then_resume(lambda run_dir, *more: _vlm_args(model_dir, run_dir, *more), tmp_path)
     assert [r["step"] for r in _rows(tmp_path / "b")] == [1, 2, 3]
     assert _rows(tmp_path / "a") == _rows(tmp_path / "b")
     assert any(r.get("policy/loss") for r in _rows(tmp_path / "a")[1:])  # the actor trained in the compared steps
