@@ -331,6 +331,7 @@ def test_bad_model_files_and_devices_are_named(parity_model, tmp_path):
             build_run(load_config(None, overrides(parity_model, tmp_path / "c", "model.device=cuda")))
 
 
+@pytest.mark.slow  # two fresh Python processes that import transformers (about 8 s on 2 cores)
 def test_models_load_without_hugging_face_hub_kernels(parity_model):
     """transformers 5 loads a model with hub kernels on; on a GPU `model.train()` then downloads
     kernels mid-run (and fails offline). Importing tiderl turns them off unless the user set
