@@ -113,15 +113,18 @@ def main() -> int:
     tokens = statistics.mean(r["tokens"] for r in measured)
     generated = statistics.mean(r["generated"] for r in measured)
     sync_s = statistics.mean(r["sync_s"] for r in measured)
+    # Synchronous: decoding is the step less training; asynchronous: it overlaps, so the whole step.
+    decode_s = step_s if args.staleness else max(step_s - train_s, 1e-9)
     peak = peak_tflops(args.device, args.peak_tflops)
     mfu = flops_per_token * tokens / train_s / (peak * 1e12) if peak else float("nan")
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
     print(f"gpu_smoke: {device_name}, {args.shape}: actor {n_actor / 1e6:.2f}M + critic {n_critic / 1e6:.2f}M "
-          f"parameters, {batch} episodes/step, staleness {args.staleness}, {len(measured)} measured steps after 1 warm-up ({wall:.0f}s in all); "
+          f"parameters, {batch} episodes/step, staleness {args.staleness}, {len(measured)} measured steps after 1 "
+          f"warm-up ({wall:.0f}s in all); "
           f"peak GPU memory {memory:.1f} GiB; peak {peak or float('nan'):g} TFLOP/s")
     print(f"step {step_s:.2f}s (trainer {train_s:.2f}s), trained {tokens / step_s:.0f} tok/s "
-          f"(trainer alone {tokens / train_s:.0f} tok/s), generated {generated / (step_s if args.staleness else max(step_s - train_s, 1e-9)):.0f} tok/s, "
+          f"(trainer alone {tokens / train_s:.0f} tok/s), generated {generated / decode_s:.0f} tok/s, "
           f"trainer MFU {100 * mfu:.1f}%, weight sync {sync_s:.3f}s")
     return 0
 
