@@ -21,9 +21,10 @@ from tiderl.run import build_run  # noqa: E402
 
 
 def train_to_budget(cfg: RunConfig, token_budget: float, eval_every: int, eval_n: int,
-                    label: dict[str, Any]) -> dict[str, Any]:
-    """Train `cfg` asynchronously until `token_budget` generated tokens (or `train.steps`),
-    evaluating held-out greedy success before training, every `eval_every` steps and at the end.
+                    label: dict[str, Any], deadline: float = float("inf")) -> dict[str, Any]:
+    """Train `cfg` asynchronously until `token_budget` generated tokens (or `train.steps`, or the
+    wall-clock `deadline`, a `time.time()`), evaluating held-out greedy success before training,
+    every `eval_every` steps and at the end.
 
     Returns the run's row: `label` plus steps, wall time (training only), generated tokens,
     final and best held-out success, `collapsed` (final < half the best), the curve, the last
@@ -54,7 +55,7 @@ def train_to_budget(cfg: RunConfig, token_budget: float, eval_every: int, eval_n
 
     t0 = time.perf_counter()
     history, summary = train(run, cfg.train.steps, observer=observe,
-                             stop=lambda m: m["system/generated_tokens"] >= token_budget)
+                             stop=lambda m: m["system/generated_tokens"] >= token_budget or time.time() >= deadline)
     wall = time.perf_counter() - t0
     generated = int(history[-1]["system/generated_tokens"])
     if curve[-1]["step"] != len(history):

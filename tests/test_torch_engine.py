@@ -271,3 +271,26 @@ def test_identical_prompts_joining_together_are_encoded_once(model, tokenizer, p
     for c in sampled:
         _, expected = _full_forward_logprobs(model, p, c.token_ids)
         assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+
+
+def test_a_bf16_engine_of_an_fp32_model_casts_each_update_and_reports_what_was_sent(model, tokenizer, prompts):
+    """rollout.options.dtype=bfloat16: the engine's parameters are bf16 (buffers as built), its
+    log-probs differ from the fp32 model's by bf16 rounding only, and the checksum it reports is
+    that of the fp32 weights it was sent, checked against their cast."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    exact = TorchEngine(model, tokenizer)
+    engine = TorchEngine(model, tokenizer, dtype="bfloat16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert next(model.parameters()).dtype == torch.float32  # the model handed over is not touched
+    assert all(b.dtype == torch.float32 for b in engine.model.buffers() if b.is_floating_point())
+    assert engine.state_checksum() == weights_checksum(model.state_dict())
+    ours, theirs = engine.generate(prompts, params), exact.generate(prompts, params)
+    gap = max(abs(a - b) for c, e in zip(ours, theirs) for a, b in zip(c.logprobs, e.logprobs))
+    assert 1e-4 < gap < 0.3, gap  # a mismatch, of bf16's size
+
+    new_model = peaky_model(len(tokenizer), seed=1)
+    engine.update_weights(new_model.state_dict(), version=2)
+    assert engine.state_checksum() == weights_checksum(new_model.state_dict())
+    assert weights_checksum(engine.model.state_dict()) == weights_checksum(new_model.state_dict(), torch.bfloat16)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert TorchEngine(model, tokenizer, dtype="float32")._cast is None  # the model's own dtype: no cast

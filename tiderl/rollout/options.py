@@ -20,6 +20,10 @@ class TorchEngineOptions:
                               "most this many tokens (rows x prompt tokens), which bounds the prefill's activation "
                               "memory; the same tokens and log-probs either way (0 = one pass, no limit).")
 
+    dtype: str = opt("", "What the engine's copy of the weights computes in ('' = the model's, model.dtype): "
+                     "bfloat16 against an fp32 trainer is the engine/trainer mismatch of most deployments, in one "
+                     "process (each update is cast on load; sampling stays in float32).", ("", "float32", "bfloat16"))
+
     def check(self, cfg: Any) -> None:
         need(self.prefill_tokens >= 0, "prefill_tokens", "must be >= 0", "use 0 for no limit or e.g. 4096")
 

@@ -91,7 +91,8 @@ class TorchEngine:
     def from_config(cls, cfg: Any, model: Any, tokenizer: Any, *, seed: int, copy_model: bool = True) -> Any:
         """The engine `cfg` describes (`tiderl.rollout.make_engine` calls this)."""
         return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
-                   copy_model=copy_model, prefill_tokens=cfg.rollout.options.prefill_tokens)
+                   copy_model=copy_model, prefill_tokens=cfg.rollout.options.prefill_tokens,
+                   dtype=cfg.rollout.options.dtype)
 
     def __init__(
         self,
@@ -103,6 +104,7 @@ class TorchEngine:
         prefix_cache_mb: float = 1024.0,
         copy_model: bool = True,
         prefill_tokens: int = TorchEngineOptions.prefill_tokens,
+        dtype: str | torch.dtype = "",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be at least 1")
@@ -111,7 +113,18 @@ class TorchEngine:
         if prefill_tokens < 0:
             raise ValueError(f"prefill_tokens={prefill_tokens} is negative: use 0 for no limit")
         self.device = torch.device(device)
+        source_dtype = next(model.parameters()).dtype
+        # Computing in another dtype than the weights it is sent (bf16 against an fp32 trainer): each
+        # update is cast on load and checked against the cast of what was sent; the engine then
+        # reports the checksum of what was sent, which is what the trainer compares.
+        self._cast = getattr(torch, dtype) if isinstance(dtype, str) and dtype else dtype or None
+        if self._cast == source_dtype:
+            self._cast = None
+        fingerprint = weights_checksum(model.state_dict()) if self._cast else None
         self.model = (copy.deepcopy(model) if copy_model else model).to(self.device).eval().requires_grad_(False)
+        if self._cast is not None:  # the parameters only: buffers such as rotary frequencies stay as built
+            for param in self.model.parameters():
+                param.data = param.data.to(self._cast)
         if not copy_model and self.device.type == "cpu":
             _own_memory(self.model)
         tokenizer, self.processor = split_processor(tokenizer)  # (the processor: None for a text model)
@@ -130,7 +143,7 @@ class TorchEngine:
         self._inbox: collections.deque[Request] = collections.deque()
         self._kept: collections.OrderedDict[Hashable, _Kept] = collections.OrderedDict()
         self._kept_bytes = 0
-        self._fingerprint: tuple[int, float] | None = None  # (version, weights_checksum) of the held weights
+        self._fingerprint: float | None = fingerprint  # weights_checksum of the held weights (or of those sent)
         # The running batch: rows, their KV cache (cache columns = self._width) and the logits of
         # each row's next token.
         self._rows: list[_Row] = []
@@ -695,6 +708,10 @@ class TorchEngine:
                         copied.add(target)
             self.version = version
             self._fingerprint = None
+            if self._cast is not None:
+                if weights_checksum(self.model.state_dict()) != weights_checksum(state_dict, self._cast):
+                    raise RuntimeError(f"the engine's {self._cast} weights are not the cast of version {version}'s")
+                self._fingerprint = weights_checksum(state_dict)
             self._drop_kept_caches()
 
     def load_adapters(self, layers: dict[str, tuple[float, torch.Tensor, torch.Tensor]], version: int) -> None:
@@ -713,7 +730,7 @@ class TorchEngine:
                 if held:
                     low_rank.set_adapters(modules[name], a, b)
                 else:
-                    low_rank.attach(modules[name], a.to(self.device), b.to(self.device), scaling)
+                    low_rank.attach(modules[name], a.to(self.device, self._cast), b.to(self.device, self._cast), scaling)
             if not held and self._fast is not None:
                 self._fast = DecodeStep.of(self.model)
             self.version = version

@@ -47,11 +47,13 @@ def _offsets(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> torc
     return torch.from_numpy(np.append(offsets, offsets.max()))
 
 
-def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
+def weights_checksum(state_dict: Mapping[str, torch.Tensor], cast: torch.dtype | None = None) -> float:
     """A fingerprint of a set of weights that costs a few elements per tensor, not a full pass: a
     BLAKE2b hash, over the tensors in sorted key order, of each one's name, shape, dtype and exact
     values at `sample_positions`, as a float that compares with `==`; the same in every process.
-    What it catches and what it cannot: docs/architecture.md, "Numerics that hold"."""
+    With `cast`, the fingerprint the floating-point tensors would have once cast to that dtype
+    (only the sampled elements are cast). What it catches and what it cannot: docs/architecture.md,
+    "Numerics that hold"."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(state_dict):
         tensor = state_dict[name].detach()
@@ -60,10 +62,12 @@ def weights_checksum(state_dict: Mapping[str, torch.Tensor]) -> float:
         else:  # the same elements (row-major order) read in place, without copying the tensor
             offsets = _offsets(name, tuple(tensor.shape), tuple(tensor.stride())).to(tensor.device)
             values = tensor.as_strided((int(offsets[-1]) + 1,), (1,))[offsets[:-1]]
-        values = values.to(device="cpu")
+        values, dtype = values.to(device="cpu"), tensor.dtype
+        if cast is not None and values.is_floating_point():
+            values, dtype = values.to(cast), cast
         if values.is_floating_point() or values.is_complex():
             values = values.to(torch.complex128 if values.is_complex() else torch.float64)
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode("utf-8"))
+        digest.update(f"{name}|{tuple(tensor.shape)}|{dtype}|".encode("utf-8"))
         digest.update(values.contiguous().numpy().tobytes())
     return float(int.from_bytes(digest.digest()[:7], "big") >> 4)
 
