@@ -269,3 +269,40 @@ def test_a_launched_engine_server_computes_on_the_gpu(parity_model, tmp_path, se
         assert abs(low - 1) < FP32_GAP and abs(high - 1) < FP32_GAP
     else:
         assert high - low > 1e-3  # bf16 really differs from the fp32 trainer
+
+
+def test_a_colocated_engine_hands_its_memory_to_the_trainers_step(parity_model, tmp_path, monkeypatch):
+    """rollout.options.release_memory: in a synchronous run on one GPU, the device memory in use
+    when each trainer step starts is lower than without the option by at least the engine's weights
+    (they wait in host memory), and the run trains the same number of episodes."""
+    import gc
+
+    from tiderl.config import load_config
+    from tiderl.recipe import train
+    from tiderl.run import Trainer, build_run
+
+    at_step: list[int] = []
+    train_batch = Trainer.train
+
+    def spy(self, batch):
+        torch.cuda.synchronize()
+        at_step.append(torch.cuda.memory_allocated())
+        return train_batch(self, batch)
+
+    monkeypatch.setattr(Trainer, "train", spy)
+    in_use, trained = {}, {}
+    for release in ("false", "true"):  # a leak from the first run could only narrow the gap
+        at_step.clear()
+        run = build_run(load_config(None, _args(parity_model, tmp_path / release, "train.steps=3",
+                                                "system.max_staleness=0", f"rollout.options.release_memory={release}")))
+        engine_bytes = sum(p.numel() * p.element_size() for p in run.engine.model.parameters())
+        _, summary = train(run)
+        in_use[release], trained[release] = list(at_step), summary["ledger"]["trained"]
+        del run
+        gc.collect()
+        torch.cuda.empty_cache()
+    gaps = [a - b for a, b in zip(in_use["false"], in_use["true"])]
+    print(f"\n[release_memory] device memory at each step's start: without {in_use['false']}, with {in_use['true']} "
+          f"bytes; the engine's weights {engine_bytes} bytes")
+    assert trained["true"] == trained["false"] == 3 * 8
+    assert len(gaps) == 3 and min(gaps) >= 0.9 * engine_bytes, gaps

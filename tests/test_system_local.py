@@ -261,3 +261,30 @@ def test_group_sampling_and_curiosity_on_the_one_path(cache, tmp_path):
     # The reference log-probs were computed ahead of the step, in the buffer.
     assert history[0]["kl/ref_precomputed"] == 1.0
     assert math.isfinite(history[0]["kl/ref_kl_mean"])
+
+
+@pytest.mark.slow
+def test_a_synchronous_run_releases_the_engines_memory_while_the_trainer_steps(cache, tmp_path, monkeypatch):
+    """rollout.options.release_memory (trainer and engine colocated): at staleness 0 the engine's
+    weights are in host memory whenever the trainer steps, every sync is still verified, and the
+    engine decodes again afterwards; asynchronous runs are refused, naming the option."""
+    from tiderl.config import ConfigError
+    from tiderl.recipe import train
+    from tiderl.run import Trainer, build_run
+
+    released_at_step = []
+    train_batch = Trainer.train
+
+    def spy(self, batch):
+        released_at_step.append(self.run.engine._released)
+        return train_batch(self, batch)
+
+    monkeypatch.setattr(Trainer, "train", spy)
+    release = ("system.max_staleness=0", "rollout.options.release_memory=true")
+    run = build_run(small_config(cache, tmp_path / "run", *release))
+    history, summary = train(run)
+    assert released_at_step == [True] * run.cfg.train.steps
+    assert summary["ledger"]["trained"] == run.cfg.train.steps * run.cfg.rollout.batch_size
+    assert rollout(run, run.setup.eval_tasks[:2]) and not run.engine._released  # it decodes, back on its device
+    with pytest.raises(ConfigError, match="rollout.options.release_memory.*synchronous training"):
+        small_config(cache, tmp_path / "async", "system.max_staleness=2", "rollout.options.release_memory=true")

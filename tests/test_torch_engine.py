@@ -294,3 +294,38 @@ def test_a_bf16_engine_of_an_fp32_model_casts_each_update_and_reports_what_was_s
     assert weights_checksum(engine.model.state_dict()) == weights_checksum(new_model.state_dict(), torch.bfloat16)
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     assert TorchEngine(model, tokenizer, dtype="float32")._cast is None  # the model's own dtype: no cast
+
+
+def test_released_memory_comes_back_with_the_same_outputs_and_any_update_loaded_meanwhile(model, tokenizer, prompts):
+    """rollout.options.release_memory: `release_memory` moves the weights to host memory and drops
+    the fast decode step and the kept caches; the next forward pass brings them back (the fast step
+    rebuilt), giving exactly the tokens and log-probs an engine never released gives, and weights
+    loaded while released are the ones it decodes with."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    kept, released = TorchEngine(model, tokenizer, seed=3), TorchEngine(model, tokenizer, seed=3)
+    assert released._fast is not None
+    released.release_memory()
+    released.release_memory()  # twice: nothing more
+    assert released._released and released._fast is None
+    ours, theirs = released.generate(prompts, params), kept.generate(prompts, params)
+    assert [(c.token_ids, c.logprobs) for c in ours] == [(c.token_ids, c.logprobs) for c in theirs]
+    assert not released._released and released._fast is not None  # back, with its fast step
+
+    new_model = peaky_model(len(tokenizer), seed=1)
+    released.release_memory()
+    released.update_weights(new_model.state_dict(), version=2)
+    assert released.state_checksum() == weights_checksum(new_model.state_dict())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    assert released.generate(prompts[:1], greedy)[0].token_ids == greedy_reference(new_model, prompts[0], 10)
+
+
+def test_the_engines_options_place_it_and_set_its_dtype(model, tokenizer):
+    """rollout.options.device ('' = model.device) and dtype reach the engine from a config; a
+    device for the engine is refused where the backend places engines itself."""
+    from tiderl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["model.device=cpu", "rollout.options.device=cpu", "rollout.options.dtype=bfloat16"])
+    engine = TorchEngine.from_config(cfg, model, tokenizer, seed=0)
+    assert engine.device == torch.device("cpu") and next(engine.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="rollout.options.device.*system.backend=ray"):
+        load_config(None, ["system.backend=ray", "rollout.options.device=cuda:1"])

@@ -24,8 +24,20 @@ class TorchEngineOptions:
                      "bfloat16 against an fp32 trainer is the engine/trainer mismatch of most deployments, in one "
                      "process (each update is cast on load; sampling stays in float32).", ("", "float32", "bfloat16"))
 
+    device: str = opt("", "Where the engine decodes ('' = model.device, colocated with the trainer): e.g. cuda:1 "
+                      "beside a trainer on cuda:0 (disaggregated on one machine; the local backend's engine).")
+    release_memory: bool = opt(False, "Synchronous training on one device (trainer and engine colocated): the engine "
+                               "hands its device memory back while the trainer steps (weights to host memory, "
+                               "caches dropped) and takes it again at the next forward pass (docs/engines.md).")
+
     def check(self, cfg: Any) -> None:
         need(self.prefill_tokens >= 0, "prefill_tokens", "must be >= 0", "use 0 for no limit or e.g. 4096")
+        need(not self.release_memory or cfg.system.max_staleness == 0 and cfg.system.backend == "local",
+             "release_memory", "needs synchronous training on the local backend (at staleness > 0 the engine decodes "
+             "while the trainer steps; Ray's engines hold devices of their own)",
+             "set system.max_staleness=0 and system.backend=local, or release_memory=false")
+        need(not self.device or cfg.system.backend == "local", "device", "places the local backend's engine; "
+             f"system.backend={cfg.system.backend} places its own", "leave rollout.options.device empty")
 
 
 @dataclass

@@ -90,9 +90,9 @@ class TorchEngine:
     @classmethod
     def from_config(cls, cfg: Any, model: Any, tokenizer: Any, *, seed: int, copy_model: bool = True) -> Any:
         """The engine `cfg` describes (`tiderl.rollout.make_engine` calls this)."""
-        return cls(model, tokenizer, device=cfg.model.device, seed=seed, max_batch_size=cfg.rollout.engine_batch_size,
-                   copy_model=copy_model, prefill_tokens=cfg.rollout.options.prefill_tokens,
-                   dtype=cfg.rollout.options.dtype)
+        return cls(model, tokenizer, device=cfg.rollout.options.device or cfg.model.device, seed=seed,
+                   max_batch_size=cfg.rollout.engine_batch_size, copy_model=copy_model,
+                   prefill_tokens=cfg.rollout.options.prefill_tokens, dtype=cfg.rollout.options.dtype)
 
     def __init__(
         self,
@@ -138,6 +138,7 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._lock = threading.Lock()  # the weights: one forward pass or one weight load at a time
+        self._released = self._fast_model = False  # release_memory: the weights are in host memory
         self._serve_lock = threading.Lock()  # the batch: one thread decodes it at a time
         self._inbox_lock = threading.Lock()  # the waiting requests and the kept caches
         self._inbox: collections.deque[Request] = collections.deque()
@@ -441,6 +442,7 @@ class TorchEngine:
         for the rows with images."""
         rope: dict[int, tuple[torch.Tensor, int]] = {}
         with self._lock:
+            self._restore()
             embeds = self.model.get_input_embeddings()(input_ids)
             for g, (request, suffix, p) in enumerate(zip(requests, suffixes, prefix)):
                 if request.images is not None and request.images.images:
@@ -536,6 +538,9 @@ class TorchEngine:
         if not self._rows:
             return
         rows = self._rows
+        if self._released:
+            with self._lock:
+                self._restore()
         fed = torch.tensor([len(row.fed) for row in rows], device=self.device)
         columns = torch.arange(self._width + 1, device=self.device)
         attend = columns[None, :] >= (self._width - fed)[:, None]
@@ -544,6 +549,7 @@ class TorchEngine:
             mask = torch.zeros(attend.shape, dtype=self._fast.dtype, device=self.device)
             mask = mask.masked_fill_(~attend, float("-inf"))[:, None, None, :]
             with self._lock:
+                self._restore()
                 logits = self._fast(sampled, fed, mask, self._cache.layers)
                 version = self.version
             self._logits = logits.float()
@@ -609,6 +615,7 @@ class TorchEngine:
         cache_kwargs = {self._cache_arg: cache} if cache is not None else {}
         tokens = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         with self._lock:
+            self._restore()
             output = self.model(
                 **tokens,
                 attention_mask=attention_mask,
@@ -713,6 +720,31 @@ class TorchEngine:
                     raise RuntimeError(f"the engine's {self._cast} weights are not the cast of version {version}'s")
                 self._fingerprint = weights_checksum(state_dict)
             self._drop_kept_caches()
+
+    def release_memory(self) -> None:
+        """Free the device memory the engine holds while it has nothing to decode (synchronous
+        training, `rollout.options.release_memory`: the trainer's step has the device): the weights
+        go to host memory, the kept prefix caches and the fast decode step's stacked weights are
+        dropped, and the allocator's cache is emptied. The next forward pass brings the weights
+        back (with any update loaded meanwhile); rows still decoding just wait for it."""
+        with self._lock:
+            if self._released:
+                return
+            self._fast_model, self._fast = self._fast is not None, None  # it holds the stacked weights
+            with torch.inference_mode(False):
+                self.model.to("cpu")
+            self._released = True
+        self._drop_kept_caches()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _restore(self) -> None:
+        """Back on the device after `release_memory` (caller holds `_lock`)."""
+        if self._released:
+            with torch.inference_mode(False):  # (a forward pass may run in inference mode: weights it made could not load)
+                self.model.to(self.device)
+                self._fast = DecodeStep.of(self.model) if self._fast_model else None
+            self._released = False
 
     def load_adapters(self, layers: dict[str, tuple[float, torch.Tensor, torch.Tensor]], version: int) -> None:
         """LoRA adapters beside the weights, unmerged (`tiderl.rollout.low_rank`), as `version`:

@@ -25,8 +25,10 @@ class LocalRollout:
 
     def __init__(self, engine: Engine, tokenizer: Any, make_env: Any, params: SamplingParams,
                  max_turns: int, max_total_tokens: int, max_batch_size: int, thread_init: Any = None,
-                 executor: Any = None, wait_for_all_s: float = 0.0, core_plan: CorePlan | None = None):
+                 executor: Any = None, wait_for_all_s: float = 0.0, core_plan: CorePlan | None = None,
+                 release: bool = False):
         self.engine = engine
+        self.release = release  # rollout.options.release_memory: the engine frees the device while the trainer steps
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.params = params
@@ -53,7 +55,8 @@ class LocalRollout:
                    sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=False),
                    cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.engine_batch_size,
                    thread_init=plan.thread_init("rollout", threads), executor=executor,
-                   wait_for_all_s=cfg.system.wait_timeout_s if cfg.train.reproducible else 0.0, core_plan=plan)
+                   wait_for_all_s=cfg.system.wait_timeout_s if cfg.train.reproducible else 0.0, core_plan=plan,
+                   release=getattr(cfg.rollout.options, "release_memory", False))
 
     @property
     def version(self) -> int:
@@ -75,6 +78,10 @@ class LocalRollout:
             raise
         finally:
             self.decoded_tokens += client.tokens
+
+    async def release_memory(self) -> None:
+        if self.release:
+            await self.client.call(self.engine.release_memory)
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> float:
         await self.client.update_weights(state_dict, version)

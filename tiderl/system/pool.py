@@ -56,7 +56,9 @@ class RolloutBackend(Protocol):
         """Load weights `version`; returns the checksum of what the workers now hold."""
         ...
 
-    # Optional: `cut_tokens`, sampled tokens of the completed turns of cancelled episodes (waste).
+    # Optional: `cut_tokens`, sampled tokens of the completed turns of cancelled episodes (waste);
+    # `async release_memory()`, called at staleness 0 once a batch is taken (nothing decodes until
+    # the next publish): free what the engines hold on the trainer's device.
 
     def report(self) -> dict[str, Any]:
         """The backend's part of the run summary (`system.json`)."""
@@ -226,6 +228,8 @@ class RolloutPool:
         finally:
             self._idle.set(0.0)
         self._t_got = time.monotonic()
+        if self.settings.max_staleness == 0 and hasattr(self.backend, "release_memory"):
+            await self.backend.release_memory()
         # Read before the step: the critic snapshot has been refreshed once per step since the start.
         self._lags = critic_value_lags(batch, self.version - self._start_version)
         self._taken.extend(batch)
