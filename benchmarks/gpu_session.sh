@@ -28,6 +28,9 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    for m in ray vllm sglang flash_attn; do  # what the device has of its own (none of them can travel: too large)
+        python3 -c "import $m; print('$m', $m.__version__)" 2>/dev/null || echo "$m: not installed"
+    done
     echo "setup: $(( $(date +%s) - t0 )) s"
     (while sleep 60; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; uptime; done) \
         > "$OUT/gpu_load.log" 2>&1 &
