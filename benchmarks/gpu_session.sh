@@ -25,8 +25,9 @@ prepare)
 run)
     : "${OUT:?run this on the device, where OUT is the folder that comes back}"
     t0=$(date +%s)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
+    work=$(mktemp -d)  # the wheels' install target, the runs, the model cache
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $work/site .whl/*.whl
+    export PYTHONPATH=$work/site:$PWD PATH=$work/site/bin:$PATH HF_HUB_OFFLINE=1
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     for m in ray vllm sglang flash_attn; do  # what the device has of its own (none of them can travel: too large)
         python3 -c "import $m; print('$m', $m.__version__)" 2>/dev/null || echo "$m: not installed"
@@ -39,11 +40,11 @@ run)
     # SAO, GRPO, DAPO, decoupled PPO at staleness 8 and GRPO at 0, 5 seeds side by side, a 32M tiny model,
     # the engine in bf16 against the fp32 trainer (docs/benchmarks.md, "SAO's claim").
     python3 benchmarks/collapse.py --seeds 0,1,2,3,4 --jobs 25 --deadline-s "${COLLAPSE_DEADLINE_S:-400}" \
-        --out /tmp/collapse model.device=cuda model.tiny.hidden_size=512 model.tiny.num_layers=8 \
-        model.warmstart.lr=1e-3 rollout.options.dtype=bfloat16 model.cache_dir=/tmp/cache 2>&1 \
+        --out $work/collapse model.device=cuda model.tiny.hidden_size=512 model.tiny.num_layers=8 \
+        model.warmstart.lr=1e-3 rollout.options.dtype=bfloat16 model.cache_dir=$work/cache 2>&1 \
         | grep --line-buffered -v "Warning\|warn(" > "$OUT/collapse.log"
-    cp /tmp/collapse/runs.json "$OUT/" 2>/dev/null
-    for d in /tmp/collapse/*/; do
+    cp $work/collapse/runs.json "$OUT/" 2>/dev/null
+    for d in $work/collapse/*/; do
         mkdir -p "$OUT/runs/$(basename "$d")" && cp "$d"/metrics.jsonl "$d"/system.json "$OUT/runs/$(basename "$d")/" 2>/dev/null
     done
     echo "all done at $(( $(date +%s) - t0 )) s"
