@@ -22,9 +22,13 @@ demo: setup
 
 # The suite CI runs: every test but the knowledge-graph learning test (README); the fast learning
 # test (tests/test_learning_fast.py) is in it. The 25 slowest tests are listed at the end, so a
-# run's log shows where the suite's time goes.
+# run's log shows where the suite's time goes. It runs in TEST_WORKERS processes (pytest-xdist),
+# a test file to a worker: most tests wait more than they compute (Ray start-up, servers,
+# spawned ranks), so two workers on 2 cores take about two thirds of one's time. TEST_WORKERS=0
+# runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -m "not learning" --durations=25 tests
+	$(PY) -m pytest -q -m "not learning" --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 # The knowledge-graph learning test (tests/test_learning.py): 60 SAO steps must raise held-out success by more than
 # 3 standard errors; 6-7 minutes on 2 free cores once its model is cached, 10+ when it builds it.

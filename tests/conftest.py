@@ -23,6 +23,7 @@ an order timing decides cannot change it.
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -67,6 +68,14 @@ def cache(tmp_path_factory):
     later run with the same build key. Sharing it cannot make a test depend on the tests before
     it: the cache is keyed by everything a build depends on, and a build is deterministic
     (test_e2e_sao checks both). A test about building itself uses a folder of its own."""
+    # Under pytest-xdist (`make test` runs two workers) every worker has a base folder of its own
+    # below one shared by the run; the cache sits in the shared one, so a model is built once per
+    # run, not once per worker (two workers building the same model at once is safe: a build goes
+    # to a folder of its own and is moved into place whole; tiderl/embedded/build.py).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("cache")
 
 
