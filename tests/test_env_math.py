@@ -53,6 +53,23 @@ def test_extract_answer(text, answer, source):
     assert (got.answer, got.source) == (answer, source)
 
 
+@pytest.mark.parametrize("text, answer, source", [
+    ("One times 419 is 419.", "419", "last_number"),
+    ("There are 3 whole tens in 35, so 30 remain... no: 1,200 in all", "1200", "last_number"),
+    ("It is -2.5 degrees", "-2.5", "last_number"),
+    ("12 apples, so \\boxed{7}", "7", "boxed"),            # a marker still wins
+    ("Final Answer: 8 (not 9)", "8 (not 9)", "final_answer"),
+    ("no number at all", None, "none"),
+])
+def test_the_last_number_fallback_reads_answers_without_a_marker(text, answer, source):
+    got = extract_answer(text, fallback="last_number")
+    assert (got.answer, got.source) == (answer, source)
+    if source == "last_number":
+        assert extract_answer(text).source == "none"  # off unless asked for
+    with pytest.raises(ValueError, match="last_number"):
+        extract_answer(text, fallback="first_number")
+
+
 @pytest.mark.timeout(60)  # linear: well under a second; quadratic would take hours and time out
 def test_extraction_is_linear_on_enormous_nested_text():
     text = "\\boxed{" * 100_000 + "1" + "}" * 99_999  # one box never closes
@@ -160,6 +177,21 @@ def test_format_penalty_is_off_by_default_and_applies_to_unboxed_answers(verifie
     plain = MathEnv(verifier)
     plain.reset(task())
     assert plain.step(Action("Final Answer: 936")).reward == 1.0
+
+
+def test_the_answer_fallback_scores_a_sentence_and_still_pays_the_format_penalty(verifier):
+    env = MathEnv(verifier, format_penalty=0.1, answer_fallback="last_number")
+    env.reset(task())
+    r = env.step(Action("347 and 589 make 936."))
+    assert r.info["success"] == 1.0 and r.info["answer_source"] == "last_number"
+    assert r.reward == pytest.approx(0.9)  # unboxed: the penalty applies
+    env.reset(task())
+    assert env.step(Action("347 and 589 make 935.")).info["success"] == 0.0
+    strict = MathEnv(verifier)
+    strict.reset(task())
+    assert strict.step(Action("347 and 589 make 936.")).info["success"] == 0.0
+    with pytest.raises(ValueError, match="fallback"):
+        MathEnv(verifier, answer_fallback="first")
 
 
 def test_multi_turn_calculator_episode(verifier):
@@ -295,6 +327,13 @@ def test_config_rules():
     with pytest.raises(ConfigError, match="env.options.verify_timeout_s"):
         load_config(None, ["env.name=math", "data.source=arithmetic", "env.options.verify_timeout_s=0"])
     load_config("configs/math_arith_sao_tiny.yaml")
+    with pytest.raises(ConfigError, match="env.options.answer_fallback.*last_number"):
+        load_config(None, ["env.name=math", "data.source=arithmetic", "env.options.answer_fallback=first"])
+    cfg = load_config(None, ["env.name=math", "data.source=arithmetic", "env.options.answer_fallback=last_number"])
+    setup = load_setup(cfg)
+    env = setup.make_env()
+    env.reset(setup.eval_tasks[0])
+    assert env.step(Action(f"It is {setup.eval_tasks[0].answer}.")).info["success"] == 1.0
 
 
 def test_setup_errors_name_the_fix(tmp_path):

@@ -60,15 +60,19 @@ class MathEnv:
     tools: offer the calculator (multi-turn); False = single-turn.
     format_penalty: subtracted from the reward when the answer is not boxed (0 = off).
     system_prompt: overrides the default prompt of the chosen mode.
+    answer_fallback: "last_number" reads the last number of an answer without a marker
+        (`extract.extract_answer`); "none" scores such an answer 0.
     max_observation_chars: longest observation; longer ones are cut with a note.
     bounds: the calculator's size bounds.
     """
 
     def __init__(self, verifier: AnswerVerifier, tools: bool = False, format_penalty: float = 0.0,
                  system_prompt: str | None = None, max_observation_chars: int = 4000,
-                 bounds: Bounds = Bounds()) -> None:
+                 bounds: Bounds = Bounds(), answer_fallback: str = "none") -> None:
         if format_penalty < 0:
             raise ValueError(f"format_penalty must be >= 0, got {format_penalty}")
+        extract_answer("", answer_fallback)  # a ValueError naming the choices for any other value
+        self.answer_fallback = answer_fallback
         self.verifier, self.tools, self.format_penalty = verifier, tools, format_penalty
         self.max_observation_chars, self.bounds = max_observation_chars, bounds
         self._system_prompt = system_prompt or (TOOL_PROMPT if tools else SINGLE_TURN_PROMPT)
@@ -144,7 +148,7 @@ class MathEnv:
 
     def _score(self, text: str) -> StepResult:
         task = self._require_episode()
-        extracted = extract_answer(text)
+        extracted = extract_answer(text, self.answer_fallback)
         info: dict[str, Any] = {"answer_source": extracted.source}
         outcome = 0.0
         if extracted.answer is None:

@@ -7,6 +7,9 @@ Rules, in order (the first that finds something wins):
    `\\boxed{` is ignored.
 2. `final_answer`: the rest of the line after the last `Final Answer:` (any case).
 3. `hash`: the rest of the line after the last `####` (GSM8K's marker).
+4. `last_number`, only when asked for (`fallback="last_number"`): the last number in the text
+   (thousands separators dropped), for models that answer in a sentence without a marker
+   ("One times 419 is 419.").
 
 Surrounding `$`, spaces and a trailing full stop are stripped. The scan is one linear pass,
 so enormous or deeply nested text costs time proportional to its length only.
@@ -19,12 +22,14 @@ from dataclasses import dataclass
 
 _FINAL_ANSWER = re.compile(r"final\s*answer\s*[:：]\s*([^\n]*)", re.IGNORECASE)
 _HASH_ANSWER = re.compile(r"####\s*([^\n]*)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+FALLBACKS = ("none", "last_number")
 
 
 @dataclass(frozen=True)
 class Extracted:
     """The answer text (None when there is none) and which rule found it
-    ("boxed", "final_answer", "hash" or "none")."""
+    ("boxed", "final_answer", "hash", "last_number" or "none")."""
 
     answer: str | None
     source: str
@@ -59,8 +64,11 @@ def _tidy(answer: str) -> str:
     return answer[:-1].rstrip() if answer.endswith(".") else answer
 
 
-def extract_answer(text: str) -> Extracted:
-    """The final answer in `text` by the module's rules."""
+def extract_answer(text: str, fallback: str = "none") -> Extracted:
+    """The final answer in `text` by the module's rules; `fallback` is "none" or "last_number"
+    (rule 4)."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     boxed = last_boxed(text)
     if boxed is not None:
         return Extracted(_tidy(boxed), "boxed")
@@ -70,4 +78,10 @@ def extract_answer(text: str) -> Extracted:
             pass
         if last is not None and _tidy(last.group(1)):
             return Extracted(_tidy(last.group(1)), source)
+    if fallback == "last_number":
+        number = None
+        for number in _NUMBER.finditer(text):
+            pass
+        if number is not None:
+            return Extracted(number.group().replace(",", ""), "last_number")
     return Extracted(None, "none")

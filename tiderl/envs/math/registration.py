@@ -24,6 +24,9 @@ class MathOptions:
         False, "Offer the calculator tool (multi-turn; the first turn without a tool call is the answer); "
         "false = single-turn (the first turn is the answer).")
     format_penalty: float = opt(0.0, "Reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
+    answer_fallback: str = opt(
+        "none", "An answer with no \\boxed{}, 'Final Answer:' or '####': none = scores 0; last_number = its "
+        "last number is the answer (models that answer in a sentence).")
     verify_timeout_s: float = opt(
         5.0, "Longest math-verify check of one answer, in seconds (its worker process is killed after that "
         "and the answer counts as wrong).")
@@ -31,6 +34,8 @@ class MathOptions:
 
     def check(self, cfg: Any) -> None:
         need(self.format_penalty >= 0, "format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
+        need(self.answer_fallback in ("none", "last_number"), "answer_fallback", "must be none or last_number",
+             "use none (a marker is required) or last_number")
         need(self.verify_timeout_s > 0, "verify_timeout_s", "must be > 0", "use 5.0")
         need(self.num_train_tasks >= 0, "num_train_tasks", "must be >= 0", "use 4000")
 

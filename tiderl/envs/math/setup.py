@@ -94,7 +94,7 @@ def setup(cfg: "RunConfig") -> Setup:
     out = Setup(train, held_out, _no_env, name)
     env = cfg.env
     out.make_env = _MathFactory(out, options.calculator, options.format_penalty, options.verify_timeout_s,
-                                env.system_prompt or None, env.max_observation_chars)
+                                env.system_prompt or None, env.max_observation_chars, options.answer_fallback)
     tools = options.calculator
     out.oracle = lambda task: oracle_turns(task, tools)
     return out
@@ -109,14 +109,16 @@ class _MathFactory:
     use, in the process that plays the episodes)."""
 
     def __init__(self, setup: Setup, tools: bool, format_penalty: float, timeout_s: float,
-                 system_prompt: str | None, max_observation_chars: int) -> None:
+                 system_prompt: str | None, max_observation_chars: int, answer_fallback: str = "none") -> None:
         self.setup, self.tools, self.format_penalty, self.timeout_s = setup, tools, format_penalty, timeout_s
         self.system_prompt, self.max_observation_chars = system_prompt, max_observation_chars
+        self.answer_fallback = answer_fallback
 
     def __call__(self) -> MathEnv:
         verifier = self.setup.backend(("math-verify", self.timeout_s), lambda: AnswerVerifier(self.timeout_s))
         return MathEnv(verifier, tools=self.tools, format_penalty=self.format_penalty,
-                       system_prompt=self.system_prompt, max_observation_chars=self.max_observation_chars)
+                       system_prompt=self.system_prompt, max_observation_chars=self.max_observation_chars,
+                       answer_fallback=self.answer_fallback)
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
@@ -227,7 +229,8 @@ def copy_check(setup: Setup, cfg: "RunConfig") -> tuple[list[Task], list[list[st
 
 # The embedded tiny model's warm start (tiderl/models/embedded.py). The generated families still
 # change: their generator's and demonstrations' source text keys the cached model.
-# The reward's format penalty and the verifier's time limit do not change the demonstrations' texts.
+# The reward's format penalty, the answer fallback and the verifier's time limit do not change the
+# demonstrations' texts.
 WARM_START = WarmStart(demonstrations=demonstrations, copy_check=copy_check,
                        key_modules=("tiderl.envs.math.data", "tiderl.envs.math.setup"),
-                       unkeyed_options=("format_penalty", "verify_timeout_s"))
+                       unkeyed_options=("format_penalty", "answer_fallback", "verify_timeout_s"))
