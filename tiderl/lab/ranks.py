@@ -21,9 +21,9 @@ def _rank_main(rank: int, world_size: int, init_method: str, device: str, fn: An
         torch.set_num_threads(1)
         init_rank(rank, world_size, init_method, f"cuda:{rank}" if device == "cuda" else device)
         fn(rank, world_size, *args)
-        # Every rank reaches the end before any tears the group down: rank 0 hosts the group's
-        # store, and a rank still tearing down after rank 0 exited aborted (SIGABRT, "terminate
-        # called without an active exception") on a loaded machine.
+        # Every rank reaches the end before any tears the group down (rank 0 hosts the group's
+        # store). Without it a rank once aborted at exit on a loaded machine (SIGABRT, "terminate
+        # called without an active exception"); not reproduced since, so the cause is a guess.
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which raises it
         errors.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

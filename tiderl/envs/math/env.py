@@ -27,7 +27,7 @@ import copy
 from typing import Any
 
 from tiderl.envs.math.calculator import ALLOWED, Bounds, CalculatorError, calculate
-from tiderl.envs.math.extract import extract_answer
+from tiderl.envs.math.extract import FALLBACKS, extract_answer
 from tiderl.envs.math.text import clean_text
 from tiderl.envs.math.verify import AnswerVerifier
 from tiderl.envs.protocol import Action, StepResult, Task
@@ -71,7 +71,8 @@ class MathEnv:
                  bounds: Bounds = Bounds(), answer_fallback: str = "none") -> None:
         if format_penalty < 0:
             raise ValueError(f"format_penalty must be >= 0, got {format_penalty}")
-        extract_answer("", answer_fallback)  # a ValueError naming the choices for any other value
+        if answer_fallback not in FALLBACKS:
+            raise ValueError(f"answer_fallback must be one of {FALLBACKS}, got {answer_fallback!r}")
         self.answer_fallback = answer_fallback
         self.verifier, self.tools, self.format_penalty = verifier, tools, format_penalty
         self.max_observation_chars, self.bounds = max_observation_chars, bounds

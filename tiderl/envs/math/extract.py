@@ -20,10 +20,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tiderl.envs.math.registration import FALLBACKS
+
 _FINAL_ANSWER = re.compile(r"final\s*answer\s*[:：]\s*([^\n]*)", re.IGNORECASE)
 _HASH_ANSWER = re.compile(r"####\s*([^\n]*)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-FALLBACKS = ("none", "last_number")
 
 
 @dataclass(frozen=True)

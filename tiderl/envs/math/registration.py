@@ -14,6 +14,8 @@ GENERATED_SOURCES = ("arithmetic", "small_arithmetic", "digit_arithmetic", "plac
 # ... and test sets under the data root (evaluation only; tiderl.envs.math.data.BENCHMARK_FILES).
 BENCHMARK_SOURCES = ("gsm8k", "math500", "aime24", "aime25", "amc23")
 SOURCES = GENERATED_SOURCES + BENCHMARK_SOURCES
+# What an answer without a marker scores by (tiderl.envs.math.extract, rule 4).
+FALLBACKS = ("none", "last_number")
 
 
 @dataclass
@@ -34,7 +36,7 @@ class MathOptions:
 
     def check(self, cfg: Any) -> None:
         need(self.format_penalty >= 0, "format_penalty", "must be >= 0", "use 0 (off) or e.g. 0.1")
-        need(self.answer_fallback in ("none", "last_number"), "answer_fallback", "must be none or last_number",
+        need(self.answer_fallback in FALLBACKS, "answer_fallback", "must be none or last_number",
              "use none (a marker is required) or last_number")
         need(self.verify_timeout_s > 0, "verify_timeout_s", "must be > 0", "use 5.0")
         need(self.num_train_tasks >= 0, "num_train_tasks", "must be >= 0", "use 4000")

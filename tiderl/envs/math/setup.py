@@ -109,7 +109,7 @@ class _MathFactory:
     use, in the process that plays the episodes)."""
 
     def __init__(self, setup: Setup, tools: bool, format_penalty: float, timeout_s: float,
-                 system_prompt: str | None, max_observation_chars: int, answer_fallback: str = "none") -> None:
+                 system_prompt: str | None, max_observation_chars: int, answer_fallback: str) -> None:
         self.setup, self.tools, self.format_penalty, self.timeout_s = setup, tools, format_penalty, timeout_s
         self.system_prompt, self.max_observation_chars = system_prompt, max_observation_chars
         self.answer_fallback = answer_fallback
