@@ -13,6 +13,12 @@ baseline by more than `GAIN_LINE_SE` standard errors of the difference, sqrt(se_
 se_after^2) (the two evaluations' standard errors over tasks, taken as independent: the same
 tasks make them positively correlated, so this is the conservative side).
 
+Paired rule (`--paired N`, fixed before the runs that use it): after training, `tiderl eval` scores
+the starting weights and the final checkpoint greedily on the same first N held-out tasks, and the
+run learns when the mean per-task difference (after - before, each 0 or 1) exceeds `GAIN_LINE_SE`
+paired standard errors (the differences' sample standard deviation over sqrt(N)). Also printed:
+the tasks gained and lost and the exact two-sided McNemar p-value of that split.
+
 Printed: one row per step (reward of the step's sampled trajectories, mean generated tokens, step
 seconds split into waiting for the batch (decode), training, weight sync, and the critic's
 values), the held-out figures, and on the last line before, after, the gain in standard errors
@@ -22,6 +28,8 @@ and GSM8K under data.data_dir or $TIDERL_DATA_DIR; no network.
     .venv/bin/python benchmarks/real_model.py                      # 15 steps, ~2 hours on 2 cores
     .venv/bin/python benchmarks/real_model.py --steps 3 --eval-n 16 --out runs/real_model_quick
     .venv/bin/python benchmarks/real_model.py --report runs/real_model   # read a finished (or running) run
+    .venv/bin/python benchmarks/real_model.py --config configs/smollm2-135m_place_value_cpu.yaml \
+        --steps 40 --eval-n 200 --paired 600 --out runs/smol_paired seed=1 data.eval_size=600
 """
 
 from __future__ import annotations
@@ -100,6 +108,67 @@ def report(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
     return lines, figures
 
 
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar p-value: the chance, were gains and losses equally likely, of a split
+    of the gained + lost changed tasks at least this uneven."""
+    n, k = gained + lost, min(gained, lost)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_figures(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """The paired rule over two evaluations' transcripts (`tiderl eval --transcripts`), matched by
+    task id: tasks both scored, mean success of each, the mean difference, its paired standard error,
+    gained / lost tasks, McNemar's p, and whether the difference exceeds `GAIN_LINE_SE` paired SEs."""
+    first = {r["task_id"]: float(bool(r["success"])) for r in before}
+    second = {r["task_id"]: float(bool(r["success"])) for r in after}
+    ids = sorted(set(first) & set(second))
+    if len(ids) < 2:
+        raise ValueError(f"paired rule: the two evaluations share {len(ids)} task(s), need at least 2")
+    diffs = [second[i] - first[i] for i in ids]
+    n, mean = len(diffs), statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(n)
+    z = mean / se if se > 0 else (math.inf if mean > 0 else 0.0)
+    gained, lost = diffs.count(1.0), diffs.count(-1.0)
+    return {"n": n, "before": statistics.fmean(first[i] for i in ids), "after": statistics.fmean(second[i] for i in ids),
+            "gain": mean, "se": se, "z": z, "gained": gained, "lost": lost, "mcnemar_p": mcnemar_p(gained, lost),
+            "learns": z > GAIN_LINE_SE}
+
+
+def paired_line(p: dict[str, Any]) -> str:
+    verdict = "learns" if p["learns"] else f"no gain above {GAIN_LINE_SE:g} paired standard errors"
+    return (f"real model, paired on {p['n']} held-out tasks: {p['before']:.3f} -> {p['after']:.3f} "
+            f"({p['gain']:+.3f}, paired SE {p['se']:.3f}, {p['z']:+.1f} SE; {p['gained']} gained, {p['lost']} lost, "
+            f"McNemar p {p['mcnemar_p']:.2g}; line {GAIN_LINE_SE:g} SE: {verdict})")
+
+
+def eval_command(args: argparse.Namespace, model: str | None, prefix: Path) -> list[str]:
+    """`tiderl eval` of the recipe (with the run's overrides) on the first `args.paired` held-out
+    tasks, greedy only, every episode written as a transcript to `prefix`.jsonl."""
+    command = [sys.executable, "-m", "tiderl.cli", "eval", "--config", args.config, *args.overrides,
+               f"data.eval_size={args.paired}", "eval.sampled=false", "eval.greedy=true", "eval.pass_k=1",
+               "--transcripts", str(args.paired), "--transcripts-out", str(prefix), "--json", f"{prefix}.json"]
+    return command + (["--model", model] if model else [])
+
+
+def run_paired(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """Evaluate the starting weights and the run's final checkpoint on the same tasks (each once;
+    a finished evaluation's transcripts are reused), then apply the paired rule."""
+    records = {}
+    for name, model in (("before", None), ("after", str(run_dir / "checkpoints" / "final" / "actor"))):
+        prefix = run_dir / f"paired_{name}"
+        path = prefix.parent / f"{prefix.name}_greedy.jsonl"
+        if not path.exists():
+            command = eval_command(args, model, prefix)
+            print("running: " + " ".join(command[1:]), flush=True)
+            if subprocess.run(command, cwd=ROOT).returncode != 0:
+                raise RuntimeError(f"paired rule: the {name} evaluation failed; see its output above")
+        records[name] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return paired_figures(records["before"], records["after"])
+
+
 def last_line(figures: dict[str, Any]) -> str:
     if "z" not in figures:
         return f"real model: {figures['verdict']} ({figures['steps']} steps)"
@@ -118,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("auto", "vllm", "torch"), default="auto")
     parser.add_argument("--out", default="runs/real_model")
     parser.add_argument("--report", metavar="RUN_DIR", help="only report on this run directory")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="also apply the paired rule on the first N held-out tasks (see above)")
     parser.add_argument("overrides", nargs="*", help="more config overrides (key=value)")
     args = parser.parse_args(argv)
     if args.report is None:
@@ -129,9 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(f"real model: the training run failed (exit code {code}); see its output above")
             return code
-    lines, figures = report(read_rows(ROOT / (args.report or args.out)))
+    run_dir = ROOT / (args.report or args.out)
+    lines, figures = report(read_rows(run_dir))
     print("\n".join(lines))
     print(last_line(figures))
+    if args.paired:
+        paired = run_paired(args, run_dir)
+        (run_dir / "paired.json").write_text(json.dumps(paired, indent=2))
+        print(paired_line(paired))
     return 0
 
 

@@ -65,3 +65,47 @@ def test_the_command_is_a_valid_configuration_of_the_recipe(engine, tmp_path):
     assert (cfg.rollout.engine == "http") is (engine == "vllm")
     if engine == "vllm":
         assert cfg.rollout.options.weight_sync == "collective" and cfg.rollout.options.server == "vllm"
+
+
+def _records(successes):
+    return [{"task_id": f"t{i}", "success": s} for i, s in enumerate(successes)]
+
+
+def test_the_paired_rule_counts_gains_and_losses_per_task():
+    bench = _module()
+    # 200 tasks: 22 gained, 8 lost, the rest unchanged (30 solved both times): the split seen before
+    # the rule was fixed, 2.6 paired SE, McNemar p 0.016.
+    before = [False] * 22 + [True] * 8 + [True] * 30 + [False] * 140
+    after = [True] * 22 + [False] * 8 + [True] * 30 + [False] * 140
+    p = bench.paired_figures(_records(before), _records(after))
+    assert (p["n"], p["gained"], p["lost"]) == (200, 22, 8)
+    assert p["gain"] == pytest.approx(0.07) and p["before"] == pytest.approx(0.19)
+    assert p["z"] == pytest.approx(2.6, abs=0.05) and p["learns"] is False
+    assert p["mcnemar_p"] == pytest.approx(0.0161, abs=5e-4)
+    # The same split on three times the tasks clears the line.
+    p3 = bench.paired_figures(_records(before * 3), _records(after * 3))
+    assert p3["z"] > 3 and p3["learns"] is True and "learns" in bench.paired_line(p3)
+    # Tasks only one evaluation scored are left out; none shared is an error.
+    assert bench.paired_figures(_records(before), _records(after)[:100])["n"] == 100
+    with pytest.raises(ValueError, match="share 0"):
+        bench.paired_figures(_records([True]), [{"task_id": "other", "success": True}])
+
+
+def test_mcnemar_is_symmetric_and_one_without_changes():
+    bench = _module()
+    assert bench.mcnemar_p(0, 0) == 1.0 and bench.mcnemar_p(3, 3) == 1.0
+    assert bench.mcnemar_p(10, 0) == pytest.approx(2 / 2 ** 10) == bench.mcnemar_p(0, 10)
+
+
+def test_the_paired_evaluations_are_valid_configurations(tmp_path):
+    bench = _module()
+    args = argparse.Namespace(config="configs/smollm2-135m_place_value_cpu.yaml", paired=600,
+                              overrides=["seed=1", "data.eval_size=600"])
+    for model in (None, str(tmp_path / "actor")):
+        command = bench.eval_command(args, model, tmp_path / "paired_before")
+        assert command[3] == "eval" and ("--model" in command) is (model is not None)
+        at = command.index("--config")
+        overrides = command[at + 2:command.index("--transcripts")]
+        cfg = load_config(command[at + 1], overrides)
+        assert cfg.data.eval_size == 600 and cfg.seed == 1 and cfg.eval.greedy and not cfg.eval.sampled
+        assert command[command.index("--transcripts") + 1] == "600"
