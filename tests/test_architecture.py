@@ -217,21 +217,22 @@ PACKAGE_LINE_BUDGETS = {
     "agent": 967,  # chat assembly (text and images), tool-call parsing, the episode loop
     "algos": 1521,  # estimators, losses, terms and their options: pure functions plus a table
     "metrics": 258,
-    "models": 1236,  # loading (text models, VLMs and their processors), fetching, LoRA, vision inputs
+    "models": 1259,  # loading (text models, VLMs and their processors), fetching, LoRA, vision inputs
     "rewards": 792,  # curiosity, rewards from models and judges, scoring off the event loop
     "rollout": 3429,  # the torch and HTTP engines, launched servers and their failover, weight syncs, LoRA on engines
     "serve": 1414,  # `tiderl serve`: the agent API, sessions with images, the engine server
-    "system": 2883,  # the rollout pool, the local, Ray and agent backends, data-parallel ranks on Ray, cores
-    "train": 1917,  # the step, forward passes, checkpoints, data parallelism, the image stage
+    "system": 2878,  # the rollout pool, the local, Ray and agent backends, data-parallel ranks on Ray, cores
+    "train": 1929,  # the step, forward passes, checkpoints, data parallelism, the image stage
 }
 # The whole core outside tiderl/envs/, tiderl/lab/ and tiderl/embedded/ (the sum of the budgets
 # above). Issue 29's target is 14,000 lines with no feature or test lost; the honest cuts (dead code,
 # test-only helpers moved to the tests, benchmark helpers to tiderl/lab, the embedded tiny models to
 # tiderl/embedded, essays moved from docstrings to docs/) took it from 17,175 to 15,010, and the
 # features of issues 30-35 since (launched servers and three weight syncs, LoRA on ranks and servers,
-# images end to end, rewards from models, the stale policies, GPU placement) brought it to 17,375.
+# images end to end, rewards from models, the stale policies, GPU placement) brought it to 17,375,
+# and FSDP2 with a vision-language model to 17,405.
 # Lower this as the core shrinks, never by squeezing lines.
-CORE_LINE_BUDGET = 17_375
+CORE_LINE_BUDGET = 17_405
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -1,9 +1,10 @@
-"""A vision-language model on data-parallel ranks: 2 gloo ranks under DDP take the same
+"""A vision-language model on data-parallel ranks: 2 gloo ranks under DDP or FSDP2 take the same
 `train_step` (SAO, critic included) on episodes with images as one process on the same batch: the
 vision tower, the connector and the language model get the same averaged gradients and the same
 update, for the tiny Idefics3 and the tiny Qwen2-VL (whose M-RoPE positions,
-`models.vision.model_inputs`, must reach the wrapped model on every rank). FSDP2 with images is
-refused before any rank starts, naming the fix."""
+`models.vision.model_inputs`, must reach the wrapped model on every rank). Under FSDP2 the policy
+embeds its images inside its own forward (`models.vision.embed_in_forward`), where its root-level
+shards are gathered."""
 
 from __future__ import annotations
 
@@ -59,19 +60,20 @@ def one_step(make_learner, architecture: str) -> dict:
     return {"metrics": metrics, "actor": snapshot(actor), "critic": snapshot(critic)}
 
 
-def rank_main(rank: int, world_size: int, out_path: str, architecture: str) -> None:
+def rank_main(rank: int, world_size: int, out_path: str, architecture: str, mode: str) -> None:
     from tiderl.train.parallel import ParallelLearner
 
-    got = one_step(lambda m, lr: ParallelLearner(m, "ddp", lr=lr, grad_clip=CLIP), architecture)
+    got = one_step(lambda m, lr: ParallelLearner(m, mode, lr=lr, grad_clip=CLIP), architecture)
     if rank == 0:
         torch.save(got, out_path)
 
 
 @pytest.mark.slow  # spawns 2 ranks (about 30 s on 2 shared cores)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_two_ddp_ranks_train_a_vlm_as_one_process_does(tmp_path, architecture):
+def test_two_ranks_train_a_vlm_as_one_process_does(tmp_path, architecture, mode):
     path = tmp_path / "rank0.pt"
-    spawn_ranks(rank_main, 2, str(path), architecture, timeout_s=300)
+    spawn_ranks(rank_main, 2, str(path), architecture, mode, timeout_s=300)
     got = torch.load(path, weights_only=False)
     single = one_step(lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP), architecture)
     tower = ARCHITECTURES[architecture][1]

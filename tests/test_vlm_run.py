@@ -243,29 +243,23 @@ def test_a_vlm_run_keeps_buffered_images_across_a_checkpoint_at_staleness_1(tmp_
 
 @pytest.mark.slow  # a local Ray cluster, 2 trainer ranks and a critic actor (about 60 s on 2 shared cores)
 def test_a_vlm_trains_on_ray_with_data_parallel_ranks_and_a_remote_critic(tmp_path):
-    """system.backend=ray with train.parallel=ddp on 2 ranks: the rollout workers, the trainer
+    """system.backend=ray with train.parallel=fsdp2 on 2 ranks: the rollout workers, the trainer
     ranks and the critic actor each get the processor's image part, so a batch of episodes with
-    images trains (without it every step raised in `collate`), and the ranks' weights reach the
-    workers. FSDP2 is refused with a VLM, naming ddp."""
+    images trains (without it every step raised in `collate`), the sharded policy embeds its images
+    inside its forward (before that FSDP2 was refused with a VLM), and the ranks' weights reach the
+    workers. DDP with a VLM is checked against one process in tests/test_parallel_vlm.py."""
     ray = pytest.importorskip("ray")
     from support import local_ray_cluster
     from tiderl.config import load_config
     from tiderl.recipe import train
     from tiderl.run import build_run
 
-    from tiderl.config import ConfigError
-    from tiderl.system.ray_trainer import RayParallelTrainer
-
     model_dir = _vlm_dir(tmp_path)
-    fsdp2 = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "fsdp2", "train.parallel=fsdp2",
-                                                  "train.world_size=2")))
-    with pytest.raises(ConfigError, match="train.parallel=ddp"):  # refused before any rank starts
-        RayParallelTrainer(fsdp2, [])
     cluster = local_ray_cluster(__name__)
     next(cluster)
     try:
         run = build_run(load_config(None, _vlm_args(model_dir, tmp_path / "run", "train.steps=2", "system.backend=ray",
-                                                    "train.parallel=ddp", "train.world_size=2",
+                                                    "train.parallel=fsdp2", "train.world_size=2",
                                                     "system.wait_timeout_s=300")))
         before = {k: v.clone() for k, v in run.actor.model.state_dict().items()}
         history, summary = train(run)

@@ -247,13 +247,36 @@ def embed_inputs(model: Any, input_ids: torch.Tensor, pixels: list[dict[str, tor
     return torch.stack(rows)
 
 
+def embed_in_forward(model: torch.nn.Module) -> None:
+    """Make `model` embed its images inside its own forward: `model_inputs` then passes the ids and
+    the pixels, which a forward pre-hook turns into `inputs_embeds` (and M-RoPE positions). For an
+    FSDP2 root, whose own weights (token embeddings, vision tower) are whole only in its forward:
+    FSDP2's pre-hook, prepended, gathers them first."""
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if (pixels := kwargs.pop("tiderl_pixels", None)) is not None:
+            kwargs.update(_image_model_inputs(module, kwargs.pop("input_ids"), pixels))
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._tiderl_embeds_in_forward = True
+
+
 def model_inputs(model: Any, input_ids: torch.Tensor,
-                 pixels: list[dict[str, torch.Tensor] | None] | None) -> dict[str, torch.Tensor]:
+                 pixels: list[dict[str, torch.Tensor] | None] | None) -> dict[str, Any]:
     """The token inputs of a forward pass: `input_ids` when no row has images (the text-only call
     as it always was), else `inputs_embeds` from `embed_inputs`, with the 3-D `position_ids` of
-    `rope_positions` for a model with M-RoPE (Qwen2-VL)."""
+    `rope_positions` for a model with M-RoPE (Qwen2-VL); for a model that embeds them in its own
+    forward (`embed_in_forward`), the ids and the pixels for its pre-hook."""
     if not pixels or all(p is None for p in pixels):
         return {"input_ids": input_ids}
+    if getattr(model, "_tiderl_embeds_in_forward", False):
+        return {"input_ids": input_ids, "tiderl_pixels": pixels}
+    return _image_model_inputs(model, input_ids, pixels)
+
+
+def _image_model_inputs(model: Any, input_ids: torch.Tensor,
+                        pixels: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
     inputs = {"inputs_embeds": embed_inputs(model, input_ids, pixels)}
     positions = rope_positions(model, input_ids, pixels)
     if positions is not None:

@@ -17,7 +17,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tiderl.config import ConfigError, RunConfig
+from tiderl.config import RunConfig
 from tiderl.rollout.weights import weights_checksum
 from tiderl.system.ray_backend import PublishedWeights, connect, cpu_module, kill_actor
 from tiderl.train.checkpoint import load_sharded, save_sharded
@@ -139,11 +139,6 @@ class RayParallelTrainer:
 
     def __init__(self, run: Any, preparations: list[Any]):
         cfg: RunConfig = run.cfg
-        if cfg.train.parallel == "fsdp2" and getattr(run.tokenizer, "image_processor", None) is not None:
-            # Measured: the ranks fail in a collective. A VLM's embeddings and vision tower run before
-            # the language model's forward (models/vision.py, embed_inputs), outside FSDP2's gather.
-            raise ConfigError("train.parallel: fsdp2 does not train a vision-language model yet; use "
-                              "train.parallel=ddp (docs/multimodal.md)")
         self.run, self.cfg = run, cfg
         self.world_size = cfg.train.world_size
         self.timeout_s = cfg.system.wait_timeout_s

@@ -62,9 +62,17 @@ def assign_micro_batches(tokens: Sequence[int], world_size: int) -> list[list[in
     return shares
 
 
+# Where the vision-language models tiderl feeds images to keep their vision tower: Idefics3 /
+# SmolVLM `vision_model`, Qwen2-VL and Qwen2.5-VL `visual`, LLaVA-style `vision_tower`.
+VISION_TOWERS = ("vision_model", "visual", "vision_tower")
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of every `ModuleList` in `model` (a transformer's decoder layers)."""
-    return [layer for m in model.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+    """The blocks of every `ModuleList` in `model` (a transformer's decoder layers) but a vision
+    tower's, which stay in the root's FSDP2 unit: a rank whose micro-batch has no images skips the
+    tower, and its blocks' own all-gathers would put the ranks out of step (gloo aborted)."""
+    return [layer for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)
+            and not set(name.split(".")) & set(VISION_TOWERS) for layer in m]
 
 
 def wrap_model(model: torch.nn.Module, mode: str, device: str = "cpu") -> torch.nn.Module:
@@ -81,9 +89,13 @@ def wrap_model(model: torch.nn.Module, mode: str, device: str = "cpu") -> torch.
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        from tiderl.models.vision import embed_in_forward
+
         for layer in _decoder_layers(model):
             fully_shard(layer)
         fully_shard(model)
+        # A VLM policy embeds its images inside its forward, where the root's shards are whole.
+        embed_in_forward(model)
         return model
     raise ValueError(f"train.parallel: {mode!r} is not a data-parallel mode; use ddp or fsdp2")
 
