@@ -414,6 +414,17 @@ def build(cfg, make_learner):
     return actor, critic, ref
 
 
+def seed_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Set every adapter from a seeded generator: peft draws A from the global RNG (which the
+    processes do not share) and starts B at 0, where A would get no gradient and the test would
+    not see A's all-reduce."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
 def snapshot(learner) -> dict[str, torch.Tensor]:
     """Gradients and parameters after the step, whole (FSDP2 shards gathered), by name."""
     model = getattr(learner.model, "module", learner.model)

@@ -10,24 +10,13 @@ import torch
 
 pytest.importorskip("peft")
 
-from support import CLIP, LR, PARALLEL_MODEL_CFG, nine_trajectories, parallel_cases, snapshot  # noqa: E402
+from support import CLIP, LR, PARALLEL_MODEL_CFG, nine_trajectories, parallel_cases, seed_adapters, snapshot  # noqa: E402
 from tiderl.embedded.tiny import init_tiny_model  # noqa: E402
 from tiderl.lab.ranks import spawn_ranks  # noqa: E402
 from tiderl.train.learner import Learner  # noqa: E402
 from tiderl.train.step import train_step  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]
-
-
-def _seeded_adapters(model: torch.nn.Module, seed: int) -> None:
-    """Set every adapter from a seeded generator: peft draws A from the global RNG (which the
-    processes do not share) and starts B at 0, where A would get no gradient and the test would
-    not see A's all-reduce."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def build_lora(make_learner):
@@ -38,14 +27,14 @@ def build_lora(make_learner):
 
     cfg, _ = parallel_cases()["sao"]
     policy = apply_lora(init_tiny_model(PARALLEL_MODEL_CFG, seed=0), 4, 8.0, TARGETS)
-    _seeded_adapters(policy, 1)
+    seed_adapters(policy, 1)
     value_model = ValueModel.from_policy(init_tiny_model(PARALLEL_MODEL_CFG, seed=0))
     with torch.no_grad():
         value_model.head.weight.copy_(torch.randn(value_model.head.weight.shape,
                                                   generator=torch.Generator().manual_seed(7)) * 0.1)
     freeze_matching(value_model, cfg.critic_freeze_pattern)
     apply_critic_lora(value_model, 4, 8.0, TARGETS)
-    _seeded_adapters(value_model, 2)
+    seed_adapters(value_model, 2)
     return make_learner(policy, LR), make_learner(value_model, LR)
 
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from support import CLIP, LR, give_own_behaviour_logprobs, snapshot
+from support import CLIP, LR, give_own_behaviour_logprobs, seed_adapters, snapshot
 from test_vlm import CORPUS, SquaresEnv
 from tiderl.agent.loop import ScriptedEngine, play_episodes
 from tiderl.config import AlgoConfig, preset_defaults
@@ -48,12 +48,19 @@ def episodes(processor) -> list:
     return out
 
 
-def one_step(make_learner, architecture: str) -> dict:
+def one_step(make_learner, architecture: str, lora: bool = False) -> dict:
     model, processor = ARCHITECTURES[architecture][0](CORPUS, seed=0)
     trajectories = episodes(processor)
     give_own_behaviour_logprobs(model, trajectories, processor.image_processor)
     cfg = AlgoConfig(**{**preset_defaults("sao"), "critic_updates": 2, "entropy_coef": 0.0})
     value_model = ValueModel.from_policy(copy.deepcopy(model))
+    if lora:  # adapters on the language model's and the vision tower's attention, policy and critic
+        from tiderl.train.lora import apply_critic_lora, apply_lora
+
+        model = apply_lora(model, 4, 8.0, ["q_proj", "v_proj"])
+        apply_critic_lora(value_model, 4, 8.0, ["q_proj", "v_proj"])
+        seed_adapters(model, 1)
+        seed_adapters(value_model, 2)
     actor, critic = make_learner(model, LR), make_learner(value_model, LR)
     metrics = train_step(trajectories, actor, critic, None, cfg, pad_id=0, micro_batch_tokens=300,
                          train_actor=True, image_processor=processor.image_processor)
@@ -63,19 +70,20 @@ def one_step(make_learner, architecture: str) -> dict:
 def rank_main(rank: int, world_size: int, out_path: str, architecture: str, mode: str) -> None:
     from tiderl.train.parallel import ParallelLearner
 
-    got = one_step(lambda m, lr: ParallelLearner(m, mode, lr=lr, grad_clip=CLIP), architecture)
+    parallel, _, lora = mode.partition("+")
+    got = one_step(lambda m, lr: ParallelLearner(m, parallel, lr=lr, grad_clip=CLIP), architecture, bool(lora))
     if rank == 0:
         torch.save(got, out_path)
 
 
 @pytest.mark.slow  # spawns 2 ranks (about 30 s on 2 shared cores)
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("architecture, mode", [(a, m) for a in sorted(ARCHITECTURES) for m in ("ddp", "fsdp2")]
+                         + [("idefics3", "fsdp2+lora")])
 def test_two_ranks_train_a_vlm_as_one_process_does(tmp_path, architecture, mode):
     path = tmp_path / "rank0.pt"
     spawn_ranks(rank_main, 2, str(path), architecture, mode, timeout_s=300)
     got = torch.load(path, weights_only=False)
-    single = one_step(lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP), architecture)
+    single = one_step(lambda m, lr: Learner(m, lr=lr, grad_clip=CLIP), architecture, mode.endswith("+lora"))
     tower = ARCHITECTURES[architecture][1]
     assert single["metrics"]["micro_batches"] >= 3  # a real split across the ranks
     for part in ("actor", "critic"):
