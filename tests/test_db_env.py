@@ -401,6 +401,7 @@ def test_oracle_through_the_agent_loop(backend):
     out = play_episodes(ScriptedEngine(tokenizer, scripts), tokenizer, lambda: DBEnv(backend), tasks,
                         SamplingParams(max_new_tokens=400), max_turns=4, max_total_tokens=6000)
     assert [t.stop_reason for t in out] == ["answer", "answer"]
-    assert [t.reward for t in out] == [1.0, 1.0]
+    # Once (a shuffled run on a loaded machine) the write task scored 0: say why if it happens again.
+    assert [t.reward for t in out] == [1.0, 1.0], [t.env_info for t in out]
     assert out[0].env_info["knowledge_units"] == [col("Date moved"), TABLE_UNIT]
     assert out[1].env_info["knowledge_units"] == [col("School"), col("Students"), TABLE_UNIT]
