@@ -138,7 +138,7 @@ def test_world_answer_needs_a_path():
 def test_config_rules():
     cfg = load_config("configs/sao.yaml", ["env.options.drift.every_steps=20", "env.options.drift.kind=facts"])
     assert (cfg.env.options.drift.every_steps, cfg.env.options.drift.kind) == (20, "facts")
-    with pytest.raises(ConfigError, match="env.options.drift: env.name=math has no such option; only env.name=kg reads it"):
+    with pytest.raises(ConfigError, match="env.options.drift: env.name=math has no such option; only env.name=kg and env.name=db read it"):
         load_config("configs/math_small_sao_tiny.yaml", ["env.options.drift.every_steps=5"])
     with pytest.raises(ConfigError, match="env.options.drift.kind.*every_steps=0 turns drift off"):
         load_config("configs/sao.yaml", ["env.options.drift.kind=facts"])

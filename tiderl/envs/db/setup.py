@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tiderl.envs.db.env import DBEnv, make_backend, open_database
+from tiderl.envs.db.env import DBEnv, is_write_task, make_backend, open_database
 from tiderl.envs.db.oracle import oracle_turns
 from tiderl.envs.db.questions import load_questions
 from tiderl.envs.db.server_backend import redact_url, server_dialect
@@ -115,7 +115,32 @@ def file_setup(cfg: "RunConfig") -> Setup:
                              f"system.slots={source.max_sessions}.")
     out.make_env = _DBFactory(out, path, limits, env.system_prompt or None, build=build)
     out.oracle = lambda task: oracle_turns(task, db_backend(out, path, build))
+    if options.drift.every_steps > 0:
+        _add_drift(cfg, out, path, source, limits)
     return out
+
+
+def _add_drift(cfg: "RunConfig", out: Setup, path: str, source: Any, limits: Limits) -> None:
+    """Make the database's rows change every `env.options.drift.every_steps` steps
+    (tiderl/envs/db/drift.py): its environments play on, and its oracle solves, the current phase."""
+    from tiderl.envs.db.drift import DriftingDatabase, DriftingDBFactory
+
+    given = [t.task_id for t in out.train_tasks + out.eval_tasks
+             if not is_write_task(t) and not t.meta.get("gold_sql")]
+    if given:
+        raise ValueError(f"env.options.drift: {len(given)} question(s) (e.g. {given[0]!r}) have an answer but no gold "
+                         "SQL, so a changed database cannot answer them again. Fix: give each question its 'sql', "
+                         "or set env.options.drift.every_steps=0.")
+    drift = cfg.env.options.drift
+    world = DriftingDatabase(path, drift.every_steps, drift.fraction, cfg.data.seed, base=source)
+    out.make_env = DriftingDBFactory(world, limits=limits, system_prompt=cfg.env.system_prompt or None)
+
+    def oracle(task: Task) -> list[str]:
+        phase, backend = world.current()
+        return oracle_turns(world.task_in(task, phase), backend)
+
+    out.oracle = oracle
+    out.on_step = world.at_step
 
 
 def _file_questions(path: Path, backend: Any, database: str) -> list[Task]:
