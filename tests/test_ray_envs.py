@@ -52,18 +52,28 @@ class ProbeWorker(rb.RolloutWorker):
 
 
 def asked(setup, task):
-    """(phase, relation path, gold answer) of `task` in the world a new episode of `setup` plays."""
+    """(phase, relation path (KG), gold answer) of `task` in the world a new episode of `setup` plays."""
     env = setup.make_env()
     env.reset(task)
-    return env.episode_phase, list(env._task.meta["path"]), sorted(env._task.answer)
+    return env.episode_phase, list(env._task.meta.get("path", [])), json.dumps(env._task.answer, sort_keys=True)
+
+
+def _drifting(name, tmp_path):
+    """The config of a drifting KG (relations renamed) or database (rows changed), a change a step."""
+    if name == "kg":
+        return load_config("configs/kg_sao_tiny.yaml", COMMON + [
+            "env.options.num_films=40", "env.options.num_people=40", "env.options.drift.every_steps=1",
+            "env.options.drift.kind=relations", "env.options.drift.fraction=0.5", "rollout.max_new_tokens=8",
+            "env.max_turns=1"])
+    path, overrides = _db(tmp_path)
+    return load_config(path, overrides + COMMON + ["env.options.drift.every_steps=1", "env.options.drift.fraction=0.5",
+                                                   "rollout.max_new_tokens=8", "env.max_turns=1"])
 
 
 @pytest.mark.slow
-def test_a_drifting_world_follows_the_weight_version_in_the_ray_workers(ray_cluster, tokenizer):
-    cfg = load_config("configs/kg_sao_tiny.yaml", COMMON + [
-        "env.options.num_films=40", "env.options.num_people=40", "env.options.drift.every_steps=1",
-        "env.options.drift.kind=relations", "env.options.drift.fraction=0.5", "rollout.max_new_tokens=8",
-        "env.max_turns=1"])
+@pytest.mark.parametrize("name", ["kg", "db"])
+def test_a_drifting_world_follows_the_weight_version_in_the_ray_workers(ray_cluster, tokenizer, tmp_path, name):
+    cfg = _drifting(name, tmp_path)
     local = load_setup(cfg)  # the driver's world, moved as the recipe moves it
     tasks = local.train_tasks[:12]
     model = tiny_policy(tokenizer)
@@ -91,8 +101,8 @@ def test_a_drifting_world_follows_the_weight_version_in_the_ray_workers(ray_clus
         assert remote == here, version  # the same world, task by task, as the driver's
         assert {phase for phase, _, _ in remote} == {version}
         assert episode.env_info["drift_phase"] == version  # a real episode played in that world
-    # The world did change: relation names (and so paths) moved between phases 0 and 2.
-    assert [p for _, p, _ in seen[0][0]] != [p for _, p, _ in seen[2][0]]
+    # The world did change: relation names (and so paths) or the rows (and so answers) moved.
+    assert [r[1:] for r in seen[0][0]] != [r[1:] for r in seen[2][0]]
 
 
 # ------------------------------------------------------------------ every environment
