@@ -370,6 +370,7 @@ class Mode:
     admission_factor: int = 0  # admission = factor x B (0: the default (N+1) x batch)
     stale: tuple[str, int] = ("drop", 0)  # system.stale.policy and the bound's slack over N
     drain: bool = False  # system.stale.drain: admission drains the run's end
+    lend: bool = False  # the trainer runs on every core, rollout and preparation on the second half
 
     def concurrency(self, b: int) -> int:
         return self.admission_factor * b or (self.staleness + 1) * self.batch_factor * b
@@ -384,13 +385,25 @@ class Mode:
             out += [f"system.stale.policy={self.stale[0]}", f"system.stale.slack={self.stale[1]}"]
         if self.staleness or self.admission_factor:
             out.append(f"system.stale.drain={str(self.drain).lower()}")
+        if self.lend:
+            out.append(f"system.cores={lent_cores_plan(sorted(os.sched_getaffinity(0)))}")
         return out
+
+
+def lent_cores_plan(cores: list[int]) -> str:
+    """A `system.cores` plan whose trainer also uses the cores `auto` gives rollout (what decoding
+    leaves idle, e.g. without tool latency, the trainer's thread team can take)."""
+    if len(cores) < 2:
+        return "shared"
+    rest = ",".join(map(str, cores[len(cores) // 2:]))
+    return f"trainer={','.join(map(str, cores))};rollout={rest};prep={rest}"
 
 
 MODES = [Mode("sync", 0), Mode("sync-overprov", 0, admission_factor=2), Mode("sync-3B", 0, batch_factor=3),
          Mode("async-s1", 1), Mode("async-s2", 2), Mode("async-s4", 4),
          Mode("async-s1-mask+1", 1, stale=("mask", 1)), Mode("async-s2-mask+1", 2, stale=("mask", 1)),
-         Mode("async-s2-mask+2-drain", 2, stale=("mask", 2), drain=True)]
+         Mode("async-s2-mask+2-drain", 2, stale=("mask", 2), drain=True),
+         Mode("async-s2-mask+2-drain-lend", 2, stale=("mask", 2), drain=True, lend=True)]
 
 
 class PlacementSampler:

@@ -23,8 +23,12 @@ def test_modes_run_at_the_concurrency_the_docstring_states():
     b = 16
     assert {n: m.concurrency(b) for n, m in modes.items()} == {
         "sync": 16, "sync-overprov": 32, "sync-3B": 48, "async-s1": 32, "async-s2": 48, "async-s4": 80,
-        "async-s1-mask+1": 32, "async-s2-mask+1": 48, "async-s2-mask+2-drain": 48}
+        "async-s1-mask+1": 32, "async-s2-mask+1": 48, "async-s2-mask+2-drain": 48, "async-s2-mask+2-drain-lend": 48}
     assert modes["sync-3B"].concurrency(b) == modes["async-s2"].concurrency(b)
+    assert bench.lent_cores_plan([0, 1]) == "trainer=0,1;rollout=1;prep=1"
+    assert bench.lent_cores_plan([0, 1, 2, 3]) == "trainer=0,1,2,3;rollout=2,3;prep=2,3"
+    assert bench.lent_cores_plan([0]) == "shared"
+    assert modes["async-s2-mask+2-drain-lend"].overrides(b)[-1].startswith("system.cores=")
     assert "system.admission=32" in modes["sync-overprov"].overrides(b)
     assert "rollout.batch_size=48" in modes["sync-3B"].overrides(b)
     assert modes["async-s2-mask+1"].overrides(b)[-3:] == ["system.stale.policy=mask", "system.stale.slack=1",
