@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tiderl.options import Components, ConfigError
+from tiderl.options import Components, ConfigError, need
 from tiderl.registry import ENVIRONMENTS, load_object, resolve
 
 
@@ -137,3 +137,22 @@ def builtin(name: str) -> BuiltinEnvironment:
 # `env.options` follows `env.name` (tiderl.config.EnvConfig).
 ENVIRONMENT_OPTIONS = Components(chooser="name", names=lambda: ENVIRONMENTS, options_of=options_class,
                                  former_keys=lambda name: builtin(name).former_keys)
+
+
+def check_drift(drift: Any, cfg: Any, what: str) -> None:
+    """The rules every environment's `drift` options share (`every_steps`, `fraction`, and any
+    further field, which matters only with drift on): each field named in errors as
+    `drift.<field>`; `what` says what drifts, for the backend rule."""
+    need(drift.every_steps >= 0, "drift.every_steps", "must be >= 0", "use 0 (off) or e.g. 20")
+    need(0 < drift.fraction <= 1, "drift.fraction", f"{drift.fraction} is outside (0, 1]", "use e.g. 0.2")
+    need(drift.every_steps == 0 or cfg.system.backend in ("local", "ray"), "drift.every_steps",
+         f"{what} moves with the weight version in the training process (system.backend=local) or in each Ray "
+         f"rollout worker (ray), and system.backend={cfg.system.backend}'s external agent plays in a world of its own",
+         "use system.backend=local or ray, or env.options.drift.every_steps=0")
+    off = type(drift)()
+    for field in dataclasses.fields(drift):
+        key = field.name
+        need(key == "every_steps" or drift.every_steps > 0 or getattr(drift, key) == getattr(off, key),
+             f"drift.{key}", f"set to {getattr(drift, key)!r}, but drift.every_steps=0 turns drift off, so it would "
+             "be ignored", f"remove env.options.drift.{key}, or set env.options.drift.every_steps > 0")
+

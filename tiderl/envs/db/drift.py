@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.envs.db.backend import Backend
+from tiderl.envs.db.duckdb_backend import is_duckdb_file
 from tiderl.envs.db.env import DBEnv, is_write_task, open_database_file
-from tiderl.envs.db.questions import gold_rows
-from tiderl.envs.db.sql_text import has_top_level_order_by, split_statements
+from tiderl.envs.db.questions import gold_answer
 from tiderl.envs.protocol import StepResult, Task
 
 
@@ -116,7 +116,7 @@ class DriftingDatabase:
         source, target = self._files[phase - 1], self._folder / f"phase_{phase}{self.path.suffix}"
         tables = [t.name for t in self._backends[0].tables]
         rng = random.Random(f"db-drift|{self.seed}|{phase}")
-        if type(self._backends[0]).__name__ == "DuckDBFileBackend":
+        if is_duckdb_file(self.path):
             import duckdb
 
             shutil.copyfile(source, target)
@@ -143,8 +143,7 @@ class DriftingDatabase:
                 raise ValueError(f"task {task.task_id}: a drifting database answers a question again from its "
                                  "gold SQL, and this one has only a given answer. Fix: give it 'sql', or set "
                                  "env.options.drift.every_steps=0")
-            rows = gold_rows(self.backend(phase), sql)
-            self._answers[key] = {"rows": rows, "ordered": has_top_level_order_by(split_statements(sql)[-1])}
+            self._answers[key] = gold_answer(self.backend(phase), sql)
         return Task(task.task_id, task.prompt, self._answers[key], {**task.meta, "drift_phase": phase})
 
 

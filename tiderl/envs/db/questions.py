@@ -59,6 +59,13 @@ def gold_rows(backend: Backend, sql: str, timeout_s: float = 30.0) -> list[list[
         session.close()
 
 
+def gold_answer(backend: Backend, sql: str) -> dict[str, Any]:
+    """A question's gold answer on `backend`: the rows of its gold SQL (`gold_rows`), and whether
+    their order counts (the last statement has a top-level ORDER BY). Raises SQLError as
+    `gold_rows` does."""
+    return {"rows": gold_rows(backend, sql), "ordered": has_top_level_order_by(split_statements(sql)[-1])}
+
+
 def load_questions(path: str | Path, backend: Backend, database: str = "") -> list[Task]:
     """The questions of a JSONL file as Tasks on `backend` (a database file backend).
 
@@ -105,11 +112,10 @@ def _task(record: dict[str, Any], where: str, number: int, backend: Backend, dat
         return Task(task_id=task_id, prompt=question.strip(), answer={"gold_sql": sql}, meta=meta)
     if sql:
         try:
-            rows = gold_rows(backend, sql)
+            answer = gold_answer(backend, sql)
         except SQLError as exc:
             raise ValueError(f"{where}: the gold SQL fails on the database: {exc}. Fix: correct the SQL "
                              "(it must run on this database as written).") from None
-        answer = {"rows": rows, "ordered": has_top_level_order_by(split_statements(sql)[-1])}
     elif "answer" in record and isinstance(record["answer"], list):
         given = record["answer"]
         rows = [list(r) if isinstance(r, (list, tuple)) else [r] for r in given]

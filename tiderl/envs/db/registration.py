@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiderl.envs.registration import BuiltinEnvironment, EvalFlag
+from tiderl.envs.registration import BuiltinEnvironment, EvalFlag, check_drift
 from tiderl.options import need, opt, section
 
 # data.source values: AgentBench DB (the default), or questions over your own database file.
@@ -53,10 +53,8 @@ class DBOptions:
             need(data.source == "db_file", "data.train_files",
                  f"question files need a database, and data.source is {data.source or 'agentbench_db'}",
                  "add data.source=db_file env.options.db_path=<your .sqlite/.duckdb file or server URL>")
-        drift = self.drift
-        need(drift.every_steps >= 0, "drift.every_steps", "must be >= 0", "use 0 (off) or e.g. 20")
-        need(0 < drift.fraction <= 1, "drift.fraction", f"{drift.fraction} is outside (0, 1]", "use e.g. 0.2")
-        if drift.every_steps > 0:
+        check_drift(self.drift, cfg, "a drifting database")
+        if self.drift.every_steps > 0:
             need(data is None or data.source == "db_file", "drift.every_steps",
                  f"a drifting database is a copy of your database file, and data.source is "
                  f"{getattr(data, 'source', '') or 'agentbench_db'}",
@@ -64,14 +62,6 @@ class DBOptions:
             need("://" not in self.db_path, "drift.every_steps",
                  "a server database (env.options.db_path is a URL) is opened read-only and cannot change",
                  "use a SQLite or DuckDB file, or env.options.drift.every_steps=0")
-            need(cfg.system.backend in ("local", "ray"), "drift.every_steps",
-                 f"a drifting database moves with the weight version in the training process (local) or in each "
-                 f"Ray rollout worker (ray), not with system.backend={cfg.system.backend}",
-                 "use system.backend=local or ray, or env.options.drift.every_steps=0")
-        else:
-            need(drift.fraction == DBDriftOptions().fraction, "drift.fraction",
-                 f"set to {drift.fraction!r}, but drift.every_steps=0 turns drift off, so it would be ignored",
-                 "remove env.options.drift.fraction, or set env.options.drift.every_steps > 0")
         if data is not None:
             need(not data.fields, "data.fields", "the DB environment's question files have fixed field names",
                  "name the fields question, sql (or answer), id, type (docs/env_db.md)")

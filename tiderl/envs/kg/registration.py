@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiderl.envs.registration import BuiltinEnvironment, EvalFlag
+from tiderl.envs.registration import BuiltinEnvironment, EvalFlag, check_drift
 from tiderl.options import need, opt, section
 
 # data.source values: generated questions on a synthetic movie graph (the default), MetaQA,
@@ -51,18 +51,7 @@ class KGOptions:
         need(cfg.data.source == "agentbench_kg" or not self.sparql_endpoint, "sparql_endpoint",
              f"set, but data.source={cfg.data.source} keeps its graph in memory (only agentbench_kg queries an "
              "endpoint), so it would be ignored", "remove env.options.sparql_endpoint, or set data.source=agentbench_kg")
-        drift, off = self.drift, DriftOptions()
-        need(drift.every_steps >= 0, "drift.every_steps", "must be >= 0", "use 0 (off) or e.g. 20")
-        need(0 < drift.fraction <= 1, "drift.fraction", f"{drift.fraction} is outside (0, 1]", "use e.g. 0.2")
-        need(drift.every_steps == 0 or cfg.system.backend in ("local", "ray"), "drift.every_steps",
-             f"a drifting world moves with the weight version in the training process (system.backend=local) or "
-             f"in each Ray rollout worker (ray), and system.backend={cfg.system.backend}'s external agent plays in a world "
-             "of its own",
-             "use system.backend=local or ray, or env.options.drift.every_steps=0")
-        for key in ("fraction", "kind"):
-            need(drift.every_steps > 0 or getattr(drift, key) == getattr(off, key), f"drift.{key}",
-                 f"set to {getattr(drift, key)!r}, but drift.every_steps=0 turns drift off, so it would be ignored",
-                 f"remove env.options.drift.{key}, or set env.options.drift.every_steps > 0")
+        check_drift(self.drift, cfg, "a drifting world")
 
 
 ENVIRONMENT = BuiltinEnvironment(
