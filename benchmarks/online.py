@@ -22,11 +22,14 @@ Definitions (fixed before any run):
 
 Prints one row per algorithm (mean and 95% t-interval over seeds), then per change the
 pre-change level, the drop and the steps to recover; last line: SAO area / GRPO area (mean of
-the per-seed ratios, seed i against seed i, with its 95% t-interval).
+the per-seed ratios, seed i against seed i, with its 95% t-interval) and its verdict by the rule
+in `ratio_verdict`, fixed in the code before the 16-seed runs.
 
     .venv/bin/python benchmarks/online.py --jobs 3   # 3 algorithms x 3 seeds, 2 changes (K = 6, 18 steps)
     .venv/bin/python benchmarks/online.py --every 10 --eval-every 5 --batch 32 --eval-n 100   # larger
     .venv/bin/python benchmarks/online.py --quick    # 1 seed, tiny batches, under 3 min
+    .venv/bin/python benchmarks/online.py --algos sao,grpo --seeds 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 \
+        --eval-n 120 --jobs 2    # the verdict run: 16 paired seeds, twice the held-out questions
     .venv/bin/python benchmarks/online.py --kind facts --fraction 0.2
 
 Writes `<out>/curves.csv` and `<out>/runs.json` (rewritten after every run; `--resume` keeps
@@ -51,6 +54,7 @@ from tiderl.agent.loop import play_episodes
 from tiderl.config import load_config
 from tiderl.envs.drift import DriftSchedule
 from tiderl.envs.setup import load_setup
+from tiderl.lab.compare import t_quantile_95
 from tiderl.metrics.summary import summarize
 from tiderl.recipe import train
 from tiderl.rollout.base import sampling_params
@@ -60,7 +64,10 @@ PRESETS = {"sao": "configs/sao.yaml", "grpo": "configs/grpo.yaml", "ppo": "confi
 COMMON = ["system.backend=local", "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1",
           "system.decode_threads=1", "train.save_final=false"]
 RECOVERY_TOLERANCE = 0.05
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student t quantiles by degrees of freedom
+# The verdict on SAO/GRPO's area ratio, fixed before the 16-seed runs of 2026-12-05: a ranking
+# when the ratio's 95 % interval excludes 1; "no difference beyond +-EQUIVALENCE" when it holds 1
+# and its half-width is at most EQUIVALENCE (issue 33's "narrower than +-0.2"); else undecided.
+EQUIVALENCE = 0.2
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -68,7 +75,20 @@ def interval(values: list[float]) -> tuple[float, float]:
     m = statistics.mean(values)
     if len(values) < 2:
         return m, 0.0
-    return m, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, t_quantile_95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def ratio_verdict(mean: float, half: float, seeds: int) -> str:
+    """The rule above for the mean SAO/GRPO area ratio and its interval's half-width."""
+    if seeds < 2:
+        return "too few seeds"
+    if mean - half > 1:
+        return "SAO's area higher"
+    if mean + half < 1:
+        return "SAO's area lower"
+    if half <= EQUIVALENCE:
+        return f"no difference beyond +-{EQUIVALENCE}"
+    return "undecided (interval holds 1 and is wider than +-0.2)"
 
 
 def shown(values: list[float], digits: int = 3) -> str:
@@ -233,10 +253,12 @@ def main() -> None:
     if "sao" in algos and "grpo" in algos:
         by = {(r["algo"], r["seed"]): r["area"] for r in rows}
         ratios = [by[("sao", s)] / by[("grpo", s)] for s in seeds if by.get(("grpo", s))]
+        paired = [s for s in seeds if by.get(("grpo", s)) and ("sao", s) in by]
         m, h = interval(ratios)
+        print(f"SAO - GRPO area, paired: {shown([by[('sao', s)] - by[('grpo', s)] for s in paired])}")
         print(f"SAO/GRPO area under the held-out success curve: {m:.3f} ± {h:.3f} (95% t-interval over "
               f"{len(ratios)} seed(s); SAO {shown([by[('sao', s)] for s in seeds])}, "
-              f"GRPO {shown([by[('grpo', s)] for s in seeds])})")
+              f"GRPO {shown([by[('grpo', s)] for s in seeds])}): {ratio_verdict(m, h, len(ratios))}")
 
 
 if __name__ == "__main__":
