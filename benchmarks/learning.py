@@ -22,7 +22,10 @@ SAO - GRPO and SAO - PPO differences.
 
 Verdict rule (fixed before any run): a paired difference is "SAO higher" when its 95 % interval
 lies above 0, "SAO lower" when it lies below 0, else "no difference shown"; a mode "learns" when
-the interval of its gain lies above 0.
+the interval of its gain lies above 0. With held-out points along the way (`--eval-every`), the
+same rule also judges the mean held-out success over the budget (the area under the curve per
+generated token, `tiderl.lab.compare.mean_over_tokens`): how early a mode learns, not only where
+it ends.
 
     .venv/bin/python benchmarks/learning.py             # sao, sao_w0, grpo, ppo x 5 seeds
     .venv/bin/python benchmarks/learning.py --quick     # 2 seeds, tiny budget (a smoke test)
@@ -56,6 +59,7 @@ from tiderl.config import load_config
 from tiderl.lab.compare import (
     first_reaching,
     mean_ci,
+    mean_over_tokens,
     paired_difference,
     trainer_token_passes,
     verdict,
@@ -275,6 +279,23 @@ def report(rows: list[dict[str, Any]], modes: list[str]) -> None:
                             f"({verdict(ci, f'{first.upper()} higher', f'{first.upper()} lower')})")
     for mode, g in gains.items():
         print(f"{mode}: {verdict(mean_ci(list(g.values())), 'learns', 'gets worse', 'no gain shown')}")
+    # The second rule (fixed 2026-12-05, before the place_value runs of seeds 5-9 that confirm or
+    # refute what seeds 0-4 suggested): the mean held-out success over the budget, the area under
+    # the curve per generated token; same verdict on its paired differences.
+    areas = {mode: {r["seed"]: mean_over_tokens(r["curve"]) for r in rows if r["mode"] == mode}
+             for mode in gains if all(len(r["curve"]) > 2 for r in rows if r["mode"] == mode)}
+    if areas:
+        print("\n| mean held-out success over the budget (area per token) | seeds | mean [95 % CI] | verdict |")
+        print("| --- | --- | --- | --- |")
+        for mode, a in areas.items():
+            print(f"| {mode} | {len(a)} | {interval(mean_ci(list(a.values())))} | |")
+        for first, other, headline in PAIRS:
+            if first in areas and other in areas:
+                ci = paired_difference(areas[first], areas[other])
+                said = verdict(ci, f"{first.upper()} higher", f"{first.upper()} lower")
+                print(f"| {first} - {other} | {ci['n']} | {interval(ci)} | {said} |")
+                if headline:
+                    last.append(f"area {first.upper()} - {other.upper()} {interval(ci)} ({said})")
     if last:
         print("gain differences (95 % CI over paired seeds): " + "; ".join(last))
 

@@ -16,6 +16,7 @@ from tiderl.config import AlgoConfig, load_config, preset_defaults
 from tiderl.lab.compare import (
     first_reaching,
     mean_ci,
+    mean_over_tokens,
     paired_difference,
     t_quantile_95,
     trainer_token_passes,
@@ -26,6 +27,19 @@ from tiderl.system.pool import PoolSettings, critic_value_lags, lag_metrics
 from tiderl.types import NO_VERSION, Trajectory
 
 # --- comparing runs -------------------------------------------------------------------------------
+
+
+def test_mean_over_tokens_is_the_area_under_the_curve_per_token():
+    curve = [{"generated_tokens": 0, "success": 0.2}, {"generated_tokens": 100, "success": 0.6},
+             {"generated_tokens": 300, "success": 0.6}]
+    assert mean_over_tokens(curve) == pytest.approx((100 * 0.4 + 200 * 0.6) / 300)
+    # A run that learns earlier has the larger area at the same final success.
+    late = [{"generated_tokens": 0, "success": 0.2}, {"generated_tokens": 200, "success": 0.2},
+            {"generated_tokens": 300, "success": 0.6}]
+    assert mean_over_tokens(late) < mean_over_tokens(curve)
+    assert mean_over_tokens(curve[:1]) == 0.2
+    with pytest.raises(ValueError):
+        mean_over_tokens([])
 
 
 def test_mean_ci_is_the_t_interval_and_unknown_for_one_value():

@@ -3,25 +3,14 @@ ratio, all fixed before the runs they judge."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def online():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("online_bench", ROOT / "benchmarks" / "online.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("online")
 
 
 def test_the_interval_uses_students_t_at_every_seed_count(online):

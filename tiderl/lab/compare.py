@@ -70,6 +70,20 @@ def first_reaching(curve: Sequence[dict[str, float]], target: float, key: str = 
     return math.inf
 
 
+def mean_over_tokens(curve: Sequence[dict[str, float]], key: str = "success",
+                     at: str = "generated_tokens") -> float:
+    """The mean of `key` over a run: the trapezoid area under (`at`, `key`) from the first point to
+    the last, divided by that span (the area under a held-out curve per generated token). One
+    point (or a zero span) gives that point's value."""
+    xs, ys = [float(p[at]) for p in curve], [float(p[key]) for p in curve]
+    if not xs:
+        raise ValueError("mean_over_tokens needs at least one point")
+    span = xs[-1] - xs[0]
+    if span <= 0:
+        return ys[-1]
+    return sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / span
+
+
 def trainer_token_passes(algo: Any, sequence_tokens: int, train_actor: bool) -> dict[str, int]:
     """Tokens the trainer's passes process in one step of the algorithm `algo` (an AlgoConfig) on
     trajectories of `sequence_tokens` tokens in all (prompt, turns and observations; padding not
