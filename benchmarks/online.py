@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import multiprocessing
 import statistics
 import time
@@ -54,7 +53,7 @@ from tiderl.agent.loop import play_episodes
 from tiderl.config import load_config
 from tiderl.envs.drift import DriftSchedule
 from tiderl.envs.setup import load_setup
-from tiderl.lab.compare import t_quantile_95
+from tiderl.lab.compare import mean_ci, mean_over_tokens
 from tiderl.metrics.summary import summarize
 from tiderl.recipe import train
 from tiderl.rollout.base import sampling_params
@@ -72,10 +71,8 @@ EQUIVALENCE = 0.2
 
 def interval(values: list[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% t-interval over seeds); half-width 0 for one value."""
-    m = statistics.mean(values)
-    if len(values) < 2:
-        return m, 0.0
-    return m, t_quantile_95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    ci = mean_ci(values)
+    return ci["mean"], 0.0 if len(values) < 2 else ci["hi"] - ci["mean"]
 
 
 def ratio_verdict(mean: float, half: float, seeds: int) -> str:
@@ -88,7 +85,7 @@ def ratio_verdict(mean: float, half: float, seeds: int) -> str:
         return "SAO's area lower"
     if half <= EQUIVALENCE:
         return f"no difference beyond +-{EQUIVALENCE}"
-    return "undecided (interval holds 1 and is wider than +-0.2)"
+    return f"undecided (interval holds 1 and is wider than +-{EQUIVALENCE})"
 
 
 def shown(values: list[float], digits: int = 3) -> str:
@@ -98,11 +95,7 @@ def shown(values: list[float], digits: int = 3) -> str:
 
 def area(curve: list[dict]) -> float:
     """Mean success over the run: trapezoid area under (step, success) divided by the steps."""
-    xs, ys = [p["step"] for p in curve], [p["success"] for p in curve]
-    span = xs[-1] - xs[0]
-    if span == 0:
-        return ys[0]
-    return sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / span
+    return mean_over_tokens(curve, at="step")
 
 
 def recoveries(curve: list[dict], before: dict[int, float], changes: list[int], end: int) -> list[dict]:
@@ -252,8 +245,8 @@ def main() -> None:
     print(f"curves: {out / 'curves.csv'}")
     if "sao" in algos and "grpo" in algos:
         by = {(r["algo"], r["seed"]): r["area"] for r in rows}
-        ratios = [by[("sao", s)] / by[("grpo", s)] for s in seeds if by.get(("grpo", s))]
         paired = [s for s in seeds if by.get(("grpo", s)) and ("sao", s) in by]
+        ratios = [by[("sao", s)] / by[("grpo", s)] for s in paired]
         m, h = interval(ratios)
         print(f"SAO - GRPO area, paired: {shown([by[('sao', s)] - by[('grpo', s)] for s in paired])}")
         print(f"SAO/GRPO area under the held-out success curve: {m:.3f} ± {h:.3f} (95% t-interval over "
