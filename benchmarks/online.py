@@ -31,6 +31,7 @@ in `ratio_verdict`, fixed in the code before the 16-seed runs.
     .venv/bin/python benchmarks/online.py --algos sao,grpo --seeds 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 \
         --eval-n 120 --jobs 2    # the verdict run: 16 paired seeds, twice the held-out questions
     .venv/bin/python benchmarks/online.py --kind facts --fraction 0.2
+    .venv/bin/python benchmarks/online.py --algos sao,grpo sao:algo.critic_warmup_steps=0   # one preset's key
 
 Writes `<out>/curves.csv` and `<out>/runs.json` (rewritten after every run; `--resume` keeps
 finished runs).
@@ -115,13 +116,27 @@ def recoveries(curve: list[dict], before: dict[int, float], changes: list[int], 
     return out
 
 
+def overrides_for(algo: str, overrides: list[str]) -> list[str]:
+    """The overrides one algorithm's runs take: plain ones apply to every run, `algo:key=value`
+    only to that algorithm's (`sao:algo.critic_warmup_steps=0`: a key another preset refuses)."""
+    mine = []
+    for item in overrides:
+        name, sep, rest = item.partition(":")
+        if not sep or "=" in name:  # no algorithm prefix (a value may hold a colon)
+            mine.append(item)
+        elif name == algo:
+            mine.append(rest)
+    return mine
+
+
 def run_one(algo: str, seed: int, args: argparse.Namespace, model_path: str, out: Path) -> dict:
     steps = args.every * (args.changes + 1)
     cfg = load_config(PRESETS[algo], COMMON + [
         f"model.path={model_path}", f"seed={seed}", f"system.max_staleness={args.staleness}",
         f"rollout.batch_size={args.batch}", f"train.steps={steps}", f"data.eval_size={args.eval_n}",
         f"env.options.drift.every_steps={args.every}", f"env.options.drift.fraction={args.fraction}",
-        f"env.options.drift.kind={args.kind}", f"run_dir={out / f'{algo}_seed{seed}'}"] + args.override)
+        f"env.options.drift.kind={args.kind}", f"run_dir={out / f'{algo}_seed{seed}'}"]
+        + overrides_for(algo, args.override))
     run = build_run(cfg)
     schedule = DriftSchedule.from_config(cfg.env.options.drift, cfg.data.seed)
     factory = run.setup.make_env
@@ -174,7 +189,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_online")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     parser.add_argument("--resume", action="store_true", help="keep the finished runs in <out>/runs.json")
-    parser.add_argument("override", nargs="*", help="extra dotted config overrides for every run")
+    parser.add_argument("override", nargs="*", help="extra dotted config overrides for every run; "
+                        "algo:key=value for one algorithm's runs only (sao:algo.critic_warmup_steps=0)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:

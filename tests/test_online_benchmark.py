@@ -43,3 +43,10 @@ def test_area_and_recovery(online):
     assert change == {"change": 6, "level": 0.4, "drop": pytest.approx(0.3), "recover": 3, "censored": False}
     (never,) = online.recoveries(curve, {6: 0.5}, [6], 12)
     assert never["censored"] and never["recover"] == 6
+
+
+def test_an_override_can_name_the_algorithm_it_is_for(online):
+    given = ["seed=3", "sao:algo.critic_warmup_steps=0", "grpo:algo.group_size=4", "run_dir=a:b"]
+    assert online.overrides_for("sao", given) == ["seed=3", "algo.critic_warmup_steps=0", "run_dir=a:b"]
+    assert online.overrides_for("grpo", given) == ["seed=3", "algo.group_size=4", "run_dir=a:b"]
+    assert online.overrides_for("ppo", given) == ["seed=3", "run_dir=a:b"]
