@@ -375,6 +375,20 @@ def test_scripted_turn_cut_by_max_new_tokens_gets_forced_end_of_turn(tok):
     assert len(sampled) == limit and sampled[-1] == len(traj.tokens) - 2
     assert traj.tokens[-1] == IM_END_ID and traj.loss_mask[-1] == 0
     assert factory.envs[0].actions[0].parse_errors[0].startswith("tool call 1: <tool_call> is never closed")
+    assert factory.envs[0].actions[0].cut  # the environment is told the turn did not end on its own
+
+
+@pytest.mark.parametrize("finish_reason, ends, cut", [
+    ("length", False, True),   # the engine stopped at max_new_tokens
+    ("stop", True, False),     # the model ended its turn
+    ("stop", False, False),    # a caller's stop token ended it: not a cut
+])
+def test_the_action_says_whether_its_turn_was_cut(tok, finish_reason, ends, cut):
+    answer = tok.encode("ANSWER: Ridley Scott", add_special_tokens=False) + ([IM_END_ID] if ends else [])
+    factory = EnvFactory()
+    play_episodes(FakeEngine(lambda c, i: answer, finish_reason=finish_reason), tok, factory, [task("alien")],
+                  PARAMS, 1, 1000)
+    assert factory.envs[0].actions[0].cut is cut
 
 
 # --- play_episodes with FakeEngine ----------------------------------------------------------------

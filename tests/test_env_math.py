@@ -179,6 +179,28 @@ def test_format_penalty_is_off_by_default_and_applies_to_unboxed_answers(verifie
     assert plain.step(Action("Final Answer: 936")).reward == 1.0
 
 
+@pytest.mark.parametrize("text, answer, source", [
+    ("775 / 100 = 7", None, "none"),                         # working at the cut, not an answer
+    ("Final Answer: 77", None, "none"),                      # the line may go on (775)
+    ("Final Answer: 775\nBecause 7 hundreds", "775", "final_answer"),  # a finished line counts
+    ("#### 12\n#### 1", "12", "hash"),                       # the last finished one
+    ("So \\boxed{775} since 7", "775", "boxed"),             # a closed box counts
+])
+def test_a_cut_answer_counts_only_what_the_model_finished(text, answer, source):
+    got = extract_answer(text, fallback="last_number", cut=True)
+    assert (got.answer, got.source) == (answer, source)
+    assert extract_answer(text, fallback="last_number").answer is not None  # uncut, each is read
+
+
+def test_the_answer_fallback_refuses_a_cut_turn(verifier):
+    env = MathEnv(verifier, answer_fallback="last_number")
+    env.reset(task())
+    r = env.step(Action("347 and 589 make 936", cut=True))
+    assert r.info["success"] == 0.0 and r.info["answer_source"] == "none" and r.info["answer_cut"] is True
+    env.reset(task())
+    assert env.step(Action("347 and 589 make 936")).info["success"] == 1.0
+
+
 def test_the_answer_fallback_scores_a_sentence_and_still_pays_the_format_penalty(verifier):
     env = MathEnv(verifier, format_penalty=0.1, answer_fallback="last_number")
     env.reset(task())

@@ -137,13 +137,17 @@ def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenize
         keep = completion.token_ids.index(end_id) + 1
     ids = list(completion.token_ids[:keep])
     episode.append_sampled(ids, list(completion.logprobs[:keep]), list(completion.policy_version[:keep]))
-    if not ids or ids[-1] != end_id:
+    ended = bool(ids) and ids[-1] == end_id
+    if not ended:
         episode.append_forced([end_id])
     episode.num_turns += 1
 
     # Decoding (not re-tokenizing) the sampled ids is how the environment gets to read them.
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return parse_tool_calls(text, tool_call_format_of(tokenizer), strip=(episode.fmt.end_of_turn,))
+    action = parse_tool_calls(text, tool_call_format_of(tokenizer), strip=(episode.fmt.end_of_turn,))
+    # Cut: stopped by a token limit, not by the model (a caller's own stop token is not a cut).
+    action.cut = not ended and (completion.finish_reason == "length" or keep < n)
+    return action
 
 
 def _apply_result(episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int,

@@ -47,11 +47,15 @@ class Action:
     text: the decoded text of the turn (without the end-of-turn token).
     tool_calls: the well-formed tool calls found in `text`, in order.
     parse_errors: one message per malformed tool call (bad JSON, missing name, ...).
+    cut: the turn did not end on its own: it reached the token limit (its end-of-turn token was
+        forced), so its text may stop mid-sentence or mid-number. An environment that reads an
+        answer from free text should not read one from a cut turn's unfinished end.
     """
 
     text: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     parse_errors: list[str] = field(default_factory=list)
+    cut: bool = False
 
 
 @dataclass

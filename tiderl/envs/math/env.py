@@ -61,7 +61,7 @@ class MathEnv:
     format_penalty: subtracted from the reward when the answer is not boxed (0 = off).
     system_prompt: overrides the default prompt of the chosen mode.
     answer_fallback: "last_number" reads the last number of an answer without a marker
-        (`extract.extract_answer`); "none" scores such an answer 0.
+        (`extract.extract_answer`), never of a cut one (`Action.cut`); "none" scores such an answer 0.
     max_observation_chars: longest observation; longer ones are cut with a note.
     bounds: the calculator's size bounds.
     """
@@ -100,7 +100,7 @@ class MathEnv:
             observations = [self._error(str(e)) for e in action.parse_errors]
             observations += [self._call(call) for call in action.tool_calls]
             return StepResult(observations, info=self._counters())
-        return self._score(str(action.text))
+        return self._score(str(action.text), cut=bool(getattr(action, "cut", False)))
 
     def finish(self, reason: str) -> StepResult:
         """End without an answer turn (turn or token limit): outcome 0, minus the format penalty."""
@@ -147,10 +147,10 @@ class MathEnv:
         self._calls += 1
         return clean_text(value, self.max_observation_chars)
 
-    def _score(self, text: str) -> StepResult:
+    def _score(self, text: str, cut: bool = False) -> StepResult:
         task = self._require_episode()
-        extracted = extract_answer(text, self.answer_fallback)
-        info: dict[str, Any] = {"answer_source": extracted.source}
+        extracted = extract_answer(text, self.answer_fallback, cut=cut)
+        info: dict[str, Any] = {"answer_source": extracted.source, "answer_cut": cut}
         outcome = 0.0
         if extracted.answer is None:
             info["answer_error"] = "no final answer (expected \\boxed{...})"

@@ -11,6 +11,11 @@ Rules, in order (the first that finds something wins):
    (thousands separators dropped), for models that answer in a sentence without a marker
    ("One times 419 is 419.").
 
+A cut answer (`cut=True`: the turn reached its token limit, `Action.cut`) may stop mid-line:
+rules 2 and 3 then count only a line the model finished (a newline follows it), and rule 4 is not
+used, since the last number of an unfinished text is usually a step of working ("775 / 100 = 7"
+at the cut), not an answer. A complete `\boxed{}` counts either way.
+
 Surrounding `$`, spaces and a trailing full stop are stripped. The scan is one linear pass,
 so enormous or deeply nested text costs time proportional to its length only.
 """
@@ -65,9 +70,9 @@ def _tidy(answer: str) -> str:
     return answer[:-1].rstrip() if answer.endswith(".") else answer
 
 
-def extract_answer(text: str, fallback: str = "none") -> Extracted:
+def extract_answer(text: str, fallback: str = "none", cut: bool = False) -> Extracted:
     """The final answer in `text` by the module's rules; `fallback` is "none" or "last_number"
-    (rule 4)."""
+    (rule 4); `cut`: the text was cut at a token limit (only finished lines count, no rule 4)."""
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     boxed = last_boxed(text)
@@ -75,11 +80,12 @@ def extract_answer(text: str, fallback: str = "none") -> Extracted:
         return Extracted(_tidy(boxed), "boxed")
     for source, pattern in (("final_answer", _FINAL_ANSWER), ("hash", _HASH_ANSWER)):
         last = None
-        for last in pattern.finditer(text):
-            pass
+        for match in pattern.finditer(text):
+            if not cut or match.end() < len(text):  # a cut text's last line may be unfinished
+                last = match
         if last is not None and _tidy(last.group(1)):
             return Extracted(_tidy(last.group(1)), source)
-    if fallback == "last_number":
+    if fallback == "last_number" and not cut:
         number = None
         for number in _NUMBER.finditer(text):
             pass

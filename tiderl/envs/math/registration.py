@@ -28,7 +28,8 @@ class MathOptions:
     format_penalty: float = opt(0.0, "Reward lost when the answer is not in \\boxed{} or there is none (0 = off).")
     answer_fallback: str = opt(
         "none", "An answer with no \\boxed{}, 'Final Answer:' or '####': none = scores 0; last_number = its "
-        "last number is the answer (models that answer in a sentence).")
+        "last number is the answer (models that answer in a sentence), unless the turn was cut at the token "
+        "limit: a cut turn's last number is working, not an answer, and scores 0.")
     verify_timeout_s: float = opt(
         5.0, "Longest math-verify check of one answer, in seconds (its worker process is killed after that "
         "and the answer counts as wrong).")
