@@ -2,7 +2,9 @@
 
 The embedded knowledge graph changes every K optimizer steps (`env.options.drift`, tiderl/envs/drift.py;
 default kind `relations`: two relations swap names, so the tool calls the policy learned for
-them stop working). Every run starts from the same warm-started policy, trains on the local
+them stop working; `facts`: a share of facts get another object; `db`: the generated shop database
+(tiderl/envs/db/shop.py) instead of the graph, a share of its rows given another row's value in one
+column, SAO and GRPO only). Every run starts from the same warm-started policy, trains on the local
 backend (staleness 2, 16 trajectories per step: SAO and PPO 16 x 1, GRPO 2 x 8) and sees the
 same sequence of worlds at the same steps (the drift is seeded by data.seed, not the run seed).
 Held-out greedy success (topic entities no training question mentions) is measured every E
@@ -31,6 +33,7 @@ in `ratio_verdict`, fixed in the code before the 16-seed runs.
     .venv/bin/python benchmarks/online.py --algos sao,grpo --seeds 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 \
         --eval-n 120 --jobs 2    # the verdict run: 16 paired seeds, twice the held-out questions
     .venv/bin/python benchmarks/online.py --kind facts --fraction 0.2
+    .venv/bin/python benchmarks/online.py --kind db --algos sao,grpo   # the shop database's rows change
     .venv/bin/python benchmarks/online.py --algos sao,grpo sao:algo.critic_warmup_steps=0   # one preset's key
 
 Writes `<out>/curves.csv` and `<out>/runs.json` (rewritten after every run; `--resume` keeps
@@ -61,6 +64,8 @@ from tiderl.rollout.base import sampling_params
 from tiderl.run import build_run, resolve_model_path
 
 PRESETS = {"sao": "configs/sao.yaml", "grpo": "configs/grpo.yaml", "ppo": "configs/ppo.yaml"}
+# --kind db: the generated shop database (tiderl/envs/db/shop.py), whose rows change.
+DB_PRESETS = {"sao": "configs/db_shop_sao_tiny.yaml", "grpo": "configs/db_shop_grpo_tiny.yaml"}
 COMMON = ["system.backend=local", "log.progress=false", "log.tensorboard=false", "system.trainer_threads=1",
           "system.decode_threads=1", "train.save_final=false"]
 RECOVERY_TOLERANCE = 0.05
@@ -129,16 +134,29 @@ def overrides_for(algo: str, overrides: list[str]) -> list[str]:
     return mine
 
 
+def preset(algo: str, kind: str) -> str:
+    """The config file of `algo`'s runs for drift `kind` (ValueError naming the choices)."""
+    presets = DB_PRESETS if kind == "db" else PRESETS
+    if algo not in presets:
+        raise ValueError(f"--algos: {algo} has no preset for --kind {kind}; use {', '.join(presets)}")
+    return presets[algo]
+
+
+def drift_overrides(args: argparse.Namespace) -> list[str]:
+    """The drift settings of every run (the database's drift has no kind: its rows change)."""
+    kind = [] if args.kind == "db" else [f"env.options.drift.kind={args.kind}"]
+    return [f"env.options.drift.every_steps={args.every}", f"env.options.drift.fraction={args.fraction}", *kind]
+
+
 def run_one(algo: str, seed: int, args: argparse.Namespace, model_path: str, out: Path) -> dict:
     steps = args.every * (args.changes + 1)
-    cfg = load_config(PRESETS[algo], COMMON + [
+    cfg = load_config(preset(algo, args.kind), COMMON + [
         f"model.path={model_path}", f"seed={seed}", f"system.max_staleness={args.staleness}",
         f"rollout.batch_size={args.batch}", f"train.steps={steps}", f"data.eval_size={args.eval_n}",
-        f"env.options.drift.every_steps={args.every}", f"env.options.drift.fraction={args.fraction}",
-        f"env.options.drift.kind={args.kind}", f"run_dir={out / f'{algo}_seed{seed}'}"]
-        + overrides_for(algo, args.override))
+        *drift_overrides(args), f"run_dir={out / f'{algo}_seed{seed}'}"] + overrides_for(algo, args.override))
     run = build_run(cfg)
-    schedule = DriftSchedule.from_config(cfg.env.options.drift, cfg.data.seed)
+    # The steps at which the world changes, and the phase of a step (the same rule for every kind).
+    schedule = DriftSchedule(args.every, args.fraction, "facts", cfg.data.seed)
     factory = run.setup.make_env
     tasks = run.setup.eval_tasks[: args.eval_n]
     params = sampling_params(cfg.rollout, run.tokenizer.eos_token_id, greedy=True)
@@ -181,7 +199,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6, help="optimizer steps between changes (K)")
     parser.add_argument("--changes", type=int, default=2, help="changes per run (steps = K x (changes + 1))")
     parser.add_argument("--fraction", type=float, default=0.3, help="env.options.drift.fraction")
-    parser.add_argument("--kind", default="relations", choices=["relations", "facts"])
+    parser.add_argument("--kind", default="relations", choices=["relations", "facts", "db"],
+                        help="relations / facts: the knowledge graph's; db: the shop database's rows")
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--eval-n", type=int, default=60)
     parser.add_argument("--batch", type=int, default=16)
@@ -202,11 +221,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    base = load_config(PRESETS["sao"], ["log.progress=false"])
+    for algo in algos:
+        try:
+            preset(algo, args.kind)
+        except ValueError as exc:
+            parser.error(str(exc))
+    base = load_config(preset("sao", args.kind), ["log.progress=false"])
     model_path = resolve_model_path(base, load_setup(base))  # built once, shared by every run
-    probe = load_setup(load_config(PRESETS["sao"], [f"env.options.drift.every_steps={args.every}",
-                                                    f"env.options.drift.fraction={args.fraction}",
-                                                    f"env.options.drift.kind={args.kind}"]))
+    probe = load_setup(load_config(preset("sao", args.kind), drift_overrides(args)))
     world = probe.make_env.world
     print(f"model {model_path}; {args.batch} trajectories per step, staleness {args.staleness}; drift "
           f"{args.kind} every {args.every} steps, fraction {args.fraction}; held-out n={args.eval_n} every "

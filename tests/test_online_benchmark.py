@@ -50,3 +50,20 @@ def test_an_override_can_name_the_algorithm_it_is_for(online):
     assert online.overrides_for("sao", given) == ["seed=3", "algo.critic_warmup_steps=0", "run_dir=a:b"]
     assert online.overrides_for("grpo", given) == ["seed=3", "algo.group_size=4", "run_dir=a:b"]
     assert online.overrides_for("ppo", given) == ["seed=3", "run_dir=a:b"]
+
+
+def test_the_database_kind_runs_the_shop_presets_with_a_drift_they_accept(online):
+    import argparse
+
+    from tiderl.config import load_config
+
+    args = argparse.Namespace(kind="db", every=6, fraction=0.3)
+    for algo in ("sao", "grpo"):
+        cfg = load_config(online.preset(algo, "db"), online.drift_overrides(args))
+        assert (cfg.env.name, cfg.data.source, cfg.algo.name) == ("db", "shop", algo)
+        assert cfg.env.options.drift.every_steps == 6
+    with pytest.raises(ValueError, match="no preset for --kind db"):
+        online.preset("ppo", "db")
+    args.kind = "facts"
+    assert online.preset("ppo", "facts") == "configs/ppo.yaml"
+    assert "env.options.drift.kind=facts" in online.drift_overrides(args)

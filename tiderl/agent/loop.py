@@ -51,12 +51,9 @@ class _Episode(TokenRecord):
     def close(self, reward: float, reward_parts: dict[str, float], env_info: dict[str, Any], stop_reason: str) -> None:
         """Freeze the episode into its Trajectory."""
         self.trajectory = Trajectory(
-            tokens=self.tokens,
-            loss_mask=self.loss_mask,
-            behavior_logprobs=self.behavior_logprobs,
-            policy_version=self.policy_version,
-            reward=reward,
-            reward_parts=reward_parts,
+            tokens=self.tokens, loss_mask=self.loss_mask,
+            behavior_logprobs=self.behavior_logprobs, policy_version=self.policy_version,
+            reward=reward, reward_parts=reward_parts,
             task_id=self.task.task_id,
             group_id=self.group_id,
             env_info={**env_info, "turns": self.num_turns, "no_call_turns": self.no_call_turns},
@@ -137,17 +134,16 @@ def _append_turn(episode: _Episode, completion: Completion, limit: int, tokenize
         keep = completion.token_ids.index(end_id) + 1
     ids = list(completion.token_ids[:keep])
     episode.append_sampled(ids, list(completion.logprobs[:keep]), list(completion.policy_version[:keep]))
-    ended = bool(ids) and ids[-1] == end_id
-    if not ended:
+    if not ids or ids[-1] != end_id:
         episode.append_forced([end_id])
     episode.num_turns += 1
 
     # Decoding (not re-tokenizing) the sampled ids is how the environment gets to read them.
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    action = parse_tool_calls(text, tool_call_format_of(tokenizer), strip=(episode.fmt.end_of_turn,))
     # Cut: stopped by a token limit, not by the model (a caller's own stop token is not a cut).
-    action.cut = not ended and (completion.finish_reason == "length" or keep < n)
-    return action
+    cut = ids[-1:] != [end_id] and (completion.finish_reason == "length" or keep < n)
+    action = parse_tool_calls(text, tool_call_format_of(tokenizer), strip=(episode.fmt.end_of_turn,))
+    return dataclasses.replace(action, cut=cut)
 
 
 def _apply_result(episode: _Episode, result: StepResult, max_turns: int, max_total_tokens: int,

@@ -131,6 +131,25 @@ class DriftingDatabase:
             conn.close()
         return target
 
+    def describe(self, phase: int) -> str:
+        """What changed from phase - 1 to `phase`, in one line (for benchmark logs)."""
+        if phase == 0:
+            return "phase 0: the original database"
+        before, after = self._table_rows(phase - 1), self._table_rows(phase)
+        changed = {name: sum(a != b for a, b in zip(before[name], after[name])) for name in sorted(before)}
+        total = {name: len(rows) for name, rows in before.items()}
+        return f"phase {phase}: " + ", ".join(f"{changed[n]} of {total[n]} {n} rows changed" for n in changed)
+
+    def _table_rows(self, phase: int) -> dict[str, list[tuple]]:
+        backend = self.backend(phase)
+        session = backend.open([], False)
+        try:
+            return {t.name: [tuple(r) for r in session.execute(f"SELECT * FROM {_quote(t.name)} ORDER BY rowid",
+                                                               max_rows=10**7, timeout_s=60.0).rows]
+                    for t in self._backends[0].tables}
+        finally:
+            session.close()
+
     def task_in(self, task: Task, phase: int) -> Task:
         """`task` as phase `phase` answers it: a question's gold rows from its gold SQL run on that
         phase's database (cached); a write task as it is (its gold hash is the backend's)."""
@@ -148,15 +167,19 @@ class DriftingDatabase:
 
 
 class DriftingDBEnv(DBEnv):
-    """A `DBEnv` that plays each episode on the database of the phase current at its `reset`, and
-    scores it against the task as that phase answers it; its final info holds `drift_phase`."""
+    """A `DBEnv` that plays each episode on the database of the phase current at its `reset` (or
+    of phase `phase` when given), and scores it against the task as that phase answers it; its
+    final info holds `drift_phase`."""
 
-    def __init__(self, world: DriftingDatabase, **kwargs: Any) -> None:
-        self.world, self.episode_phase = world, 0
-        super().__init__(world.current()[1], **kwargs)
+    def __init__(self, world: DriftingDatabase, phase: int | None = None, **kwargs: Any) -> None:
+        self.world, self.phase, self.episode_phase = world, phase, 0
+        super().__init__(self._now()[1], **kwargs)
+
+    def _now(self) -> tuple[int, Backend]:
+        return self.world.current() if self.phase is None else (self.phase, self.world.backend(self.phase))
 
     def reset(self, task: Task) -> str:
-        self.episode_phase, self.backend = self.world.current()
+        self.episode_phase, self.backend = self._now()
         return super().reset(self.world.task_in(task, self.episode_phase))
 
     def _final(self, reward: float, extra: dict[str, Any]) -> StepResult:
@@ -164,10 +187,14 @@ class DriftingDBEnv(DBEnv):
 
 
 class DriftingDBFactory:
-    """`make_env` of a drifting database setup."""
+    """`make_env` of a drifting database setup; `at_phase(p)` gives one pinned to phase p (a
+    benchmark measures the policy in the database it trained on and in the changed one)."""
 
-    def __init__(self, world: DriftingDatabase, **env_kwargs: Any) -> None:
-        self.world, self.env_kwargs = world, env_kwargs
+    def __init__(self, world: DriftingDatabase, phase: int | None = None, **env_kwargs: Any) -> None:
+        self.world, self.phase, self.env_kwargs = world, phase, env_kwargs
 
     def __call__(self) -> DriftingDBEnv:
-        return DriftingDBEnv(self.world, **self.env_kwargs)
+        return DriftingDBEnv(self.world, self.phase, **self.env_kwargs)
+
+    def at_phase(self, phase: int) -> "DriftingDBFactory":
+        return DriftingDBFactory(self.world, phase, **self.env_kwargs)

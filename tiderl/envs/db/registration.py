@@ -9,8 +9,9 @@ from typing import Any
 from tiderl.envs.registration import BuiltinEnvironment, EvalFlag, check_drift
 from tiderl.options import need, opt, section
 
-# data.source values: AgentBench DB (the default), or questions over your own database file.
-SOURCES = ("agentbench_db", "db_file")
+# data.source values: AgentBench DB (the default), questions over your own database file, or the
+# generated shop database (the embedded tiny model's; tiderl/envs/db/shop.py).
+SOURCES = ("agentbench_db", "db_file", "shop")
 
 
 @dataclass
@@ -55,10 +56,11 @@ class DBOptions:
                  "add data.source=db_file env.options.db_path=<your .sqlite/.duckdb file or server URL>")
         check_drift(self.drift, cfg, "a drifting database")
         if self.drift.every_steps > 0:
-            need(data is None or data.source == "db_file", "drift.every_steps",
+            need(data is None or data.source in ("db_file", "shop"), "drift.every_steps",
                  f"a drifting database is a copy of your database file, and data.source is "
                  f"{getattr(data, 'source', '') or 'agentbench_db'}",
-                 "use data.source=db_file env.options.db_path=<a .sqlite/.duckdb file>, or drift.every_steps=0")
+                 "use data.source=db_file env.options.db_path=<a .sqlite/.duckdb file> (or data.source=shop), or "
+                 "drift.every_steps=0")
             need("://" not in self.db_path, "drift.every_steps",
                  "a server database (env.options.db_path is a URL) is opened read-only and cannot change",
                  "use a SQLite or DuckDB file, or env.options.drift.every_steps=0")
@@ -78,6 +80,7 @@ ENVIRONMENT = BuiltinEnvironment(
         EvalFlag("--questions", ("env.options.questions={}",),
                  "shortcut for env.options.questions=... (JSONL questions on --db)"),
     ),
+    warm_start_path="tiderl.envs.db.shop:WARM_START",
     task_files=True,
     former_keys={"env.db_backend": "backend", "env.db_timeout_s": "timeout_s", "data.db_path": "db_path",
                  "data.questions": "questions"},

@@ -1,5 +1,5 @@
-"""The SQL database environment's setup (`data.source: agentbench_db`, or `db_file`: questions over
-the user's own database file, see `file_setup`).
+"""The SQL database environment's setup (`data.source: agentbench_db`; `db_file`: questions over
+the user's own database file, see `file_setup`; `shop`: a generated database, see `shop_setup`).
 
 AgentBench's DB task has no training split: the setup trains on the split it does not evaluate
 on (`standard` when evaluating on `dev` and the reverse), so train and eval tasks never
@@ -18,6 +18,7 @@ from tiderl.envs.db.env import DBEnv, is_write_task, make_backend, open_database
 from tiderl.envs.db.oracle import oracle_turns
 from tiderl.envs.db.questions import load_questions
 from tiderl.envs.db.server_backend import redact_url, server_dialect
+from tiderl.envs.db.shop import shop_files
 from tiderl.envs.db.tasks import DBBENCH_DIR, dbbench_dir, load_dbbench_tasks
 from tiderl.envs.db.tools import Limits
 from tiderl.envs.protocol import Task
@@ -36,9 +37,11 @@ def setup(cfg: "RunConfig") -> Setup:
     data = cfg.data
     if data.source == "db_file":
         return file_setup(cfg)
+    if data.source == "shop":
+        return shop_setup(cfg)
     if data.source != "agentbench_db":
         raise ValueError(f"data.source={data.source!r} is not a database source. Fix: use "
-                         "data.source=agentbench_db or db_file with env.name=db.")
+                         "data.source=agentbench_db, db_file or shop with env.name=db.")
     split = data.split or "dev"
     if split not in DB_SPLITS:
         raise ValueError(f"data.split {split!r} is not an AgentBench DB split. Fix: use one of "
@@ -117,6 +120,20 @@ def file_setup(cfg: "RunConfig") -> Setup:
     out.oracle = lambda task: oracle_turns(task, db_backend(out, path, build))
     if options.drift.every_steps > 0:
         _add_drift(cfg, out, path, source, limits)
+    return out
+
+
+def shop_setup(cfg: "RunConfig") -> Setup:
+    """The generated shop database's questions (tiderl/envs/db/shop.py; `data.eval_size` of the
+    held-out ones), read as `file_setup` reads a user's database and question files, drift included."""
+    database, train, held_out = shop_files(cfg.data.seed)
+    as_file = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, source="db_file", train_files=[str(train)], eval_files=[str(held_out)]),
+        env=dataclasses.replace(cfg.env, options=dataclasses.replace(cfg.env.options, db_path=str(database),
+                                                                     questions="")))
+    out = file_setup(as_file)
+    out.name, out.split = "shop", "eval"
     return out
 
 
