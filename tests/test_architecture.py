@@ -214,7 +214,7 @@ def test_the_names_check_finds_names(tmp_path):
 # its message (the history of every change is in `git log -p tests/test_architecture.py`).
 PACKAGE_LINE_BUDGETS = {
     "tiderl": 2958,  # the CLI, config, run building, evaluation, the collective weight sync, trajectories
-    "agent": 967,  # chat assembly (text and images), tool-call parsing, the episode loop
+    "agent": 970,  # chat assembly (text and images), tool-call parsing, the episode loop
     "algos": 1521,  # estimators, losses, terms and their options: pure functions plus a table
     "metrics": 258,
     "models": 1259,  # loading (text models, VLMs and their processors), fetching, LoRA, vision inputs
@@ -230,9 +230,10 @@ PACKAGE_LINE_BUDGETS = {
 # tiderl/embedded, essays moved from docstrings to docs/) took it from 17,175 to 15,010, and the
 # features of issues 30-35 since (launched servers and three weight syncs, LoRA on ranks and servers,
 # images end to end, rewards from models, the stale policies, GPU placement) brought it to 17,375,
-# and FSDP2 with a vision-language model to 17,405.
+# and FSDP2 with a vision-language model to 17,405; the agent loop telling an environment that a turn
+# was cut at its token limit (`Action.cut`) to 17,408.
 # Lower this as the core shrinks, never by squeezing lines.
-CORE_LINE_BUDGET = 17_405
+CORE_LINE_BUDGET = 17_408
 
 
 def core_lines(root: Path = ROOT) -> dict[str, int]:

@@ -51,9 +51,12 @@ class _Episode(TokenRecord):
     def close(self, reward: float, reward_parts: dict[str, float], env_info: dict[str, Any], stop_reason: str) -> None:
         """Freeze the episode into its Trajectory."""
         self.trajectory = Trajectory(
-            tokens=self.tokens, loss_mask=self.loss_mask,
-            behavior_logprobs=self.behavior_logprobs, policy_version=self.policy_version,
-            reward=reward, reward_parts=reward_parts,
+            tokens=self.tokens,
+            loss_mask=self.loss_mask,
+            behavior_logprobs=self.behavior_logprobs,
+            policy_version=self.policy_version,
+            reward=reward,
+            reward_parts=reward_parts,
             task_id=self.task.task_id,
             group_id=self.group_id,
             env_info={**env_info, "turns": self.num_turns, "no_call_turns": self.no_call_turns},
