@@ -16,7 +16,7 @@ from tiderl.envs.db.shop import KINDS, confusion_rates, demonstrations, shop_fil
 from tiderl.envs.setup import load_setup
 
 ARGS = ["env.name=db", "data.source=shop", "data.eval_size=80", "model.path=tiny"]
-NAME = re.compile(r"name = '([^']+)'")
+ROW = re.compile(r"FROM (\w+) WHERE name = '([^']+)'")
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,12 @@ def shop():
 def test_held_out_questions_are_about_rows_no_training_question_mentions(shop):
     _, setup = shop
     assert setup.name == "shop" and len(setup.eval_tasks) == 80 and len(setup.train_tasks) > 1000
-    train_rows = {NAME.search(t.meta["gold_sql"]).group(1) for t in setup.train_tasks}
-    eval_rows = {NAME.search(t.meta["gold_sql"]).group(1) for t in setup.eval_tasks}
+    train_rows = {ROW.search(t.meta["gold_sql"]).groups() for t in setup.train_tasks}
+    eval_rows = {ROW.search(t.meta["gold_sql"]).groups() for t in setup.eval_tasks}
     assert eval_rows and not train_rows & eval_rows
+    # ... while every held-out row's name is a training row's name in the other table (the tokenizer
+    # and the warm start see each name).
+    assert {name for _, name in eval_rows} <= {name for _, name in train_rows}
     assert {t.meta["answer_type"] for t in setup.train_tasks} == set(KINDS)
     assert all(t.answer["rows"] and len(t.answer["rows"]) == 1 for t in setup.eval_tasks)  # one cell each
     # Every process finds the same files (written once per content).

@@ -7,9 +7,13 @@ question is about):
     customers(name TEXT PRIMARY KEY, city TEXT, country TEXT, age INTEGER, joined INTEGER)
     products(name TEXT PRIMARY KEY, category TEXT, brand TEXT, price INTEGER, stock INTEGER)
 
-Every question asks one column of one row, by the row's name ("Which city does the customer Kera
-Valo live in?"), with its gold SQL (`SELECT city FROM customers WHERE name = 'Kera Valo'`), so an
-episode is a query and a commit of its one cell. Eight kinds, one per (table, column). Held-out
+Every question asks one column of one row, by the row's name ("Which city does the customer 'Kera'
+live in?"), with its gold SQL (`SELECT city FROM customers WHERE name = 'Kera'`), so an
+episode is a query and a commit of its one cell. The name is quoted in the question as in the SQL, so
+both hold the same tokens after the same token (` '`): a held-out name is copied, not remembered, and
+a byte-level tokenizer splits ` Kera` (a word after a space) and `Kera` (after a quote) differently.
+A name is one word: the embedded tiny model learned to copy a name's first word from the question
+into its query but not the second (docs/env_db.md). Eight kinds, one per (table, column). Held-out
 questions are about rows no training question mentions (a fifth of each table), so success on
 them is reading the database, not remembering answers.
 
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
     from tiderl.config import RunConfig
 
 # Bump when the generated content changes (it is part of the folder's name).
-VERSION = 1
+VERSION = 3
 ROWS = 200  # per table
 HELD_OUT_EVERY = 5  # every fifth row of each table is held out
 
@@ -57,34 +61,39 @@ SYLLABLES = ["ka", "ra", "vo", "le", "mi", "so", "ta", "ne", "du", "pe", "lo", "
 
 # kind -> (table, column, question with {name}, the partner column a demonstration confuses it with)
 KINDS: dict[str, tuple[str, str, str, str]] = {
-    "customer_city": ("customers", "city", "Which city does the customer {name} live in?", "country"),
-    "customer_country": ("customers", "country", "Which country is the customer {name} from?", "city"),
-    "customer_age": ("customers", "age", "How old is the customer {name}?", "joined"),
-    "customer_joined": ("customers", "joined", "In which year did the customer {name} join?", "age"),
-    "product_category": ("products", "category", "What kind of product is {name}?", "brand"),
-    "product_brand": ("products", "brand", "Which brand makes the product {name}?", "category"),
-    "product_price": ("products", "price", "What is the price of the product {name}?", "stock"),
-    "product_stock": ("products", "stock", "How many units of the product {name} are in stock?", "price"),
+    "customer_city": ("customers", "city", "Which city does the customer '{name}' live in?", "country"),
+    "customer_country": ("customers", "country", "Which country is the customer '{name}' from?", "city"),
+    "customer_age": ("customers", "age", "How old is the customer '{name}'?", "joined"),
+    "customer_joined": ("customers", "joined", "In which year did the customer '{name}' join?", "age"),
+    "product_category": ("products", "category", "What kind of product is '{name}'?", "brand"),
+    "product_brand": ("products", "brand", "Which brand makes the product '{name}'?", "category"),
+    "product_price": ("products", "price", "What is the price of the product '{name}'?", "stock"),
+    "product_stock": ("products", "stock", "How many units of the product '{name}' are in stock?", "price"),
 }
 
 
-def _names(rng: random.Random, count: int, words: int) -> list[str]:
-    """`count` distinct capitalised names of `words` two-syllable words."""
-    seen: set[str] = set()
-    while len(seen) < count:
-        seen.add(" ".join((rng.choice(SYLLABLES) + rng.choice(SYLLABLES)).capitalize() for _ in range(words)))
-    return sorted(seen)
+def _names(rng: random.Random, count: int) -> list[str]:
+    """`count` distinct capitalised two-syllable names, in a `rng`-shuffled order."""
+    names = sorted({(a + b).capitalize() for a in SYLLABLES for b in SYLLABLES})
+    rng.shuffle(names)
+    return names[:count]
 
 
 def shop_rows(seed: int) -> dict[str, list[tuple[Any, ...]]]:
-    """The rows of both tables, drawn from `seed` (the same rows for the same seed)."""
+    """The rows of both tables, drawn from `seed` (the same rows for the same seed).
+
+    Both tables use one list of names, the products' shifted by one row against the customers', so
+    every name a held-out row has (rows 0, 5, 10, ...) is a training row's name in the other table:
+    the tokenizer and the warm start see each name (a held-out question still asks about a row no
+    training question mentions)."""
     rng = random.Random(f"shop-{seed}")
+    names = _names(rng, ROWS)
     customers = []
-    for name in _names(rng, ROWS, 2):
+    for name in names:
         city = rng.choice(sorted(CITIES))
         customers.append((name, city, CITIES[city], rng.randint(18, 79), rng.randint(2005, 2024)))
-    products = [(name, rng.choice(CATEGORIES), rng.choice(BRANDS), rng.randint(5, 400), rng.randint(0, 150))
-                for name in _names(rng, ROWS, 1)]
+    products = [(names[(i + 1) % ROWS], rng.choice(CATEGORIES), rng.choice(BRANDS), rng.randint(5, 400),
+                 rng.randint(0, 150)) for i in range(ROWS)]
     return {"customers": customers, "products": products}
 
 
