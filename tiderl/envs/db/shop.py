@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -144,8 +145,6 @@ def shop_files(seed: int) -> tuple[Path, Path, Path]:
         try:
             os.replace(scratch, folder)
         except OSError:  # another process finished first; its files are the same
-            import shutil
-
             shutil.rmtree(scratch, ignore_errors=True)
     return names
 
