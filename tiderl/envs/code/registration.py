@@ -9,8 +9,9 @@ from typing import Any
 from tiderl.envs.registration import BuiltinEnvironment
 from tiderl.options import need, opt
 
-# data.source values: evaluate on HumanEval (the default) or MBPP, train on MBPP's training split.
-SOURCES = ("humaneval", "mbpp")
+# data.source values: evaluate on HumanEval (the default) or MBPP, train on MBPP's training split; or
+# the generated one-line functions of the embedded tiny model (tiderl/envs/code/funcs.py).
+SOURCES = ("humaneval", "mbpp", "funcs")
 
 
 @dataclass
@@ -32,5 +33,6 @@ class CodeOptions:
 FORMER_KEYS = {f"env.{f}": f for f in ("sandbox_cpu_s", "sandbox_wall_s", "sandbox_memory_mb", "sandbox_concurrency")}
 
 ENVIRONMENT = BuiltinEnvironment(setup_path="tiderl.envs.code.setup:setup", Options=CodeOptions, sources=SOURCES,
-                                 former_keys=FORMER_KEYS, task_files=True,
+                                 warm_start_path="tiderl.envs.code.funcs:WARM_START", former_keys=FORMER_KEYS,
+                                 task_files=True,
                                  task_fields=("question", "tests", "entry_point", "reference", "id"))

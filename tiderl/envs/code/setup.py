@@ -1,5 +1,6 @@
 """The code environment's setup (`env.name: code`, `data.source: humaneval | mbpp`).
 
+funcs: the generated one-line functions (tiderl/envs/code/funcs.py), the embedded tiny model's task.
 humaneval: evaluate on HumanEval's 164 problems; train on MBPP's training problems (HumanEval
 has no training split). mbpp: evaluate on MBPP's evaluation split (task ids 11-510), train on
 the rest (but the few-shot prompts 1-10). At most `data.eval_size` eval tasks are kept (a
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.envs.code.data import HUMANEVAL_FILE, MBPP_FILE, file_tasks, load_humaneval, load_mbpp
 from tiderl.envs.code.env import CodeEnv, tool_call_text
+from tiderl.envs.code.funcs import funcs_tasks
 from tiderl.envs.code.registration import SOURCES
 from tiderl.envs.code.sandbox import Limits, Sandbox
 from tiderl.envs.protocol import Task
@@ -50,6 +52,9 @@ def code_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:
 def source_tasks(cfg: "RunConfig") -> tuple[list[Task], list[Task]]:
     """(training tasks, held-out tasks) of `data.source` (module docstring)."""
     data = cfg.data
+    if data.source == "funcs":
+        train, held_out = funcs_tasks(data.seed)
+        return train, sample_tasks(held_out, data.eval_size, data.seed)
     root = data_root(data.data_dir)
     needed = root / (HUMANEVAL_FILE if data.source == "humaneval" else MBPP_FILE)
     if not needed.is_file():
