@@ -13,7 +13,9 @@ import pytest
 
 from tiderl.config import load_config
 from tiderl.envs.code.env import score
-from tiderl.envs.code.funcs import KINDS, confusion_rates, demonstrations, function_code, funcs_tasks
+from tiderl.envs.code.env import tool_call_text
+from tiderl.envs.code.funcs import (KINDS, confusion_rates, copy_check, copy_check_tasks, demonstrations,
+                                    function_code, funcs_tasks)
 from tiderl.envs.code.setup import shared_sandbox
 from tiderl.envs.setup import load_setup
 
@@ -48,7 +50,7 @@ def test_held_out_tasks_are_rows_no_training_task_has():
     assert [t.prompt for t in funcs_tasks(0)[1]] == [t.prompt for t in held_out] != [t.prompt for t in funcs_tasks(1)[1]]
     task = held_out[0]
     name = task.meta["entry_points"][0]
-    assert f"def {name}(x):" in task.prompt and task.meta["reference"].startswith(f"def {name}(x):")
+    assert f'"def {name}(x):"' in task.prompt and task.meta["reference"].startswith(f"def {name}(x):")
     assert re.search(rf"^assert {name}\(3\) == -?\d+$", task.prompt, re.MULTILINE)  # one test shown
 
 
@@ -93,6 +95,22 @@ def test_demonstrations_submit_the_partner_at_each_kinds_rate(funcs):
         wrong[kind][1] += 1
     for kind, (failed, n) in wrong.items():
         assert abs(failed / n - rates[kind]) < 4 * (rates[kind] * (1 - rates[kind]) / n) ** 0.5, kind
+
+
+def test_the_copy_check_asks_training_tasks_the_demonstrations_never_show(funcs):
+    cfg, setup = funcs
+    kept_out = {t.task_id for t in copy_check_tasks(setup, cfg.seed)}
+    assert len(kept_out) == len(setup.train_tasks) // 8
+    tasks, _, _ = demonstrations(setup, cfg, random.Random(0))
+    assert not kept_out & {t.task_id for t in tasks}
+    checked, turns, copied = copy_check(setup, cfg)
+    assert {t.task_id for t in checked} <= kept_out and len(checked) == min(len(kept_out), 400)
+    for task, (turn,) in zip(checked, turns):
+        name, kind, k = task.meta["entry_points"][0], task.meta["kind"], task.meta["constant"]
+        assert copied(task, turn)
+        assert copied(task, tool_call_text("submit", {"code": function_code(name, KINDS[kind][2], k)}))
+        assert not copied(task, tool_call_text("submit", {"code": function_code(name, kind, k % 9 + 2)}))
+        assert not copied(task, tool_call_text("submit", {"code": function_code(name + "a", kind, k)}))
 
 
 def test_the_tiny_model_is_built_on_funcs_only():

@@ -4,27 +4,31 @@ embedded tiny model.
 Each task asks for a named function of one argument that applies one operation with a constant,
 in words, with one test shown (MBPP's prompt form, `tiderl.envs.code.data.mbpp_task`):
 
-    Complete def kavo(x): so that it returns x times 7.
+    Complete "def kavo(x):" so that it returns x times 7.
     Your code should pass this test:
     assert kavo(3) == 21
 
 and is solved by submitting `def kavo(x):\\n    return x * 7`; hidden asserts check six arguments
 in the sandbox, as MBPP's tests do. Eight kinds, one per operation, in four confusable pairs (plus
 and minus, times and power, floor division and remainder, larger and smaller), each with its own
-constant 2-9 per task. The name is written after `def ` in the prompt as in the code, so both hold
-the same tokens after the same token (the shop database's lesson, docs/env_db.md: the tiny model
-copies what follows the same anchor). Held-out tasks are the rows no training task of that kind
+constant 2-9 per task. The prompt quotes the code's first line as the submission's JSON string
+starts it (`"def kavo(x):`), so the name follows the same tokens in both (the shop database's
+lesson, docs/env_db.md: the tiny model copies what follows the same anchor; with `def kavo(x):`
+unquoted in the prompt, its greedy policy copied the name in under half the tasks). Held-out tasks are the rows no training task of that kind
 has (every fifth); each kind's rows are the names shifted by the kind's index, so every held-out
 name is a training name of other kinds (the tokenizer and the warm start know it) while a held-out
 task's (name, kind, constant) was never trained on.
 
 The warm start (`WARM_START`) submits the reference with a systematic mistake: each kind's
 partner operation at its own rate spread around `model.warmstart.relation_noise`, so the policy
-is right for some kinds and wrong for others: what RL can fix.
+is right for some kinds and wrong for others: what RL can fix. Its copy check
+(`model.warmstart.copy_check_threshold`) asks training tasks the demonstrations never show
+(`copy_check_tasks`) and counts a submission of the kind's or the partner's function as copied.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +75,7 @@ def funcs_task(name: str, kind: str, k: int, task_id: str) -> Task:
     words = KINDS[kind][0].format(k=k)
     # The shown argument's assert first: mbpp_task shows the first and hides them all.
     asserts = [f"assert {name}({x}) == {_value(kind, k, x)}" for x in dict.fromkeys((SHOWN_ARGUMENT, *ARGUMENTS))]
-    task = mbpp_task(f"Complete def {name}(x): so that it returns {words}.", asserts, [],
+    task = mbpp_task(f'Complete "def {name}(x):" so that it returns {words}.', asserts, [],
                      function_code(name, kind, k), task_id)
     task.meta.update(source="funcs", kind=kind, constant=k)
     return task
@@ -110,7 +114,9 @@ def demonstrations(setup: "Setup", cfg: "RunConfig", rng: random.Random) -> tupl
                          f"data.source={setup.name}. Fix: set data.source=funcs, or pass a real model "
                          "(model.path=DIR; tiderl eval --model DIR)")
     rates = confusion_rates(cfg.model.warmstart.relation_noise, cfg.seed)
-    tasks = [rng.choice(setup.train_tasks) for _ in range(cfg.model.warmstart.num_traces)]
+    kept_out = {t.task_id for t in copy_check_tasks(setup, cfg.seed)}
+    shown_tasks = [t for t in setup.train_tasks if t.task_id not in kept_out]
+    tasks = [rng.choice(shown_tasks) for _ in range(cfg.model.warmstart.num_traces)]
     scripts = []
     for task in tasks:
         kind, name = task.meta["kind"], task.meta["entry_points"][0]
@@ -119,6 +125,32 @@ def demonstrations(setup: "Setup", cfg: "RunConfig", rng: random.Random) -> tupl
     return tasks, scripts, {"confusion_rates": {k: round(r, 3) for k, r in rates.items()}}
 
 
+def copy_check_tasks(setup: "Setup", seed: int) -> list[Task]:
+    """A `seed`-drawn eighth of the training tasks: the copy check asks them, the demonstrations
+    never show them (so passing it means copying names and constants into code for tasks the
+    supervised model never saw, as the held-out tasks need, without touching the held-out split)."""
+    tasks = sorted(setup.train_tasks, key=lambda t: t.task_id)
+    return random.Random(f"funcs-copy-check-{seed}").sample(tasks, max(1, len(tasks) // 8))
+
+
+def copy_check(setup: "Setup", cfg: "RunConfig") -> tuple[list[Task], list[list[str]], Any]:
+    """The warm start's copy check: up to `model.warmstart.copy_check_size` of `copy_check_tasks`
+    (meta["kind"] set), their reference turns (which give the prompts the RL layout), and
+    `copied(task, text)`: whether a turn submits the kind's function or its partner's, name and
+    constant copied (which of the two is the demonstrations' business)."""
+    from tiderl.envs.code.env import tool_call_text
+
+    tasks = copy_check_tasks(setup, cfg.seed)
+    size = min(len(tasks), cfg.model.warmstart.copy_check_size)
+    tasks = random.Random(f"funcs-copy-check-size-{cfg.seed}").sample(tasks, size)
+
+    def copied(task: Task, text: str) -> bool:
+        name, kind, k = task.meta["entry_points"][0], task.meta["kind"], task.meta["constant"]
+        return any(json.dumps(function_code(name, shown, k)) in text for shown in (kind, KINDS[kind][2]))
+
+    return tasks, [[tool_call_text("submit", {"code": t.meta["reference"]})] for t in tasks], copied
+
+
 # The sandbox's limits cannot change what the model learns.
-WARM_START = WarmStart(demonstrations=demonstrations, key_modules=("tiderl.envs.code.funcs",),
+WARM_START = WarmStart(demonstrations=demonstrations, copy_check=copy_check, key_modules=("tiderl.envs.code.funcs",),
                        unkeyed_options=("sandbox_cpu_s", "sandbox_wall_s", "sandbox_memory_mb", "sandbox_concurrency"))
