@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -202,6 +203,23 @@ def test_executions_run_concurrently_without_blocking_the_loop():
         box, *(box.run_python("import time\ntime.sleep(0.6)") for _ in range(8))))
     assert all(r.ok for r in results)
     assert peak == 4
+
+
+def test_a_loop_blocked_while_another_runs_executions_does_not_deadlock():
+    """A held-out evaluation inside a training observer: the training loop blocks, with an
+    execution of its own in flight, while a helper thread's loop runs executions on the same
+    sandbox (one slot). Counted per sandbox, the helper waited forever for the blocked loop's slot."""
+    box = Sandbox(Limits(wall_s=5), concurrency=1)
+
+    async def training_loop():
+        in_flight = asyncio.ensure_future(box.run_python("import time\ntime.sleep(0.3)\nprint(1)"))
+        await asyncio.sleep(0.1)  # it holds the only slot
+        with ThreadPoolExecutor(1) as pool:  # this loop blocks, as an observer's evaluation does
+            evaluated = pool.submit(asyncio.run, asyncio.wait_for(box.run_python("print(2)"), 15)).result()
+        return evaluated, await in_flight
+
+    evaluated, trained = asyncio.run(training_loop())
+    assert (evaluated.stdout, trained.stdout) == ("2\n", "1\n")
 
 
 def test_required_features_are_checked():

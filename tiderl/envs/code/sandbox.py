@@ -5,8 +5,8 @@
 
 Every execution is a fresh process (`python -E -s` by default) started with
 `asyncio.create_subprocess_exec`, so executions run concurrently without blocking the event
-loop; at most `concurrency` run at once (the others wait their turn). docs/env_code.md states
-exactly what holds and what does not; in short:
+loop; at most `concurrency` run at once per event loop (the others wait their turn).
+docs/env_code.md states exactly what holds and what does not; in short:
 
 - always: a new session (process group), a temporary working directory that is deleted
   afterwards, a clean environment (only PATH, HOME, TMPDIR, LANG and PYTHONHASHSEED), resource
@@ -287,8 +287,8 @@ def _probe(python: str) -> tuple[str, dict[str, bool]]:
 class Sandbox:
     """Runs programs in fresh sandboxed processes (module docstring; docs/env_code.md).
 
-    limits: the per-execution `Limits`. concurrency: executions running at once (0 = the
-    number of cores); the rest wait. python: the interpreter `run_python` uses. require:
+    limits: the per-execution `Limits`. concurrency: executions running at once in one event
+    loop (0 = the number of cores); the rest wait. python: the interpreter `run_python` uses. require:
     features (of `FEATURES`) that must be available, else `SandboxError` at construction.
     isolation: "auto" (every feature that works here) or "process" (limits only: no uid
     switch, no namespaces; for a machine where the probes misbehave).
@@ -312,7 +312,13 @@ class Sandbox:
                                f"(features: {found}); docs/env_code.md says what each needs")
         self.features = found
         self._lock = threading.Lock()
-        self._running = 0
+        # Executions in flight per event loop (keyed by id of the loop). Slots are counted per loop, not
+        # per sandbox: a loop blocked while another loop runs episodes (a held-out evaluation inside a
+        # training observer, `play_episodes` on a helper thread) keeps its slots until it resumes, and
+        # a shared count would make the other loop wait for them forever (the deadlock of the first
+        # code-environment training run with held-out evaluations). The blocked loop's programs have
+        # finished or run out their limits meanwhile, so the cores are not oversubscribed for long.
+        self._running: dict[int, int] = {}
         self._lock_dir = Path(tempfile.gettempdir()) / "tiderl-sandbox-locks"
 
     # -- public ---------------------------------------------------------------------------
@@ -329,7 +335,8 @@ class Sandbox:
         an absolute path or a name found on /usr/bin:/bin). Raises SandboxError only when the
         sandbox itself could not start the program; whatever the program does is in the result."""
         limits = limits or self.limits
-        await self._enter()
+        loop = id(asyncio.get_running_loop())
+        await self._enter(loop)
         lease = _UidLease(self._lock_dir)
         try:
             if self.features["own_uid"]:
@@ -345,17 +352,19 @@ class Sandbox:
         finally:
             lease.release()
             with self._lock:
-                self._running -= 1
+                self._running[loop] -= 1
+                if not self._running[loop]:
+                    del self._running[loop]
 
     # -- internals ------------------------------------------------------------------------
 
-    async def _enter(self) -> None:
-        """Wait for a free execution slot (shared by every thread and event loop using this sandbox)."""
+    async def _enter(self, loop: int) -> None:
+        """Wait for a free execution slot of event loop `loop` (`concurrency` per loop; see __init__)."""
         delay = 0.002
         while True:
             with self._lock:
-                if self._running < self.concurrency:
-                    self._running += 1
+                if self._running.get(loop, 0) < self.concurrency:
+                    self._running[loop] = self._running.get(loop, 0) + 1
                     return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
