@@ -21,7 +21,7 @@ class CodeOptions:
     sandbox_cpu_s: float = opt(5.0, "CPU seconds per sandboxed execution.")
     sandbox_wall_s: float = opt(10.0, "Wall-clock seconds per sandboxed execution.")
     sandbox_memory_mb: int = opt(1024, "Address-space limit of a sandboxed execution, in MiB.")
-    sandbox_concurrency: int = opt(0, "Sandboxed executions running at once (0 = one per core).")
+    sandbox_concurrency: int = opt(0, "Sandboxed executions running at once per event loop (0 = one per core).")
 
     def check(self, cfg: Any) -> None:
         for key in ("sandbox_cpu_s", "sandbox_wall_s", "sandbox_memory_mb"):
