@@ -524,8 +524,8 @@ class StubServer:
 
 async def gather_watching(box, *awaitables) -> tuple[list, int]:
     """Await `awaitables` together while a task on the same event loop samples, every 10 ms, how
-    many of the sandbox `box`'s executions hold a slot (`box._running`, the count its
-    `concurrency` bound is enforced on). Returns (results, the most seen at once). A peak above
+    many of the sandbox `box`'s executions hold a slot of this loop (`box._running`, the counts
+    per event loop its `concurrency` bound is enforced on). Returns (results, the most seen at once). A peak above
     1 shows executions ran at the same time and that the event loop kept running meanwhile (an
     execution that blocked the loop would leave the sampler no moment to see two); no clock is
     read."""
@@ -533,8 +533,9 @@ async def gather_watching(box, *awaitables) -> tuple[list, int]:
 
     async def sample() -> None:
         nonlocal peak
+        loop = id(asyncio.get_running_loop())
         while True:
-            peak = max(peak, box._running)
+            peak = max(peak, box._running.get(loop, 0))
             await asyncio.sleep(0.01)
 
     sampler = asyncio.ensure_future(sample())
