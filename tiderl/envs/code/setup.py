@@ -1,4 +1,4 @@
-"""The code environment's setup (`env.name: code`, `data.source: humaneval | mbpp`).
+"""The code environment's setup (`env.name: code`, `data.source: humaneval | mbpp | funcs`).
 
 funcs: the generated one-line functions (tiderl/envs/code/funcs.py), the embedded tiny model's task.
 humaneval: evaluate on HumanEval's 164 problems; train on MBPP's training problems (HumanEval
