@@ -96,12 +96,25 @@ def funcs_tasks(seed: int) -> tuple[list[Task], list[Task]]:
 
 
 def confusion_rates(noise: float, seed: int) -> dict[str, float]:
-    """Per kind, the rate at which demonstrations submit the partner operation: evenly spaced over
-    [noise - 0.3, noise + 0.3] (clipped to [0, 0.9]), dealt to the kinds in a `seed`-shuffled order."""
-    kinds = sorted(KINDS)
-    rates = [min(max(noise - 0.3 + 0.6 * i / (len(kinds) - 1), 0.0), 0.9) for i in range(len(kinds))]
-    random.Random(f"funcs-confusions-{seed}").shuffle(rates)
-    return dict(zip(kinds, rates))
+    """Per kind, the rate at which demonstrations submit the partner operation. In each pair one
+    kind (drawn with `seed`) is confused: its rates are evenly spaced over [noise + 0.05, noise +
+    0.25] (clipped to 0.9) and dealt to the pairs in a `seed`-shuffled order, so its greedy choice is
+    the partner's operation; the other kind gets noise / 5, mostly right.
+
+    Why not one spread over all eight kinds: a pair whose two rates sum to 1 gives both kinds the
+    same chance of each operation, so the demonstrations never show that the words decide; the
+    warm-started model then ignores them, and RL on one kind moves the other the opposite way (GRPO
+    on `larger` alone took its right operation 0.23 -> 0.60 and `smaller`'s 0.73 -> 0.24; the
+    benchmark on that design moved no held-out choice, docs/env_code.md)."""
+    rng = random.Random(f"funcs-confusions-{seed}")
+    pairs = sorted({tuple(sorted((kind, KINDS[kind][2]))) for kind in KINDS})
+    high = [min(noise + 0.05 + 0.2 * i / (len(pairs) - 1), 0.9) for i in range(len(pairs))]
+    rng.shuffle(high)
+    rates: dict[str, float] = {}
+    for (first, second), rate in zip(pairs, high):
+        confused, right = (first, second) if rng.random() < 0.5 else (second, first)
+        rates[confused], rates[right] = rate, noise / 5
+    return dict(sorted(rates.items()))
 
 
 def demonstrations(setup: "Setup", cfg: "RunConfig", rng: random.Random) -> tuple[list[Task], list[list[str]], dict[str, Any]]:
